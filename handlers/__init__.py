@@ -1,0 +1,3 @@
+"""Pluggable Ignite handlers for ignite-amp trainers, one per module."""
+
+__all__ = []

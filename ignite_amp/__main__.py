@@ -1,0 +1,5 @@
+import sys
+
+from ignite_amp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""``ignite-amp`` command line: a thin layer over the functions a script would call.
+
+User errors (bad config, missing data, unwritable output) exit 2 with one line on stderr.
+"""
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from ignite_amp.config import ConfigError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as for every user error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override a config value (repeatable), e.g. --set train.epochs=2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ignite-amp", description="Mixed-precision training with PyTorch Ignite.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train what a config describes")
+    _add_config(train)
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show a progress bar (default: when stderr is a terminal)")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ignite_amp.config import load_config
+    from ignite_amp.run import build_run
+
+    cfg = load_config(args.config, args.overrides)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    run = build_run(cfg, progress=progress)
+    print(f"training {cfg['name']} on {run.trainer.amp_step.device} with {str(run.trainer.amp_step.dtype)[6:]} "
+          f"autocast; output in {cfg['output_dir']}", flush=True)
+    result = run.train()
+    final = result["final"]
+    if final:
+        print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {final['epoch']} epochs")
+    return 0
+
+
+COMMANDS = {"train": _train}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"ignite-amp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ignite-amp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

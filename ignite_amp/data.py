@@ -1,0 +1,201 @@
+"""Data sets and loaders: the built-in ``shapes`` set, CIFAR-10/100, ImageFolder and ``fake``.
+
+``shapes`` is generated from a seed (no download): ten classes of simple figures (disk,
+ring, square, frame, triangle, diamond, plus, cross, bars) at random places, sizes and
+colours, with noise. It is learnable in a few CPU epochs, so the quickstart runs anywhere.
+"""
+import os
+import pickle
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ignite_amp.config import ConfigError
+
+__all__ = ["TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+
+SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class TensorImageDataset(Dataset):
+    """In-memory uint8 images (N, C, H, W) and labels; normalised floats out.
+
+    ``augment`` applies the CIFAR recipe per sample: 4-pixel padded random crop and a random
+    horizontal flip.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Sequence[float],
+                 std: Sequence[float], augment: bool = False, classes: Optional[Sequence[str]] = None):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError("images should be a uint8 tensor of shape (N, C, H, W)")
+        self.images, self.labels = images, labels.long()
+        self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
+        self.std = torch.tensor(std).view(-1, 1, 1) * 255
+        self.augment = augment
+        self.classes = list(classes) if classes is not None else sorted(set(self.labels.tolist()))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        if self.augment:
+            h, w = image.shape[-2:]
+            padded = torch.nn.functional.pad(image, (4, 4, 4, 4), mode="constant", value=0)
+            top, left = torch.randint(0, 9, (2,)).tolist()
+            image = padded[:, top:top + h, left:left + w]
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+        return (image.float() - self.mean) / self.std, self.labels[index]
+
+
+def make_shapes(n: int, image_size: int = 32, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generate ``n`` shape images (uint8, N x 3 x S x S) and their labels from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, len(SHAPE_CLASSES), (n,), generator=g)
+    grid = (torch.arange(image_size, dtype=torch.float32) + 0.5) / image_size
+    yy, xx = torch.meshgrid(grid, grid, indexing="ij")
+    centre = 0.35 + 0.3 * torch.rand(n, 2, 1, 1, generator=g)
+    radius = 0.09 + 0.17 * torch.rand(n, 1, 1, generator=g)
+    dx = (xx - centre[:, 0]) / radius
+    dy = (yy - centre[:, 1]) / radius
+    ax, ay = dx.abs(), dy.abs()
+    box, dist = torch.maximum(ax, ay), (dx**2 + dy**2).sqrt()
+    masks = torch.stack([
+        dist <= 1,                                                          # disk
+        (dist >= 0.6) & (dist <= 1),                                        # ring
+        box <= 0.85,                                                        # square
+        (box >= 0.5) & (box <= 0.85),                                       # frame
+        (dy.abs() <= 0.8) & (ax <= 0.9 * (dy + 0.8) / 1.6),                 # triangle
+        ax + ay <= 1,                                                       # diamond
+        ((ax <= 0.25) & (ay <= 0.9)) | ((ay <= 0.25) & (ax <= 0.9)),        # plus
+        (((dx - dy).abs() <= 0.3) | ((dx + dy).abs() <= 0.3)) & (box <= 0.8),  # cross
+        (ay <= 0.3) & (ax <= 0.95),                                         # hbar
+        (ax <= 0.3) & (ay <= 0.95),                                         # vbar
+    ])
+    mask = masks[labels, torch.arange(n)].unsqueeze(1).float()
+    fg = torch.rand(n, 3, 1, 1, generator=g)
+    bg = (fg + 0.35 + 0.3 * torch.rand(n, 3, 1, 1, generator=g)) % 1.0
+    image = mask * fg + (1 - mask) * bg + 0.2 * torch.randn(n, 3, image_size, image_size, generator=g)
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8), labels
+
+
+def read_cifar(root: str, train: bool, fine: bool = False) -> Tuple[torch.Tensor, torch.Tensor, list]:
+    """Read CIFAR-10 (``fine=False``) or CIFAR-100 from torchvision's on-disk pickle layout."""
+    folder = os.path.join(root, "cifar-100-python" if fine else "cifar-10-batches-py")
+    if fine:
+        files, meta, key, names = (["train"] if train else ["test"]), "meta", b"fine_labels", b"fine_label_names"
+    else:
+        files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        meta, key, names = "batches.meta", b"labels", b"label_names"
+    images, labels = [], []
+    for name in files:
+        entry = _unpickle(os.path.join(folder, name))
+        images.append(torch.as_tensor(entry[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32))
+        labels.append(torch.as_tensor(entry[key], dtype=torch.long))
+    classes = [c.decode() for c in _unpickle(os.path.join(folder, meta))[names]]
+    return torch.cat(images), torch.cat(labels), classes
+
+
+def _unpickle(path: str) -> dict:
+    if not os.path.exists(path):
+        raise ConfigError(f"data.root: {path} is missing (set data.download: true to fetch the data set)")
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="bytes")
+    except Exception as exc:  # a corrupt file: one line, whatever pickle raised
+        raise ConfigError(f"data.root: {path} is not a CIFAR batch file ({exc.__class__.__name__})") from None
+    if not isinstance(entry, dict):
+        raise ConfigError(f"data.root: {path} is not a CIFAR batch file")
+    return entry
+
+
+def _download_cifar(root: str, fine: bool) -> None:
+    from torchvision import datasets
+
+    (datasets.CIFAR100 if fine else datasets.CIFAR10)(root, train=True, download=True)
+
+
+def _imagefolder(root: str, split: str, image_size: int, augment: bool):
+    from torchvision import datasets, transforms
+
+    path = os.path.join(root, split)
+    if not os.path.isdir(path):
+        raise ConfigError(f"data.root: {path} is not a directory (imagefolder expects root/train and root/val)")
+    if augment and split == "train":
+        resize = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
+    else:
+        resize = [transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
+    tf = transforms.Compose([*resize, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    try:
+        return datasets.ImageFolder(path, transform=tf)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise ConfigError(f"data.root: {path}: {str(exc).splitlines()[0]}") from None
+
+
+def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]):
+    return (images, labels) if size is None else (images[:size], labels[:size])
+
+
+def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset, Dataset, int]:
+    """The train and validation sets for ``cfg["data"]`` and the number of classes they hold."""
+    name, root, augment = data["name"], data["root"], data["augment"]
+    if name == "shapes":
+        size = data["image_size"] or 32
+        train = make_shapes(data["train_size"] or 8000, size, seed=seed)
+        val = make_shapes(data["val_size"] or 2000, size, seed=seed + 1_000_003)
+        mean, std, classes = (0.5,) * 3, (0.25,) * 3, SHAPE_CLASSES
+    elif name in ("cifar10", "cifar100"):
+        fine = name == "cifar100"
+        if data["download"]:
+            _download_cifar(root, fine)
+        *train, classes = read_cifar(root, train=True, fine=fine)
+        *val, _ = read_cifar(root, train=False, fine=fine)
+        train, val = _subset(*train, data["train_size"]), _subset(*val, data["val_size"])
+        mean, std = CIFAR_MEAN, CIFAR_STD
+    elif name == "fake":
+        size = data["image_size"] or 32
+        g = torch.Generator().manual_seed(seed)
+        n_train, n_val = data["train_size"] or 1024, data["val_size"] or 256
+        train = (torch.randint(0, 256, (n_train, 3, size, size), dtype=torch.uint8, generator=g),
+                 torch.randint(0, num_classes, (n_train,), generator=g))
+        val = (torch.randint(0, 256, (n_val, 3, size, size), dtype=torch.uint8, generator=g),
+               torch.randint(0, num_classes, (n_val,), generator=g))
+        mean, std, classes = (0.5,) * 3, (0.29,) * 3, [str(i) for i in range(num_classes)]
+    elif name == "imagefolder":
+        size = data["image_size"] or 224
+        train_set = _imagefolder(root, "train", size, augment)
+        val_set = _imagefolder(root, "val", size, False)
+        return train_set, val_set, len(train_set.classes)
+    else:  # the config schema already refused other names
+        raise ConfigError(f"data.name: unknown data set {name!r}")
+    train_set = TensorImageDataset(*train, mean, std, augment=augment, classes=classes)
+    val_set = TensorImageDataset(*val, mean, std, classes=classes)
+    return train_set, val_set, len(classes)
+
+
+def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
+                seed: int = 0) -> DataLoader:
+    """A DataLoader with pinned memory on CUDA and persistent workers when there are workers."""
+    generator = torch.Generator().manual_seed(seed) if train else None
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=train,
+        generator=generator,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+    )
+
+
+def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0):
+    """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here."""
+    train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
+    batch = data["batch_size"]
+    train = make_loader(train_set, batch, True, data["num_workers"], device, seed)
+    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device)
+    return train, val, n_classes

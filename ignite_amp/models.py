@@ -1,0 +1,62 @@
+"""Models: any ``torchvision.models`` name, ``"pkg.module:callable"``, and two built-ins.
+
+Built-ins, addressed like any callable:
+- ``ignite_amp.models:small_cnn``: a four-block CNN that learns ``shapes`` in seconds on a CPU.
+- ``ignite_amp.models:cifar_resnet18``: torchvision's ResNet-18 with the CIFAR stem
+  (3x3 stride-1 first convolution, no max-pool), the usual recipe for 32x32 images.
+"""
+import importlib
+
+from torch import nn
+
+from ignite_amp.config import ConfigError
+
+__all__ = ["build_model", "small_cnn", "cifar_resnet18"]
+
+
+def small_cnn(num_classes: int = 10, width: int = 32) -> nn.Module:
+    """Conv-BN-ReLU blocks with pooling, then a linear head named ``head``."""
+
+    def block(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                             nn.ReLU(inplace=True), nn.MaxPool2d(2))
+
+    return nn.Sequential(
+        block(3, width), block(width, 2 * width), block(2 * width, 4 * width), block(4 * width, 4 * width),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+    )
+
+
+def cifar_resnet18(num_classes: int = 10) -> nn.Module:
+    from torchvision.models import resnet18
+
+    model = resnet18(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def build_model(name: str, num_classes: int, kwargs: dict) -> nn.Module:
+    """Build ``name`` (torchvision model or ``"pkg.module:callable"``) with ``num_classes``, no weights."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"model.name: cannot import {name!r} ({exc.__class__.__name__}: {exc})") from None
+        try:
+            model = factory(num_classes=num_classes, **kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"model.kwargs: {name} refused its arguments ({exc})") from None
+    else:
+        from torchvision import models
+
+        if name not in models.list_models():
+            raise ConfigError(f"model.name: unknown torchvision model {name!r}")
+        try:
+            model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model.kwargs: {name} refused its arguments ({exc})") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name: {name} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
