@@ -263,8 +263,8 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
         if isinstance(sub, Field) and sub.check is not mapping:
             raise ConfigError(f"{where}: is a value, not a section")
         nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
+        if nxt is None:  # a free mapping (kwargs) starts from its defaults
+            nxt = node[part] = copy.deepcopy(sub.default) if isinstance(sub, Field) else {}
         elif not isinstance(nxt, dict):
             _fail(where, "a mapping", nxt)
         node, schema = nxt, (sub if isinstance(sub, dict) else None)

@@ -87,16 +87,16 @@ def read_cifar(root: str, train: bool, fine: bool = False) -> Tuple[torch.Tensor
     """Read CIFAR-10 (``fine=False``) or CIFAR-100 from torchvision's on-disk pickle layout."""
     folder = os.path.join(root, "cifar-100-python" if fine else "cifar-10-batches-py")
     if fine:
-        files, meta, key, names = (["train"] if train else ["test"]), "meta", b"fine_labels", b"fine_label_names"
+        files, meta, key, names = (["train"] if train else ["test"]), "meta", "fine_labels", "fine_label_names"
     else:
         files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
-        meta, key, names = "batches.meta", b"labels", b"label_names"
+        meta, key, names = "batches.meta", "labels", "label_names"
     images, labels = [], []
     for name in files:
         entry = _unpickle(os.path.join(folder, name))
-        images.append(torch.as_tensor(entry[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32))
+        images.append(torch.as_tensor(entry["data"], dtype=torch.uint8).reshape(-1, 3, 32, 32))
         labels.append(torch.as_tensor(entry[key], dtype=torch.long))
-    classes = [c.decode() for c in _unpickle(os.path.join(folder, meta))[names]]
+    classes = [c.decode() if isinstance(c, bytes) else c for c in _unpickle(os.path.join(folder, meta))[names]]
     return torch.cat(images), torch.cat(labels), classes
 
 
@@ -104,13 +104,13 @@ def _unpickle(path: str) -> dict:
     if not os.path.exists(path):
         raise ConfigError(f"data.root: {path} is missing (set data.download: true to fetch the data set)")
     try:
-        with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="bytes")
+        with open(path, "rb") as f:  # Python 2 pickles: latin1, as torchvision reads them
+            entry = pickle.load(f, encoding="latin1")
     except Exception as exc:  # a corrupt file: one line, whatever pickle raised
         raise ConfigError(f"data.root: {path} is not a CIFAR batch file ({exc.__class__.__name__})") from None
     if not isinstance(entry, dict):
         raise ConfigError(f"data.root: {path} is not a CIFAR batch file")
-    return entry
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
 
 
 def _download_cifar(root: str, fine: bool) -> None:

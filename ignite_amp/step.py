@@ -238,10 +238,10 @@ class _RetryingStep:
             self._recover(engine)
             free_memory(self.device)
             self.oom_count += 1
-            before = self.micro_batches
+            before = min(self.micro_batches, self.batch_size)
             engine.fire_event(AmpEvents.OUT_OF_MEMORY)
-            if self.micro_batches <= before:
-                raise error
+            if min(self.micro_batches, self.batch_size) <= before:
+                raise error  # nothing made the chunks smaller: retrying would fail the same way
             del error
 
     def _run(self, engine: Engine, batch: Any) -> Any:

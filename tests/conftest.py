@@ -1,0 +1,69 @@
+"""Shared test helpers: tiny models, data and an honest out-of-memory stand-in."""
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class OOMAbove(nn.Module):
+    """Stand-in for a GPU model: raises torch.OutOfMemoryError when a batch is larger than ``limit``.
+
+    Records the ids (first input feature) of every sample it ran forward on successfully.
+    """
+
+    def __init__(self, in_features: int = 5, classes: int = 3, limit: int = 4):
+        super().__init__()
+        self.limit = limit
+        self.linear = nn.Linear(in_features, classes)
+        self.seen = []
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            self.raised = torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples (stand-in)")
+            raise self.raised
+        if self.training:
+            self.seen.extend(x[:, 0].round().long().tolist())
+        return self.linear(x)
+
+
+def id_batches(n_samples: int = 24, batch: int = 8, in_features: int = 5, classes: int = 3, seed: int = 0):
+    """Batches whose first feature is the sample id (for checking that each sample is seen once)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_samples, in_features, generator=g)
+    x[:, 0] = torch.arange(n_samples, dtype=torch.float32)
+    y = torch.randint(0, classes, (n_samples,), generator=g)
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n_samples, batch)]
+
+
+def mlp(in_features: int = 5, classes: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, classes))
+
+
+@pytest.fixture
+def quick_cfg(tmp_path):
+    """A shortened quickstart config that trains in seconds."""
+    return {
+        "name": "test",
+        "output_dir": str(tmp_path / "run"),
+        "device": "cpu",
+        "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 256, "val_size": 64,
+                 "image_size": 16},
+        "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 10, "kwargs": {"width": 8}},
+        "optimizer": {"name": "AdamW", "lr": 3e-3},
+        "train": {"epochs": 2},
+    }

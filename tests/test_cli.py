@@ -1,0 +1,61 @@
+import os
+import subprocess
+import sys
+
+import yaml
+
+from conftest import CONFIGS, ROOT
+from ignite_amp import load_config, train_from_config
+from ignite_amp.cli import main
+
+
+def test_quickstart_config_is_valid_and_uses_no_download():
+    cfg = load_config(os.path.join(CONFIGS, "quickstart.yaml"))
+    assert cfg["data"]["name"] == "shapes" and cfg["data"]["download"] is False
+    gpu = load_config(os.path.join(CONFIGS, "cifar10_resnet18.yaml"))
+    assert gpu["data"]["name"] == "cifar10"
+
+
+def test_quickstart_end_to_end_through_the_cli(tmp_path):
+    """The README quickstart, shortened: `python -m ignite_amp train configs/quickstart.yaml`."""
+    out = tmp_path / "qs"
+    cmd = [sys.executable, "-m", "ignite_amp", "train", os.path.join(CONFIGS, "quickstart.yaml"),
+           "--set", f"output_dir={out}", "--set", "train.epochs=2", "--set", "data.train_size=1024",
+           "--set", "data.val_size=256"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert len(epochs) == 2 and "val accuracy" in epochs[0] and "samples/s" in epochs[0]
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["train"]["epochs"] == 2 and saved["output_dir"] == str(out)
+    assert "Traceback" not in proc.stderr
+
+
+def test_train_from_config_learns_shapes(quick_cfg):
+    result = train_from_config(dict(quick_cfg, train={"epochs": 3}), print_fn=lambda *a: None)
+    history = result["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert 0.0 <= history[-1]["val_accuracy"] <= 1.0
+
+
+def test_num_classes_mismatch_and_unknown_model(quick_cfg, capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(quick_cfg))
+    assert main(["train", str(path), "--set", "model.num_classes=5"]) == 2
+    assert "model.num_classes: 5 but data set shapes has 10 classes" in capsys.readouterr().err
+    assert main(["train", str(path), "--set", "model.name=resnet181"]) == 2
+    assert "model.name: unknown torchvision model 'resnet181'" in capsys.readouterr().err
+    assert main(["train", str(path), "--set", "optimizer.name=Adamw"]) == 2
+    assert "optimizer.name: unknown torch.optim optimizer 'Adamw'" in capsys.readouterr().err
+
+
+def test_unwritable_output_dir_fails_before_training(quick_cfg, capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(quick_cfg, output_dir=str(blocker / "run"))))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ignite-amp: error: output_dir: cannot write to") and err.count("\n") == 1

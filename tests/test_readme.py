@@ -1,0 +1,30 @@
+"""The README stays true: its Python example runs as written and its commands name real things."""
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def test_readme_python_example_runs(tmp_path):
+    (block,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    accuracies = [float(a) for a in re.findall(r"val accuracy ([0-9.]+)", proc.stdout)]
+    assert len(accuracies) == 4 and accuracies[-1] > accuracies[0]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    command = 'pip install -e ".[test]" && python -m pytest'
+    assert command in README and command in ci
+
+
+def test_readme_configs_exist():
+    for path in re.findall(r"configs/[\w.]+\.yaml", README):
+        assert os.path.exists(os.path.join(ROOT, path)), path

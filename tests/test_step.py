@@ -1,0 +1,288 @@
+import doctest
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+
+import ignite_amp.step
+from ignite.engine import Events
+from conftest import OOMAbove, id_batches, mlp
+from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
+from ignite_amp.step import is_oom_error, resolve_dtype, split_batch
+
+
+def grads_at_ready(trainer):
+    seen = []
+    trainer.add_event_handler(
+        AmpEvents.GRADS_READY,
+        lambda e: seen.append([p.grad.detach().clone() for p in e.amp_step.model.parameters()]),
+    )
+    return seen
+
+
+def reference_grads(model, x, y):
+    model = model.float()
+    model.zero_grad()
+    cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(ignite_amp.step).failed == 0
+    assert doctest.testmod(ignite_amp.config).failed == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_grads_at_grads_ready_are_unscaled(dtype):
+    model = mlp()
+    ref_model = mlp()
+    (x, y), = id_batches(8, 8)
+    x[:, 0] = 0.1
+    expected = reference_grads(ref_model, x, y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype=dtype,
+                                 scaler_kwargs={"init_scale": 2.0**12} if dtype == "float16" else None)
+    seen = grads_at_ready(trainer)
+    trainer.run([(x, y)], max_epochs=1)
+    assert len(seen) == 1
+    tol = 1e-6 if dtype == "float32" else 3e-2
+    for got, want in zip(seen[0], expected):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert trainer.amp_step.scaler.is_enabled() == (dtype == "float16")
+
+
+def test_inf_gradient_skips_step_fires_event_and_lowers_scale():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float16",
+                                 scaler_kwargs={"init_scale": 1024.0})
+    events = []
+    trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda e: events.append("skipped"))
+    trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: events.append("ready"))
+    x = torch.randn(4, 5)
+    x[0, 0] = float("inf")
+    trainer.run([(x, torch.tensor([0, 1, 2, 0]))], max_epochs=1)
+    assert events == ["skipped"]
+    assert trainer.amp_step.scaler.get_scale() == 512.0
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+def test_finite_step_updates_weights_and_fires_grads_ready_only():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                                 device="cpu", dtype="float16")
+    events = []
+    trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda e: events.append("skipped"))
+    trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: events.append("ready"))
+    trainer.run(id_batches(8, 8), max_epochs=1)
+    assert events == ["ready"]
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3, 8])
+def test_micro_batches_give_the_full_batch_gradient(micro_batches):
+    (x, y), = id_batches(8, 8)
+    expected = reference_grads(mlp(), x, y)
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), cross_entropy,
+                                 device="cpu", dtype="float32", micro_batches=micro_batches)
+    seen = grads_at_ready(trainer)
+    trainer.run([(x, y)], max_epochs=1)
+    for got, want in zip(seen[0], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.isclose(trainer.state.output["loss"], cross_entropy(mlp()(x), y).detach(), atol=1e-6)
+
+
+def test_accumulation_gives_the_full_batch_gradient_and_steps_once_per_cycle():
+    (x, y), = id_batches(8, 8)
+    expected = reference_grads(mlp(), x, y)
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), cross_entropy,
+                                 device="cpu", dtype="float32", accumulation_steps=2)
+    seen = grads_at_ready(trainer)
+    trainer.run([(x[:4], y[:4]), (x[4:], y[4:])], max_epochs=1)
+    assert len(seen) == 1
+    for got, want in zip(seen[0], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_output_is_detached_tensor():
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+    trainer.run(id_batches(8, 8), max_epochs=1)
+    out = trainer.state.output
+    assert torch.is_tensor(out["loss"]) and out["loss"].dim() == 0 and not out["loss"].requires_grad
+    assert out["batch_size"] == 8
+
+
+def test_oom_without_handler_reraises_the_original_error():
+    model = OOMAbove(limit=4)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                                 device="cpu", dtype="float32")
+    fired = []
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: fired.append(e.amp_step.micro_batches))
+    with pytest.raises(torch.OutOfMemoryError, match="stand-in") as info:
+        trainer.run(id_batches(8, 8), max_epochs=1)
+    assert fired == [1]
+    assert trainer.amp_step.oom_count == 1
+    # The very error the model raised, its traceback still pointing at the model's forward.
+    assert info.value is model.raised
+    assert info.traceback[-1].name == "forward"
+
+
+def test_oom_with_handler_retries_same_batch_and_loses_no_sample():
+    batches = id_batches(24, 8)
+    model = OOMAbove(limit=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32")
+
+    def halve(engine):
+        engine.amp_step.micro_batches *= 2
+
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, halve)
+    trainer.run(batches, max_epochs=2)
+    assert trainer.amp_step.micro_batches == 4  # 8 -> 4 -> 2 per chunk
+    assert sorted(model.seen) == sorted(list(range(24)) * 2)
+
+    # Same weights as a model that never runs out of memory.
+    ref = OOMAbove(limit=1000)
+    ref.load_state_dict({k: v for k, v in OOMAbove(limit=3).state_dict().items()})
+    torch.manual_seed(0)
+    ref2, model2 = OOMAbove(limit=1000), OOMAbove(limit=3)
+    model2.load_state_dict(ref2.state_dict())
+    t_ref = create_amp_trainer(ref2, torch.optim.SGD(ref2.parameters(), lr=0.1), cross_entropy,
+                               device="cpu", dtype="float32")
+    t_oom = create_amp_trainer(model2, torch.optim.SGD(model2.parameters(), lr=0.1), cross_entropy,
+                               device="cpu", dtype="float32")
+    t_oom.add_event_handler(AmpEvents.OUT_OF_MEMORY, halve)
+    t_ref.run(batches, max_epochs=2)
+    t_oom.run(batches, max_epochs=2)
+    for a, b in zip(ref2.parameters(), model2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_handler_that_cannot_shrink_chunks_does_not_loop_forever():
+    model = OOMAbove(limit=0)  # fails even at one sample
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                                 device="cpu", dtype="float32")
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: setattr(e.amp_step, "micro_batches",
+                                                                         e.amp_step.micro_batches * 2))
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.run(id_batches(8, 8), max_epochs=1)
+    assert trainer.amp_step.oom_count == 4  # 1, 2, 4, 8 chunks; 16 would be no smaller
+
+
+@pytest.mark.parametrize("error", [ValueError("bad shape"),
+                                   RuntimeError("CUDA error: an illegal memory access was encountered")])
+def test_other_errors_propagate_untouched(error):
+    class Broken(nn.Linear):
+        def forward(self, x):
+            raise error
+
+    model = Broken(5, 3)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+    fired = []
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: fired.append(1))
+    with pytest.raises(type(error)) as info:
+        trainer.run(id_batches(8, 8), max_epochs=1)
+    assert info.value is error and fired == []
+
+
+def test_is_oom_error():
+    assert is_oom_error(torch.OutOfMemoryError("x"))
+    assert is_oom_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom_error(RuntimeError("CUDA error: out of memory"))
+    assert not is_oom_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_oom_error(ValueError("out of memory"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_trains_on_cpu(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(256, 5)
+    y = (x[:, 1] > 0).long() + (x[:, 2] > 0).long()
+    batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)]
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), cross_entropy,
+                                 device="cpu", dtype=dtype)
+    losses = []
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: losses.append(e.state.output["loss"].item()))
+    trainer.run(batches, max_epochs=15)
+    assert trainer.amp_step.dtype == getattr(torch, dtype)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_state_dict_round_trip():
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                                 device="cpu", dtype="float16", scaler_kwargs={"init_scale": 64.0})
+    trainer.amp_step.micro_batches = 4
+    state = trainer.amp_step.state_dict()
+    other = create_amp_trainer(mlp(), torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                               device="cpu", dtype="float16")
+    other.amp_step.load_state_dict(state)
+    assert other.amp_step.micro_batches == 4 and other.amp_step.scaler.get_scale() == 64.0
+    with pytest.raises(ValueError, match="scaler"):
+        other.amp_step.load_state_dict({"micro_batches": 1})
+
+
+def test_fp32_modules_run_outside_autocast():
+    class Probe(nn.Linear):
+        def forward(self, x):
+            self.seen = (x.dtype, torch.is_autocast_enabled("cpu"))
+            return super().forward(x)
+
+    model = nn.Sequential(Probe(5, 8), Probe(8, 3))
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                                 device="cpu", dtype="bfloat16", fp32_modules=["1"])
+    trainer.run(id_batches(8, 8), max_epochs=1)
+    assert model[0].seen == (torch.float32, True)   # input batch is float32; autocast on
+    assert model[1].seen == (torch.float32, False)  # bf16 activations cast back, autocast off
+    with pytest.raises(ValueError, match="no submodule 'head'"):
+        create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                           device="cpu", fp32_modules=["head"])
+
+
+def test_channels_last_and_evaluator():
+    from ignite.metrics import Accuracy
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    x, y = torch.randn(6, 3, 8, 8), torch.tensor([0, 1, 0, 1, 0, 1])
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                                 device="cpu", channels_last=True)
+    trainer.run([(x, y)], max_epochs=1)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    evaluator = create_amp_evaluator(model, {"accuracy": Accuracy()}, device="cpu", micro_batches=4)
+    state = evaluator.run([(x, y)])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = (model(x).argmax(1) == y).float().mean().item()
+    assert state.metrics["accuracy"] == pytest.approx(expected)
+    assert not model.training
+
+
+def test_evaluator_retries_after_oom_with_more_chunks():
+    from ignite.metrics import Accuracy
+
+    model = OOMAbove(limit=3)
+    evaluator = create_amp_evaluator(model, {"accuracy": Accuracy()}, device="cpu", dtype="float32")
+    evaluator.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: setattr(e.amp_step, "micro_batches", 4))
+    state = evaluator.run(id_batches(16, 8))
+    assert evaluator.amp_step.micro_batches == 4 and 0.0 <= state.metrics["accuracy"] <= 1.0
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="dtype should be one of"):
+        resolve_dtype("half", "cpu")
+
+
+def test_split_batch_keeps_structure():
+    x, y = torch.arange(10), torch.arange(10) * 2
+    parts = split_batch((x, {"y": y}), 3)
+    assert [len(p[0]) for p in parts] == [4, 3, 3]
+    assert torch.equal(torch.cat([p[1]["y"] for p in parts]), y)
