@@ -188,14 +188,14 @@ class _RetryingStep:
     def __init__(
         self,
         model: nn.Module,
-        device: Union[str, torch.device],
-        dtype: Union[str, torch.dtype],
-        micro_batches: int,
-        non_blocking: bool,
-        channels_last: bool,
-        compile: bool,
-        fp32_modules: Sequence[str],
-        prepare_batch: Callable,
+        device: Union[str, torch.device] = "auto",
+        dtype: Union[str, torch.dtype] = "auto",
+        micro_batches: int = 1,
+        non_blocking: bool = True,
+        channels_last: bool = False,
+        compile: bool = False,
+        fp32_modules: Sequence[str] = (),
+        prepare_batch: Callable = ignite_prepare_batch,
     ):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches should be a positive integer, got {micro_batches!r}")
@@ -362,23 +362,12 @@ class AmpStep(_RetryingStep, Serializable):
 class EvalStep(_RetryingStep):
     """Ignite process function for evaluation: autocast, no grad, no scaler.
 
+    Takes ``model`` and the keyword arguments of :class:`AmpStep` that concern the forward
+    (``device``, ``dtype``, ``micro_batches``, ``non_blocking``, ``channels_last``, ``compile``,
+    ``fp32_modules``, ``prepare_batch``).
+
     Returns ``(y_pred, y)`` with ``y_pred`` in float32, what Ignite metrics expect.
     """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        device: Union[str, torch.device] = "auto",
-        dtype: Union[str, torch.dtype] = "auto",
-        micro_batches: int = 1,
-        non_blocking: bool = True,
-        channels_last: bool = False,
-        compile: bool = False,
-        fp32_modules: Sequence[str] = (),
-        prepare_batch: Callable = ignite_prepare_batch,
-    ):
-        super().__init__(model, device, dtype, micro_batches, non_blocking, channels_last, compile,
-                         fp32_modules, prepare_batch)
 
     def _run(self, engine: Engine, batch: Any) -> Any:
         self.model.eval()
