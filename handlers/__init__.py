@@ -1,3 +1,10 @@
-"""Pluggable Ignite handlers for ignite-amp trainers, one per module."""
+"""Pluggable Ignite handlers for ignite-amp trainers, one per module.
 
-__all__ = []
+They reach inside a training step only through ``ignite_amp.AmpEvents``.
+"""
+from handlers.best_checkpoint import BestCheckpoint, CheckpointError
+from handlers.gradient_clipping import GradientClipping
+from handlers.profiler_capture import ProfilerCapture
+from handlers.tensorboard_metrics import TensorBoardMetrics
+
+__all__ = ["GradientClipping", "BestCheckpoint", "CheckpointError", "ProfilerCapture", "TensorBoardMetrics"]

@@ -7,8 +7,6 @@ import logging
 import sys
 from typing import List, Optional
 
-from ignite_amp.config import ConfigError
-
 __all__ = ["main"]
 
 
@@ -40,12 +38,17 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     run = build_run(cfg, progress=progress)
-    print(f"training {cfg['name']} on {run.trainer.amp_step.device} with {str(run.trainer.amp_step.dtype)[6:]} "
-          f"autocast; output in {cfg['output_dir']}", flush=True)
+    step = run.trainer.amp_step
+    print(f"training {cfg['name']} on {step.device} with {str(step.dtype)[6:]} autocast; "
+          f"output in {cfg['output_dir']}", flush=True)
     result = run.train()
     final = result["final"]
     if final:
         print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {final['epoch']} epochs")
+    if result["best_checkpoint"]:
+        print(f"best checkpoint: {result['best_checkpoint']}")
+    if cfg["handlers"]["tensorboard"]["enabled"] or cfg["handlers"]["profiler"]["enabled"]:
+        print(f"TensorBoard logs: {run.tensorboard_dir}  (open with: tensorboard --logdir {run.tensorboard_dir})")
     return 0
 
 
@@ -55,9 +58,11 @@ COMMANDS = {"train": _train}
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    from ignite_amp.run import USER_ERRORS
+
     try:
         return COMMANDS[args.command](args)
-    except ConfigError as exc:
+    except USER_ERRORS as exc:
         print(f"ignite-amp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,11 +9,11 @@ import pickle
 from typing import Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ignite_amp.config import ConfigError
 
-__all__ = ["TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+__all__ = ["EpochShuffleSampler", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
 
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -177,15 +177,34 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
     return train_set, val_set, len(classes)
 
 
+class EpochShuffleSampler(Sampler):
+    """Random order drawn from ``seed + epoch``: an epoch's order depends on its number alone.
+
+    So a resumed run sees the same batches as an uninterrupted one. ``set_epoch`` is called
+    at each ``EPOCH_STARTED``, like ``DistributedSampler.set_epoch``.
+    """
+
+    def __init__(self, length: int, seed: int = 0):
+        self.length, self.seed, self.epoch = length, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.length, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.length
+
+
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
                 seed: int = 0) -> DataLoader:
     """A DataLoader with pinned memory on CUDA and persistent workers when there are workers."""
-    generator = torch.Generator().manual_seed(seed) if train else None
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train,
-        generator=generator,
+        sampler=EpochShuffleSampler(len(dataset), seed) if train else None,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,

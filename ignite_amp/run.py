@@ -11,12 +11,16 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
+from handlers import BestCheckpoint, CheckpointError, GradientClipping, ProfilerCapture, TensorBoardMetrics
 from ignite_amp.config import ConfigError, load_config, save_config
 from ignite_amp.data import build_loaders
 from ignite_amp.models import build_model
 from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_device
 
-__all__ = ["train_from_config", "build_run", "Run"]
+__all__ = ["train_from_config", "build_run", "Run", "USER_ERRORS"]
+
+# Errors that are the user's to fix: the CLI prints them as one line and exits 2.
+USER_ERRORS = (ConfigError, CheckpointError)
 
 
 def seed_everything(seed: int) -> None:
@@ -69,17 +73,38 @@ class Run:
         self.to_save = to_save
         self.print = print_fn
         self.history = []
+        self.checkpoint: Optional[BestCheckpoint] = None
+        self.closers: list = []
+        self.resumed_from: Optional[str] = None
 
     @property
     def output_dir(self) -> str:
         return self.cfg["output_dir"]
 
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.output_dir, "tensorboard")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.output_dir, "checkpoints")
+
     def train(self) -> dict:
         cfg = self.cfg
-        self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
-                         epoch_length=cfg["train"]["epoch_length"])
+        state = self.trainer.state
+        if self.resumed_from and state.epoch >= cfg["train"]["epochs"]:
+            self.print(f"already trained {state.epoch} epochs (checkpoint {self.resumed_from}); "
+                       f"raise train.epochs to train more")
+        else:
+            try:
+                self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
+                                 epoch_length=cfg["train"]["epoch_length"])
+            finally:  # also after an exception: stop the profiler, flush TensorBoard
+                for close in self.closers:
+                    close()
         return {"history": self.history, "final": self.history[-1] if self.history else {},
-                "output_dir": self.output_dir}
+                "output_dir": self.output_dir,
+                "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None}
 
 
 class _EpochSummary:
@@ -159,11 +184,16 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
         every = amp["accumulation_steps"]
         trainer.add_event_handler(Events.ITERATION_COMPLETED(every=every), lambda _: scheduler.step())
 
+    sampler = train_loader.sampler
+    if hasattr(sampler, "set_epoch"):  # each epoch's order follows from its number, also after a resume
+        trainer.add_event_handler(Events.EPOCH_STARTED, lambda engine: sampler.set_epoch(engine.state.epoch))
+
     to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
     if scheduler is not None:
         to_save["scheduler"] = scheduler
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn)
     _EpochSummary(run).attach(trainer)
+    _attach_handlers(run)
     if progress:
         from ignite.handlers import ProgressBar
 
@@ -171,6 +201,52 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
         ProgressBar(persist=False).attach(trainer)
     save_config(cfg, os.path.join(cfg["output_dir"], "config.yaml"))
     return run
+
+
+def _attach_handlers(run: Run) -> None:
+    """Build the handlers of the config's ``handlers:`` section and resume if asked."""
+    cfg, trainer, evaluator = run.cfg["handlers"], run.trainer, run.evaluator
+    clip = cfg["clipping"]
+    if clip["max_norm"] is not None and clip["clip_value"] is not None:
+        raise ConfigError("handlers.clipping: set max_norm or clip_value, not both")
+    if clip["max_norm"] is not None or clip["clip_value"] is not None:
+        GradientClipping(max_norm=clip["max_norm"], norm_type=clip["norm_type"],
+                         clip_value=clip["clip_value"]).attach(trainer)
+    if cfg["tensorboard"]["enabled"]:
+        tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"], config=run.cfg)
+        tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
+        run.closers.append(tb.close)
+    prof = cfg["profiler"]
+    if prof["enabled"]:
+        profiler = ProfilerCapture(run.tensorboard_dir, wait=prof["wait"], warmup=prof["warmup"],
+                                   active=prof["active"], repeat=prof["repeat"])
+        profiler.attach(trainer)
+        run.closers.append(profiler.stop)
+    ckpt = cfg["checkpoint"]
+    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, metric=ckpt["metric"],
+                                    n_saved=ckpt["n_saved"], config=run.cfg)
+    run.checkpoint.attach(trainer, evaluator)
+    if ckpt["resume"]:
+        run.resumed_from = run.checkpoint.resume(None if ckpt["resume"] == "auto" else ckpt["resume"])
+        if run.resumed_from:
+            _check_schedule_fits(run.cfg, run.checkpoint.resumed_config or {}, run.resumed_from)
+            run.print(f"resumed from {run.resumed_from} at epoch {trainer.state.epoch}")
+
+
+SCHEDULE_KEYS = (("train", "epochs"), ("train", "epoch_length"), ("amp", "accumulation_steps"),
+                 ("data", "batch_size"))
+
+
+def _check_schedule_fits(cfg: dict, stored: dict, path: str) -> None:
+    """A cosine/one-cycle schedule has a fixed length: refuse a resume that would change it."""
+    if cfg["scheduler"]["name"] == "none":
+        return
+    for section, key in SCHEDULE_KEYS:
+        old = stored.get(section, {}).get(key)
+        if old != cfg[section][key]:
+            raise CheckpointError(
+                f"{section}.{key}: the {cfg['scheduler']['name']} schedule in {path} was made for "
+                f"{section}.{key}={old}, not {cfg[section][key]}; keep it, or use a new output_dir")
 
 
 def train_from_config(cfg: Any, progress: bool = False, print_fn: Callable = print) -> dict:

@@ -1,0 +1,145 @@
+import doctest
+import os
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+
+import handlers.best_checkpoint
+from handlers import BestCheckpoint, CheckpointError
+from ignite_amp.cli import main
+from ignite_amp.run import build_run
+
+
+def scripted(tmp_path, scores, metric="accuracy", n_saved=2, model=None, resume=False):
+    """A trainer whose evaluator reports ``scores`` one per epoch."""
+    model = model or torch.nn.Linear(2, 2)
+    trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
+    values = iter(scores)
+    evaluator.add_event_handler(Events.COMPLETED, lambda e: e.state.metrics.update({metric: next(values)}))
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run([0]))
+    ckpt = BestCheckpoint(str(tmp_path), {"model": model, "trainer": trainer}, metric=metric, n_saved=n_saved)
+    ckpt.attach(trainer, evaluator)
+    if resume:
+        ckpt.resume()
+    return trainer, ckpt
+
+
+def files(path, prefix):
+    return sorted(f for f in os.listdir(path) if f.startswith(prefix))
+
+
+def test_docstring_example_runs():
+    assert doctest.testmod(handlers.best_checkpoint).failed == 0
+
+
+def test_keeps_the_n_best_by_accuracy_and_one_last(tmp_path):
+    trainer, ckpt = scripted(tmp_path, [0.3, 0.8, 0.5, 0.9, 0.1])
+    trainer.run([0], max_epochs=5)
+    assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.8000.pt", "best_checkpoint_4_accuracy=0.9000.pt"]
+    assert files(tmp_path, "last") == ["last_checkpoint_5.pt"]
+    assert ckpt.best_path.endswith("best_checkpoint_4_accuracy=0.9000.pt")
+
+
+def test_loss_is_minimised(tmp_path):
+    trainer, ckpt = scripted(tmp_path, [0.9, 0.2, 0.5], metric="loss", n_saved=1)
+    trainer.run([0], max_epochs=3)
+    assert files(tmp_path, "best") == ["best_checkpoint_2_neg_loss=-0.2000.pt"]
+    assert ckpt.mode == "min"
+
+
+def test_resume_keeps_the_best_table(tmp_path):
+    trainer, _ = scripted(tmp_path, [0.5, 0.9], n_saved=1)
+    trainer.run([0], max_epochs=2)
+    trainer, ckpt = scripted(tmp_path, [0.6, 0.7], n_saved=1, resume=True)
+    assert trainer.state.epoch == 2
+    trainer.run([0], max_epochs=4)
+    # A worse model after the resume never replaced the better one from before it.
+    assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.9000.pt"]
+    assert files(tmp_path, "last") == ["last_checkpoint_4.pt"]
+
+
+def test_nothing_to_resume_returns_none(tmp_path):
+    _, ckpt = scripted(tmp_path, [])
+    assert ckpt.resume() is None
+
+
+def test_bad_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_path):
+    trainer, _ = scripted(tmp_path, [0.5], model=torch.nn.Linear(2, 2))
+    trainer.run([0], max_epochs=1)
+    last = tmp_path / "last_checkpoint_1.pt"
+    good = last.read_bytes()
+
+    # Incompatible: a different model.
+    _, ckpt = scripted(tmp_path, [], model=torch.nn.Linear(3, 2))
+    with pytest.raises(CheckpointError, match=r"last_checkpoint_1.pt: model does not fit this run \(Error"):
+        ckpt.resume()
+    # Truncated.
+    last.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="truncated or not a checkpoint file"):
+        scripted(tmp_path, [], resume=True)
+    # Foreign: a plain state dict.
+    torch.save(torch.nn.Linear(2, 2).state_dict(), last)
+    with pytest.raises(CheckpointError, match="not a checkpoint of this run .missing model, trainer"):
+        scripted(tmp_path, [], resume=True)
+    with pytest.raises(CheckpointError, match="no such file"):
+        scripted(tmp_path, [])[1].resume(str(tmp_path / "nope.pt"))
+    assert files(tmp_path, "best") == ["best_checkpoint_1_accuracy=0.5000.pt"]
+
+
+def test_reserved_keys_and_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="reserved key 'rng'"):
+        BestCheckpoint(str(tmp_path), {"rng": torch.nn.Linear(1, 1)})
+    with pytest.raises(ValueError, match="n_saved should be a positive integer"):
+        BestCheckpoint(str(tmp_path), {}, n_saved=0)
+    with pytest.raises(ValueError, match="mode should be 'max' or 'min'"):
+        BestCheckpoint(str(tmp_path), {}, mode="up")
+
+
+def states(run):
+    return (
+        {k: v.clone() for k, v in run.model.state_dict().items()},
+        run.optimizer.state_dict(),
+        run.trainer.amp_step.scaler.get_scale(),
+    )
+
+
+def test_resume_equivalence(quick_cfg, tmp_path):
+    """4 epochs straight == 2 epochs, a fresh process-like rebuild, resume, 2 more (float16, scaler, onecycle)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        base = dict(quick_cfg, amp={"dtype": "float16"}, train={"epochs": 4}, scheduler={"name": "onecycle"},
+                    data=dict(quick_cfg["data"], augment=True),
+                    handlers={"tensorboard": {"enabled": False}})
+        straight = build_run(dict(base, output_dir=str(tmp_path / "a")), print_fn=lambda *a: None)
+        straight.train()
+
+        first = build_run(dict(base, output_dir=str(tmp_path / "b")), print_fn=lambda *a: None)
+        first.trainer.add_event_handler(Events.EPOCH_COMPLETED(once=2), lambda e: e.terminate())
+        first.train()
+        assert first.trainer.state.epoch == 2
+        second = build_run(dict(base, output_dir=str(tmp_path / "b")), print_fn=lambda *a: None)
+        assert second.resumed_from.endswith("last_checkpoint_2.pt")
+        second.train()
+        assert second.trainer.state.epoch == 4 and [h["epoch"] for h in second.history] == [3, 4]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    (wa, oa, sa), (wb, ob, sb) = states(straight), states(second)
+    assert sa == sb
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+    for pa, pb in zip(oa["state"].values(), ob["state"].values()):
+        for name in pa:
+            assert torch.equal(torch.as_tensor(pa[name]), torch.as_tensor(pb[name])), name
+
+
+def test_cli_reports_bad_checkpoint_in_one_line(quick_cfg, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(quick_cfg, handlers={"checkpoint": {"resume": str(tmp_path / "x.pt")}})))
+    (tmp_path / "x.pt").write_bytes(b"not a checkpoint")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "x.pt: truncated or not a checkpoint file" in err and err.count("\n") == 1
