@@ -122,7 +122,7 @@ class TensorBoardMetrics:
         self.loss_sum = out["loss"] if self.loss_sum is None else self.loss_sum + out["loss"]
         self.iters += 1
         self.samples += out["batch_size"]
-        if engine.state.iteration % self.log_every == 0:
+        if engine.state.iteration % self.log_every == 0 and self.tb is not None:
             self._log(engine)
 
     def _log(self, engine: Engine) -> None:
@@ -163,13 +163,18 @@ class TensorBoardMetrics:
             self.final[name] = value
             better = min if "loss" in name.lower() else max
             self.best[name] = better(self.best.get(name, value), value)
+        if self.tb is not None:
+            self.tb.writer.flush()
 
     def _completed(self, engine: Engine) -> None:
-        if self.config is not None and self.tb is not None:
+        # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
+        if self.tb is None:
+            return
+        if self.config is not None:
             metrics = {f"hparam/final_{k}": v for k, v in self.final.items()}
             metrics.update({f"hparam/best_{k}": v for k, v in self.best.items()})
             self.tb.writer.add_hparams(_flatten(self.config), metrics, run_name=".")
-        self.close()
+        self.tb.writer.flush()
 
     def close(self) -> None:
         if self.tb is not None:

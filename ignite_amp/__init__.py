@@ -14,7 +14,15 @@ __all__ = [
     "create_amp_evaluator",
     "load_config",
     "train_from_config",
+    "find_batch_size",
 ]
+
+
+def find_batch_size(*args, **kwargs):
+    """The largest batch the device holds, less a margin; see :func:`ignite_amp.batch_size.find_batch_size`."""
+    from ignite_amp.batch_size import find_batch_size as search
+
+    return search(*args, **kwargs)
 
 
 def train_from_config(cfg, **kwargs):

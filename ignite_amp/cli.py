@@ -28,7 +28,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(train)
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: when stderr is a terminal)")
+    search = sub.add_parser("find-batch-size", help="find the largest batch size the GPU holds (needs CUDA)")
+    _add_config(search)
+    search.add_argument("--write", action="store_true", help="store the chosen size as data.batch_size in CONFIG")
     return parser
+
+
+def _find_batch_size(args: argparse.Namespace) -> int:
+    import torch
+
+    from ignite_amp.config import ConfigError, load_config, write_batch_size
+    from ignite_amp.batch_size import format_trials
+    from ignite_amp.run import build_optimizer, search_for_config, seed_everything
+    from ignite_amp.models import build_model
+    from ignite_amp.step import resolve_device
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        device = resolve_device(cfg["device"])
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"device: {exc}") from None
+    if device.type != "cuda":
+        raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
+    seed_everything(cfg["seed"])
+    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device)
+    print(f"{cfg['model']['name']} on {torch.cuda.get_device_name(device)}, dtype {cfg['amp']['dtype']}")
+    print(format_trials(result))
+    if args.write:
+        write_batch_size(args.config, result.batch_size)
+        print(f"wrote data.batch_size: {result.batch_size} to {args.config}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -52,7 +82,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train}
+COMMANDS = {"train": _train, "find-batch-size": _find_batch_size}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

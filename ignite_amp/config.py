@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "default_config", "save_config", "flatten_config", "SCHEMA"]
+__all__ = ["ConfigError", "load_config", "default_config", "save_config", "flatten_config", "write_batch_size",
+           "SCHEMA"]
 
 
 class ConfigError(ValueError):
@@ -320,10 +321,7 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
 
 def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
     """Write the resolved config as YAML (atomically: temp file, then rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg, f, sort_keys=False)
-    os.replace(tmp, path)
+    _write_atomic(os.fspath(path), yaml.safe_dump(cfg, sort_keys=False))
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict:
@@ -338,3 +336,40 @@ def flatten_config(cfg: dict, prefix: str = "") -> dict:
         else:
             flat[name] = str(value)
     return flat
+
+
+def write_batch_size(path: Union[str, os.PathLike], batch_size: int) -> None:
+    """Set ``data.batch_size`` in a YAML file, keeping its comments and layout where it can.
+
+    The value is replaced in place when the file names ``data.batch_size`` on one line (block or
+    flow style); otherwise the file is rewritten from its parsed YAML (comments are then lost).
+    """
+    path = os.fspath(path)
+    text = open(path, encoding="utf-8").read()
+    raw = yaml.safe_load(text) or {}
+    lines = text.splitlines(keepends=True)
+    in_data = False
+    for i, line in enumerate(lines):
+        flow = re.match(r"^data:\s*\{", line)
+        if flow or re.match(r"^data:\s*(#.*)?$", line):
+            in_data = True
+        elif re.match(r"^\S", line):
+            in_data = False
+        if in_data or flow:
+            new, count = re.subn(r"(?<![\w])(batch_size:\s*)([^,}\s#]+)", rf"\g<1>{batch_size}", line, count=1)
+            if count:
+                lines[i] = new
+                candidate = "".join(lines)
+                if (yaml.safe_load(candidate) or {}).get("data", {}).get("batch_size") == batch_size:
+                    _write_atomic(path, candidate)
+                    return
+                lines[i] = line
+    raw.setdefault("data", {})["batch_size"] = batch_size
+    _write_atomic(path, yaml.safe_dump(raw, sort_keys=False))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

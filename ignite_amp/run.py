@@ -11,7 +11,8 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
-from handlers import BestCheckpoint, CheckpointError, GradientClipping, ProfilerCapture, TensorBoardMetrics
+from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, OOMBackoff,
+                      ProfilerCapture, TensorBoardMetrics)
 from ignite_amp.config import ConfigError, load_config, save_config
 from ignite_amp.data import build_loaders
 from ignite_amp.models import build_model
@@ -20,7 +21,7 @@ from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_de
 __all__ = ["train_from_config", "build_run", "Run", "USER_ERRORS"]
 
 # Errors that are the user's to fix: the CLI prints them as one line and exits 2.
-USER_ERRORS = (ConfigError, CheckpointError)
+USER_ERRORS = (ConfigError, CheckpointError, BatchSizeFloorError)
 
 
 def seed_everything(seed: int) -> None:
@@ -156,16 +157,20 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(f"device: {exc}") from None
     _check_output_dir(cfg["output_dir"])
+    _check_backoff_mode(cfg)
+    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    optimizer = build_optimizer(cfg["optimizer"], model)
     if cfg["data"]["batch_size"] == "auto":
-        raise ConfigError("data.batch_size: \"auto\" needs the batch-size search, which needs a GPU")
+        result = search_for_config(cfg, model, optimizer, device)
+        cfg["data"]["batch_size"] = result.batch_size
+        print_fn(f"batch-size search: largest fit {result.largest_fit}, using {result.batch_size} "
+                 f"({len(result.trials)} trials)")
 
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
                                                         cfg["seed"])
     if n_classes != cfg["model"]["num_classes"]:
         raise ConfigError(f"model.num_classes: {cfg['model']['num_classes']} but data set "
                           f"{cfg['data']['name']} has {n_classes} classes")
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
-    optimizer = build_optimizer(cfg["optimizer"], model)
     amp = cfg["amp"]
     loss_fn = torch.nn.functional.cross_entropy
     step_kwargs = dict(device=device, dtype=amp["dtype"], channels_last=amp["channels_last"],
@@ -203,9 +208,51 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     return run
 
 
+def _check_backoff_mode(cfg: dict) -> None:
+    backoff = cfg["handlers"]["oom_backoff"]
+    if not (backoff["enabled"] and backoff["mode"] == "batch"):
+        return
+    if cfg["scheduler"]["name"] != "none":
+        raise ConfigError(f"handlers.oom_backoff.mode: batch changes the steps per epoch, which a "
+                          f"{cfg['scheduler']['name']} schedule cannot follow; use micro_batch")
+    if cfg["train"]["epoch_length"] is not None:
+        raise ConfigError("handlers.oom_backoff.mode: batch changes the epoch length; leave train.epoch_length null")
+
+
+def input_shape(data: dict) -> tuple:
+    """(C, H, W) of the config's images."""
+    if data["name"] in ("cifar10", "cifar100"):
+        return (3, 32, 32)
+    size = data["image_size"] or (224 if data["name"] == "imagefolder" else 32)
+    return (3, size, size)
+
+
+def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      device: torch.device):
+    """Run :func:`~ignite_amp.batch_size.find_batch_size` for a config's model, dtype and input shape."""
+    from ignite_amp.batch_size import find_batch_size
+
+    if device.type != "cuda":
+        raise ConfigError(f"data.batch_size: the batch-size search needs a GPU, and this run is on {device}")
+    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
+
+    def make_batch(n: int):
+        return (torch.randn(n, *shape, device=device), torch.randint(0, classes, (n,), device=device))
+
+    amp = cfg["amp"]
+    return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
+                           dtype=amp["dtype"], channels_last=amp["channels_last"], fp32_modules=amp["fp32_modules"])
+
+
 def _attach_handlers(run: Run) -> None:
     """Build the handlers of the config's ``handlers:`` section and resume if asked."""
     cfg, trainer, evaluator = run.cfg["handlers"], run.trainer, run.evaluator
+    backoff = cfg["oom_backoff"]
+    if backoff["enabled"]:
+        train_backoff = OOMBackoff(backoff["min_batch_size"], mode=backoff["mode"], grow_after=backoff["grow_after"])
+        train_backoff.attach(trainer)
+        run.to_save["oom_backoff"] = train_backoff
+        OOMBackoff(backoff["min_batch_size"]).attach(evaluator)
     clip = cfg["clipping"]
     if clip["max_norm"] is not None and clip["clip_value"] is not None:
         raise ConfigError("handlers.clipping: set max_norm or clip_value, not both")

@@ -67,3 +67,22 @@ def quick_cfg(tmp_path):
         "optimizer": {"name": "AdamW", "lr": 3e-3},
         "train": {"epochs": 2},
     }
+
+
+class OOMCNN(nn.Module):
+    """Image stand-in for config runs: a tiny CNN raising torch.OutOfMemoryError above ``limit`` samples."""
+
+    def __init__(self, num_classes: int = 10, limit: int = 16):
+        super().__init__()
+        self.limit = limit
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(8, num_classes))
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (stand-in, {x.shape[0]} > {self.limit})")
+        return self.body(x)
+
+
+def oom_cnn(num_classes: int = 10, limit: int = 16) -> nn.Module:
+    return OOMCNN(num_classes, limit)

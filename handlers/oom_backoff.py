@@ -1,0 +1,144 @@
+"""Out-of-memory backoff: retry the same batch in smaller micro-batches, losing no sample."""
+import logging
+import math
+from typing import Optional
+
+from ignite.base.mixins import Serializable
+from ignite.engine import Engine, Events
+from torch.utils.data import DataLoader
+
+from ignite_amp.events import AmpEvents
+
+__all__ = ["OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
+
+logger = logging.getLogger("ignite_amp")
+
+
+class BatchSizeFloorError(RuntimeError):
+    """Out of memory even at the smallest micro-batch allowed: one line, the run stops."""
+
+
+def micro_batch_size(batch_size: int, micro_batches: int) -> int:
+    """Largest chunk when ``batch_size`` is split into ``micro_batches`` near-equal chunks."""
+    return math.ceil(batch_size / min(micro_batches, batch_size))
+
+
+def backoff_micro_batches(batch_size: int, micro_batches: int) -> Optional[int]:
+    """The chunk count that halves the micro-batch size (rounded up for odd sizes), or None at size 1.
+
+    >>> [backoff_micro_batches(12, k) for k in (1, 2, 4, 12)]
+    [2, 4, 12, None]
+    >>> backoff_micro_batches(7, 1), micro_batch_size(7, 3)  # odd: chunks of 3, 2 and 2
+    (3, 3)
+    """
+    size = micro_batch_size(batch_size, micro_batches)
+    if size <= 1:
+        return None
+    return math.ceil(batch_size / (size // 2))
+
+
+def _with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
+    extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
+    return DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                      persistent_workers=loader.persistent_workers, **extra)
+
+
+class OOMBackoff(Serializable):
+    """On ``AmpEvents.OUT_OF_MEMORY``, halve the micro-batch size so the step retries the same batch.
+
+    The effective batch, the gradient and the learning rate stay the same: the batch is split
+    into more micro-batches whose gradients add up to the full batch's, and no sample is dropped
+    or seen twice. Below ``min_batch_size`` the run stops with :class:`BatchSizeFloorError`
+    (checkpoints already on disk were written atomically and stay intact).
+
+    Attach one to the trainer and, if you like, another to the evaluator (which splits its
+    batches the same way). Stateful: put it in the checkpoint so a resumed run starts at the
+    size that worked.
+
+    Args:
+        min_batch_size: smallest micro-batch to try.
+        mode: ``"micro_batch"`` keeps the loader's batch; ``"batch"`` also makes the loader yield
+            the smaller batch from the next epoch on (the effective batch then changes; the
+            current epoch finishes in micro-batches).
+        grow_after: after this many clean iterations, try the previous (larger) micro-batch again.
+    """
+
+    _state_dict_all_req_keys = ("events", "loader_batch_size", "history", "clean")
+
+    def __init__(self, min_batch_size: int = 1, mode: str = "micro_batch", grow_after: Optional[int] = None):
+        if not isinstance(min_batch_size, int) or isinstance(min_batch_size, bool) or min_batch_size < 1:
+            raise ValueError(f"Argument min_batch_size should be a positive integer, got {min_batch_size!r}.")
+        if mode not in ("micro_batch", "batch"):
+            raise ValueError(f"Argument mode should be 'micro_batch' or 'batch', got {mode!r}.")
+        if grow_after is not None and (not isinstance(grow_after, int) or grow_after < 1):
+            raise ValueError(f"Argument grow_after should be a positive integer or None, got {grow_after!r}.")
+        self.min_batch_size, self.mode, self.grow_after = min_batch_size, mode, grow_after
+        self.events = 0
+        self.loader_batch_size: Optional[int] = None
+        self.history: list = []  # micro_batches before each backoff, for grow_after
+        self.clean = 0
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(AmpEvents.OUT_OF_MEMORY, self)
+        if self.grow_after is not None:
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self._grow)
+        if self.mode == "batch":
+            engine.add_event_handler(Events.STARTED, self._apply_loader_batch_size)
+            engine.add_event_handler(Events.EPOCH_COMPLETED, self._shrink_loader)
+
+    def __call__(self, engine: Engine) -> None:
+        step = engine.amp_step
+        size = micro_batch_size(step.batch_size, step.micro_batches)
+        chunks = backoff_micro_batches(step.batch_size, step.micro_batches)
+        if chunks is None or micro_batch_size(step.batch_size, chunks) < self.min_batch_size:
+            raise BatchSizeFloorError(f"out of memory even at micro-batch size {size} on {step.device}"
+                                      f" (min_batch_size {self.min_batch_size})")
+        self.history.append(step.micro_batches)
+        step.micro_batches = chunks
+        self.events += 1
+        self.clean = 0
+        logger.warning("out of memory at micro-batch size %d on %s: retrying the same batch of %d in %d "
+                       "micro-batches of at most %d", size, step.device, step.batch_size, chunks,
+                       micro_batch_size(step.batch_size, chunks))
+
+    def _grow(self, engine: Engine) -> None:
+        self.clean += 1
+        if self.history and self.clean >= self.grow_after:
+            engine.amp_step.micro_batches = self.history.pop()
+            self.clean = 0
+
+    def _shrink_loader(self, engine: Engine) -> None:
+        step = engine.amp_step
+        if step.micro_batches > 1 and step.batch_size > 1:
+            self.loader_batch_size = micro_batch_size(step.batch_size, step.micro_batches)
+            step.micro_batches = 1
+            self.history.clear()
+            self._apply_loader_batch_size(engine)
+            logger.warning("the loader yields batches of %d from epoch %d on", self.loader_batch_size,
+                           engine.state.epoch + 1)
+
+    def _apply_loader_batch_size(self, engine: Engine) -> None:
+        loader = engine.state.dataloader
+        if self.loader_batch_size is None or not isinstance(loader, DataLoader) or loader.batch_size is None:
+            return
+        if loader.batch_size == self.loader_batch_size:
+            return
+        new = _with_batch_size(loader, self.loader_batch_size)
+        engine.set_data(new)
+        # Ignite keeps epoch_length across set_data: make it the new loader's, and keep the
+        # iteration a whole number of epochs so resume and the end-of-run check stay right.
+        engine.state.epoch_length = len(new)
+        engine.state.iteration = engine.state.epoch * len(new)
+
+    def state_dict(self) -> dict:
+        return {"events": self.events, "loader_batch_size": self.loader_batch_size,
+                "history": list(self.history), "clean": self.clean}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.events = int(state_dict["events"])
+        self.loader_batch_size = state_dict["loader_batch_size"]
+        self.history = list(state_dict["history"])
+        self.clean = int(state_dict["clean"])
