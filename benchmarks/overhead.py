@@ -1,8 +1,11 @@
-"""Per-iteration time of ``create_amp_trainer`` against the hand-written AMP loop of the tutorials.
+"""Per-iteration time of ``create_amp_trainer`` against the hand-written AMP loop of the tutorials,
+and of the trainer with the config's default handlers against the bare trainer.
 
 Same model architecture and initial weights, same batches (already on the device), same dtype.
-The two are run in interleaved repeats (hand, ignite-amp, hand, ignite-amp, ...) so drift in
-clocks or load hits both alike; the reported figure is the median of the per-repeat ratios.
+The variants run in interleaved repeats (hand, bare, handlers, hand, bare, ...) so drift in
+clocks or load hits all alike; the reported figures are medians of the per-repeat ratios.
+The handlers are the defaults a config attaches: GradientClipping(1.0), TensorBoardMetrics
+(log_every=50), BestCheckpoint (saves at evaluation, so not inside the timed loop) and OOMBackoff.
 
     python benchmarks/overhead.py                                  # CPU, small CNN, batch 64
     python benchmarks/overhead.py --device cuda --model resnet18 --batch-size 256 --image-size 32
@@ -10,6 +13,7 @@ clocks or load hits both alike; the reported figure is the median of the per-rep
 import argparse
 import copy
 import statistics
+import tempfile
 import time
 
 import torch
@@ -71,31 +75,50 @@ def main() -> None:
     amp_model = copy.deepcopy(base).to(device)
     amp_opt = torch.optim.SGD(amp_model.parameters(), lr=0.01, momentum=0.9)
     trainer = create_amp_trainer(amp_model, amp_opt, cross_entropy, device=device, dtype=dtype)
+    full_model = copy.deepcopy(base).to(device)
+    full_opt = torch.optim.SGD(full_model.parameters(), lr=0.01, momentum=0.9)
+    full = create_amp_trainer(full_model, full_opt, cross_entropy, device=device, dtype=dtype)
+    logdir = tempfile.mkdtemp(prefix="ignite-amp-overhead-")
+    attach_default_handlers(full, full_model, full_opt, logdir)
 
-    def run_hand():
-        hand_written_loop(hand_model, hand_opt, hand_scaler, batches, device, dtype)
-
-    def run_amp():
-        trainer.run(batches, max_epochs=1)  # a fresh run of one epoch over the same batches
-
+    variants = {
+        "hand-written loop": lambda: hand_written_loop(hand_model, hand_opt, hand_scaler, batches, device, dtype),
+        "create_amp_trainer": lambda: trainer.run(batches, max_epochs=1),  # a fresh one-epoch run
+        "+ default handlers": lambda: full.run(batches, max_epochs=1),
+    }
     for _ in range(max(1, args.warmup // len(batches) + 1)):
-        run_hand()
-        run_amp()
-    hand, amp, ratios = [], [], []
+        for fn in variants.values():
+            fn()
+    times = {name: [] for name in variants}
     for _ in range(args.repeats):
-        h = timed(run_hand, device) / args.iters
-        a = timed(run_amp, device) / args.iters
-        hand.append(h)
-        amp.append(a)
-        ratios.append(a / h)
-    ratio = statistics.median(ratios)
+        for name, fn in variants.items():
+            times[name].append(timed(fn, device) / args.iters)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"torch {torch.__version__}, model {args.model}, batch {args.batch_size}, "
           f"image {args.image_size}, dtype {str(dtype)[6:]}, {args.iters} iters x {args.repeats} repeats")
-    print(f"hand-written loop : median {statistics.median(hand) * 1e3:8.2f} ms/iter")
-    print(f"create_amp_trainer: median {statistics.median(amp) * 1e3:8.2f} ms/iter")
-    print(f"overhead          : median ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%), "
-          f"ratios min {min(ratios):.4f} max {max(ratios):.4f}")
+    for name, values in times.items():
+        print(f"{name:<20}: median {statistics.median(values) * 1e3:8.2f} ms/iter")
+    for label, num, den in (("trainer vs hand loop", "create_amp_trainer", "hand-written loop"),
+                            ("handlers vs trainer", "+ default handlers", "create_amp_trainer")):
+        ratios = [a / b for a, b in zip(times[num], times[den])]
+        ratio = statistics.median(ratios)
+        print(f"{label:<20}: median ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%), "
+              f"ratios min {min(ratios):.4f} max {max(ratios):.4f}")
+
+
+def attach_default_handlers(trainer, model, optimizer, logdir):
+    from ignite.metrics import Accuracy
+
+    from handlers import BestCheckpoint, GradientClipping, OOMBackoff, TensorBoardMetrics
+    from ignite_amp import create_amp_evaluator
+
+    evaluator = create_amp_evaluator(model, {"accuracy": Accuracy()}, device=trainer.amp_step.device,
+                                     dtype=trainer.amp_step.dtype)
+    GradientClipping(max_norm=1.0).attach(trainer)
+    TensorBoardMetrics(logdir, log_every=50).attach(trainer, evaluator=evaluator, optimizer=optimizer)
+    BestCheckpoint(logdir, {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step}).attach(
+        trainer, evaluator)
+    OOMBackoff().attach(trainer)
 
 
 if __name__ == "__main__":

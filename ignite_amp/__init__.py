@@ -1,4 +1,5 @@
 """ignite-amp: a mixed-precision training engine and handlers for PyTorch Ignite."""
+from ignite_amp.batch_size import find_batch_size
 from ignite_amp.config import ConfigError, load_config
 from ignite_amp.events import AmpEvents
 from ignite_amp.step import AmpStep, EvalStep, create_amp_evaluator, create_amp_trainer
@@ -18,15 +19,12 @@ __all__ = [
 ]
 
 
-def find_batch_size(*args, **kwargs):
-    """The largest batch the device holds, less a margin; see :func:`ignite_amp.batch_size.find_batch_size`."""
-    from ignite_amp.batch_size import find_batch_size as search
-
-    return search(*args, **kwargs)
-
 
 def train_from_config(cfg, **kwargs):
-    """Build everything a config describes and train; see :func:`ignite_amp.run.train_from_config`."""
+    """Build everything a config describes and train; see :func:`ignite_amp.run.train_from_config`.
+
+    Imported when called: ``ignite_amp.run`` imports ``handlers``, which import ``ignite_amp.events``.
+    """
     from ignite_amp.run import train_from_config as run
 
     return run(cfg, **kwargs)
