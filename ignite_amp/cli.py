@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(train)
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: when stderr is a terminal)")
+    cmp = sub.add_parser("compare", help="float32 against float16 (with and without GradScaler) and bfloat16")
+    _add_config(cmp)
+    cmp.add_argument("--steps", type=int, default=50, help="training steps per mode (default 50)")
+    cmp.add_argument("--tolerance", type=float, default=0.1,
+                     help="largest relative loss difference from float32 before a mode is flagged (default 0.1)")
     search = sub.add_parser("find-batch-size", help="find the largest batch size the GPU holds (needs CUDA)")
     _add_config(search)
     search.add_argument("--write", action="store_true", help="store the chosen size as data.batch_size in CONFIG")
@@ -61,6 +66,22 @@ def _find_batch_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from ignite_amp.compare import compare, format_table
+    from ignite_amp.config import ConfigError, load_config
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps: expected a positive integer, got {args.steps}")
+    if not args.tolerance > 0:
+        raise ConfigError(f"--tolerance: expected a positive number, got {args.tolerance}")
+    cfg = load_config(args.config, args.overrides)
+    results = compare(cfg, steps=args.steps, tolerance=args.tolerance)
+    print(format_table(results))
+    print(f"per-mode TensorBoard runs: {cfg['output_dir']}/compare  "
+          f"(open with: tensorboard --logdir {cfg['output_dir']}/compare)")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config
     from ignite_amp.run import build_run
@@ -82,19 +103,22 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "find-batch-size": _find_batch_size}
+COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    from ignite_amp.run import USER_ERRORS
+    from ignite_amp.run import RUN_STOPPED, USER_ERRORS
 
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as exc:
         print(f"ignite-amp: error: {exc}", file=sys.stderr)
         return 2
+    except RUN_STOPPED as exc:
+        print(f"ignite-amp: stopped: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("ignite-amp: interrupted", file=sys.stderr)
         return 130

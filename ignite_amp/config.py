@@ -69,7 +69,8 @@ def positive(allow_none: bool = False, allow_inf: bool = False) -> Callable:
     return check
 
 
-def integer(minimum: int = 0, allow_none: bool = False, also: Iterable[str] = ()) -> Callable:
+def integer(minimum: int = 0, allow_none: bool = False, also: Iterable[str] = (),
+            maximum: Optional[int] = None) -> Callable:
     also = tuple(also)
 
     def check(value, path):
@@ -77,8 +78,11 @@ def integer(minimum: int = 0, allow_none: bool = False, also: Iterable[str] = ()
             return None
         if isinstance(value, str) and value in also:
             return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                or (maximum is not None and value > maximum)):
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            if maximum is not None:
+                what = f"an integer from {minimum} to {maximum}"
             extra = [*(f'"{a}"' for a in also), *(["null"] if allow_none else [])]
             _fail(path, what + "".join(f" or {e}" for e in extra), value)
         return value
@@ -150,14 +154,14 @@ SCHEMA: Dict[str, Any] = {
     "data": {
         "name": Field("shapes", choice("shapes", "cifar10", "cifar100", "imagefolder", "fake")),
         "root": Field("./data", text()),
-        "batch_size": Field(64, integer(1, also=("auto",))),
-        "eval_batch_size": Field(None, integer(1, allow_none=True)),
-        "num_workers": Field(2, integer(0)),
+        "batch_size": Field(64, integer(1, also=("auto",), maximum=2**20)),
+        "eval_batch_size": Field(None, integer(1, allow_none=True, maximum=2**20)),
+        "num_workers": Field(2, integer(0, maximum=256)),
         "download": Field(False, boolean),
         "augment": Field(False, boolean),
-        "image_size": Field(None, integer(8, allow_none=True)),
-        "train_size": Field(None, integer(1, allow_none=True)),
-        "val_size": Field(None, integer(1, allow_none=True)),
+        "image_size": Field(None, integer(8, allow_none=True, maximum=4096)),
+        "train_size": Field(None, integer(1, allow_none=True, maximum=10**8)),
+        "val_size": Field(None, integer(1, allow_none=True, maximum=10**8)),
     },
     "model": {
         "name": Field("resnet18", text(r"[\w.]+(:[\w.]+)?", 'a torchvision model name or "pkg.module:callable"')),
@@ -193,6 +197,10 @@ SCHEMA: Dict[str, Any] = {
             "min_batch_size": Field(1, integer(1)),
             "mode": Field("micro_batch", choice("micro_batch", "batch")),
             "grow_after": Field(None, integer(1, allow_none=True)),
+        },
+        "non_finite": {
+            "enabled": Field(True, boolean),
+            "max_consecutive": Field(20, integer(1)),
         },
         "profiler": {
             "enabled": Field(False, boolean),

@@ -11,17 +11,19 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
-from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, OOMBackoff,
-                      ProfilerCapture, TensorBoardMetrics)
+from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, NonFiniteError,
+                      NonFiniteGuard, OOMBackoff, ProfilerCapture, TensorBoardMetrics)
 from ignite_amp.config import ConfigError, load_config, save_config
 from ignite_amp.data import build_loaders
 from ignite_amp.models import build_model
 from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_device
 
-__all__ = ["train_from_config", "build_run", "Run", "USER_ERRORS"]
+__all__ = ["train_from_config", "build_run", "Run", "USER_ERRORS", "RUN_STOPPED"]
 
 # Errors that are the user's to fix: the CLI prints them as one line and exits 2.
-USER_ERRORS = (ConfigError, CheckpointError, BatchSizeFloorError)
+USER_ERRORS = (ConfigError, CheckpointError)
+# Errors that stop a run for a stated reason (one line, exit 1): not a bug, no traceback.
+RUN_STOPPED = (BatchSizeFloorError, NonFiniteError)
 
 
 def seed_everything(seed: int) -> None:
@@ -259,6 +261,8 @@ def _attach_handlers(run: Run) -> None:
     if clip["max_norm"] is not None or clip["clip_value"] is not None:
         GradientClipping(max_norm=clip["max_norm"], norm_type=clip["norm_type"],
                          clip_value=clip["clip_value"]).attach(trainer)
+    if cfg["non_finite"]["enabled"]:
+        NonFiniteGuard(cfg["non_finite"]["max_consecutive"]).attach(trainer)
     if cfg["tensorboard"]["enabled"]:
         tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"], config=run.cfg)
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)

@@ -268,6 +268,8 @@ class AmpStep(_RetryingStep, Serializable):
         fp32_modules: names of submodules run outside autocast with float32 inputs.
         prepare_batch: ``prepare_batch(batch, device, non_blocking) -> (x, y)``.
         scaler_kwargs: extra arguments for ``torch.amp.GradScaler`` (e.g. ``init_scale``).
+        scaler: force the scaler on or off (default: on for float16 only); ``ignite-amp compare``
+            uses it to show float16 without a scaler.
 
     ``engine.state.output`` is ``{"loss": <detached 0-d tensor>, "batch_size": int}``.
     """
@@ -289,6 +291,7 @@ class AmpStep(_RetryingStep, Serializable):
         fp32_modules: Sequence[str] = (),
         prepare_batch: Callable = ignite_prepare_batch,
         scaler_kwargs: Optional[dict] = None,
+        scaler: Optional[bool] = None,
     ):
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps should be a positive integer, got {accumulation_steps!r}")
@@ -298,7 +301,8 @@ class AmpStep(_RetryingStep, Serializable):
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.scaler = torch.amp.GradScaler(
-            self.device.type, enabled=self.dtype == torch.float16, **(scaler_kwargs or {})
+            self.device.type, enabled=self.dtype == torch.float16 if scaler is None else scaler,
+            **(scaler_kwargs or {}),
         )
 
     def _run(self, engine: Engine, batch: Any) -> dict:

@@ -1,5 +1,6 @@
 """Shared test helpers: tiny models, data and an honest out-of-memory stand-in."""
 import os
+from collections import OrderedDict
 import sys
 
 import pytest
@@ -86,3 +87,41 @@ class OOMCNN(nn.Module):
 
 def oom_cnn(num_classes: int = 10, limit: int = 16) -> nn.Module:
     return OOMCNN(num_classes, limit)
+
+
+class Blowup(nn.Module):
+    """Multiplies activations far beyond float16's range (65504): fine in float32 and bfloat16."""
+
+    def forward(self, x):
+        return x * 1e6
+
+
+def overflow_cnn(num_classes: int = 10) -> nn.Module:
+    """A small CNN whose middle layer, named ``blowup``, overflows float16."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict([
+        ("conv", nn.Conv2d(3, 4, 3, padding=1)), ("blowup", Blowup()), ("pool", nn.AdaptiveAvgPool2d(1)),
+        ("flat", nn.Flatten()), ("norm", nn.LayerNorm(4)), ("head", nn.Linear(4, num_classes)),
+    ]))
+
+
+class NaNAfter(nn.Module):
+    """A small model whose output turns NaN from the ``after``-th training forward on."""
+
+    def __init__(self, num_classes: int = 10, after: int = 3):
+        super().__init__()
+        self.after, self.calls = after, 0
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(4, num_classes))
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.training:
+            self.calls += 1
+            if self.calls >= self.after:
+                out = out * float("nan")
+        return out
+
+
+def nan_after(num_classes: int = 10, after: int = 3) -> nn.Module:
+    return NaNAfter(num_classes, after)

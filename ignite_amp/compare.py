@@ -1,0 +1,162 @@
+"""``ignite-amp compare``: float32 against autocast float16 (with and without GradScaler) and bfloat16.
+
+The check every AMP tutorial recommends, as a command: the same initial weights and the same
+batches in each mode, a table of how far each mode's loss strays from float32, what it costs
+and saves, and, when a mode goes non-finite, which layer's output did so first.
+"""
+import copy
+import math
+import os
+import statistics
+import time
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+from ignite.engine import Events
+
+from ignite_amp.config import load_config
+from ignite_amp.data import build_loaders
+from ignite_amp.events import AmpEvents
+from ignite_amp.models import build_model
+from ignite_amp.step import create_amp_trainer, resolve_device
+
+__all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
+
+MODES = (("float32", "float32", False), ("float16", "float16", False),
+         ("float16+scaler", "float16", True), ("bfloat16", "bfloat16", False))
+
+
+class ModeResult(NamedTuple):
+    mode: str
+    losses: List[float]
+    skipped: int
+    step_ms: float
+    peak_mb: Optional[float]
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    first_non_finite: Optional[str] = None  # "layer <name> at step <k>"
+    flag: str = ""
+
+
+def supported_modes(device: torch.device) -> list:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return [m for m in MODES if m[1] != "bfloat16"]
+    return list(MODES)
+
+
+class _NonFinite(Exception):
+    pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _find_non_finite_layer(make_trainer: Callable, batches: list) -> Optional[str]:
+    """Replay with forward hooks (only here: each check is a host sync) to name the first bad layer."""
+    trainer = make_trainer()
+    model = trainer.amp_step.model
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(mod, args, out, name=name):
+            if torch.is_tensor(out) and out.is_floating_point() and not torch.isfinite(out).all():
+                raise _NonFinite(f"layer {name} at step {trainer.state.iteration}")
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        trainer.run(batches, max_epochs=1)
+    except _NonFinite as found:
+        return str(found)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None
+
+
+def compare(cfg, steps: int = 50, tolerance: float = 0.1, print_fn: Callable = print) -> List[ModeResult]:
+    """Train ``steps`` steps per mode from the same weights and batches; return one result per mode."""
+    from ignite_amp.run import build_optimizer, seed_everything
+
+    cfg = load_config(cfg)
+    device = resolve_device(cfg["device"])
+    seed_everything(cfg["seed"])
+    loader, _, _ = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device, cfg["seed"])
+    batches, it = [], iter(loader)
+    while len(batches) < steps:
+        try:
+            batches.append(next(it))
+        except StopIteration:
+            it = iter(loader)
+    initial = copy.deepcopy(build_model(cfg["model"]["name"], cfg["model"]["num_classes"],
+                                        cfg["model"]["kwargs"]).state_dict())
+    if device.type == "cpu":
+        print_fn("comparing on CPU: float16 autocast is slow there, and the timings show CPU behaviour, not a GPU's")
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    results: List[ModeResult] = []
+    for mode, dtype, use_scaler in supported_modes(device):
+        def make_trainer():
+            seed_everything(cfg["seed"])
+            model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+            model.load_state_dict(initial)
+            amp = cfg["amp"]
+            return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model),
+                                      torch.nn.functional.cross_entropy, device=device, dtype=dtype,
+                                      scaler=use_scaler, channels_last=amp["channels_last"],
+                                      fp32_modules=amp["fp32_modules"])
+
+        trainer = make_trainer()
+        losses, times, skipped = [], [], [0]
+        trainer.add_event_handler(Events.ITERATION_STARTED, lambda _: (_sync(device), times.append(time.perf_counter())))
+
+        @trainer.on(Events.ITERATION_COMPLETED)
+        def record(engine):
+            losses.append(engine.state.output["loss"].item())  # a sync per step: measuring is the point here
+            times[-1] = time.perf_counter() - times[-1]
+
+        trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda _: skipped.__setitem__(0, skipped[0] + 1))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer.run(batches, max_epochs=1)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+        where = _find_non_finite_layer(make_trainer, batches) if not all(map(math.isfinite, losses)) else None
+        results.append(ModeResult(mode, losses, skipped[0], statistics.median(times[1:] or times) * 1e3, peak,
+                                  first_non_finite=where))
+        with SummaryWriter(os.path.join(cfg["output_dir"], "compare", mode)) as writer:
+            for i, (loss, seconds) in enumerate(zip(losses, times), start=1):
+                writer.add_scalar("compare/loss", loss if math.isfinite(loss) else float("nan"), i)
+                writer.add_scalar("compare/step_ms", seconds * 1e3, i)
+
+    reference = results[0].losses
+    finished = []
+    for r in results:
+        abs_diffs = [abs(a - b) for a, b in zip(r.losses, reference)]
+        rel_diffs = [d / max(abs(b), 1e-8) for d, b in zip(abs_diffs, reference)]
+        max_abs = max(abs_diffs) if all(map(math.isfinite, abs_diffs)) else math.inf
+        max_rel = max(rel_diffs) if all(map(math.isfinite, rel_diffs)) else math.inf
+        flag = ""
+        if r.first_non_finite or not all(map(math.isfinite, r.losses)):
+            flag = "NON-FINITE" + (f" (first: {r.first_non_finite})" if r.first_non_finite else "")
+        elif max_rel > tolerance:
+            flag = f"DIVERGES (> {tolerance:g} relative)"
+        finished.append(r._replace(max_abs_diff=max_abs, max_rel_diff=max_rel, flag=flag))
+    return finished
+
+
+def format_table(results: List[ModeResult]) -> str:
+    base = results[0]
+    head = (f"{'mode':<15} {'final loss':>10} {'max |dL|':>9} {'max rel':>8} {'skipped':>7} {'step ms':>8} "
+            f"{'speedup':>7} {'peak MB':>8} {'mem saved':>9}  flag")
+    rows = [head]
+    for r in results:
+        peak = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
+        saved = "-" if r.peak_mb is None or not base.peak_mb else f"{(1 - r.peak_mb / base.peak_mb) * 100:.0f}%"
+        rows.append(f"{r.mode:<15} {r.losses[-1]:>10.4f} {r.max_abs_diff:>9.4f} {r.max_rel_diff:>8.3f} "
+                    f"{r.skipped:>7} {r.step_ms:>8.1f} {base.step_ms / r.step_ms:>6.2f}x {peak:>8} {saved:>9}  "
+                    f"{r.flag or 'ok'}")
+    return "\n".join(rows)

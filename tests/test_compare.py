@@ -1,0 +1,44 @@
+import os
+
+import yaml
+
+from conftest import ROOT
+from ignite_amp.cli import main
+from ignite_amp.compare import compare, format_table
+
+
+def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
+    results = compare(quick_cfg, steps=6, print_fn=lambda *a: None)
+    assert [r.mode for r in results] == ["float32", "float16", "float16+scaler", "bfloat16"]
+    fp32 = results[0]
+    assert fp32.max_abs_diff == 0 and fp32.flag == ""
+    for r in results:
+        assert len(r.losses) == 6 and r.step_ms > 0
+    # Same weights and batches: the first step's loss agrees across modes up to the dtype's precision.
+    for r in results[1:]:
+        assert abs(r.losses[0] - fp32.losses[0]) < 0.05 * abs(fp32.losses[0])
+    for mode in ("float32", "float16", "float16+scaler", "bfloat16"):
+        assert os.listdir(os.path.join(quick_cfg["output_dir"], "compare", mode))
+    table = format_table(results)
+    assert table.splitlines()[0].startswith("mode") and len(table.splitlines()) == 5
+
+
+def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
+    cfg = dict(quick_cfg, model={"name": "conftest:overflow_cnn", "num_classes": 10},
+               optimizer={"name": "SGD", "lr": 0.01})
+    results = {r.mode: r for r in compare(cfg, steps=3, print_fn=lambda *a: None)}
+    assert results["float32"].flag == "" and results["bfloat16"].flag == ""
+    assert results["float16"].flag.startswith("NON-FINITE")
+    assert results["float16"].first_non_finite == "layer blowup at step 1"
+    # With the scaler, the same overflow in the forward is skipped step after step.
+    assert results["float16+scaler"].skipped == 3
+
+
+def test_compare_cli(quick_cfg, tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(quick_cfg))
+    assert main(["compare", str(path), "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "comparing on CPU" in out and "float16+scaler" in out and "speedup" in out
+    assert main(["compare", str(path), "--steps", "0"]) == 2
+    assert "--steps: expected a positive integer" in capsys.readouterr().err

@@ -1,0 +1,193 @@
+"""Faults lose nothing: kills, bad checkpoints, NaN losses, unwritable output, fuzzed configs."""
+import copy
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from conftest import CONFIGS, ROOT, id_batches, mlp
+from handlers import NonFiniteError, NonFiniteGuard
+from ignite_amp import create_amp_trainer
+from ignite_amp.cli import main
+
+
+def cli(*args):
+    return [sys.executable, "-m", "ignite_amp", *args]
+
+
+def write(tmp_path, cfg, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_command(quick_cfg, tmp_path):
+    cfg = dict(quick_cfg, train={"epochs": 4}, data=dict(quick_cfg["data"], train_size=512))
+    path = write(tmp_path, cfg)
+    ckpts = os.path.join(cfg["output_dir"], "checkpoints")
+    proc = subprocess.Popen(cli("train", path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.isdir(ckpts) and any(f.startswith("last_") for f in os.listdir(ckpts))):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = max(int(f.split("_")[-1].split(".")[0]) for f in os.listdir(ckpts) if f.startswith("last_"))
+    assert 1 <= done < 4
+
+    again = subprocess.run(cli("train", path), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    epochs = [int(line.split()[1].split("/")[0]) for line in again.stdout.splitlines() if line.startswith("epoch ")]
+    assert epochs == list(range(done + 1, 5))  # no epoch lost or repeated
+    assert f"resumed from {ckpts}/last_checkpoint_{done}.pt" in again.stdout
+
+
+def test_truncated_or_foreign_checkpoint_is_one_line_and_nothing_is_overwritten(quick_cfg, tmp_path, capsys):
+    path = write(tmp_path, dict(quick_cfg, train={"epochs": 1}))
+    assert main(["train", path]) == 0
+    ckpts = os.path.join(quick_cfg["output_dir"], "checkpoints")
+    last = os.path.join(ckpts, "last_checkpoint_1.pt")
+
+    def digest():
+        return {f: hashlib.sha256(open(os.path.join(ckpts, f), "rb").read()).hexdigest() for f in os.listdir(ckpts)}
+
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) // 3)
+    before = digest()
+    capsys.readouterr()
+    assert main(["train", path, "--set", "train.epochs=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "last_checkpoint_1.pt: truncated or not a checkpoint file" in err
+    assert digest() == before
+
+    torch.save({"weights": torch.zeros(3)}, last)
+    before = digest()
+    assert main(["train", path, "--set", "train.epochs=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a checkpoint of this run" in err
+    assert digest() == before
+
+
+def test_nan_in_float16_is_skipped_and_the_run_goes_on():
+    model = mlp()
+    # A small initial scale: from the default 65536 the scaler's own calibration skips a few steps.
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                                 device="cpu", dtype="float16", scaler_kwargs={"init_scale": 64.0})
+    NonFiniteGuard(max_consecutive=3).attach(trainer)
+    batches = id_batches(48, 8)
+    x, y = batches[1]
+    batches[1] = (x * float("nan"), y)
+    trainer.run(batches, max_epochs=2)  # one NaN batch per epoch: skipped, never 3 in a row
+    assert trainer.state.epoch == 2 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# The second command resumes after epoch 1 (8 iterations of 32), so NaN iteration k is 8 + k.
+@pytest.mark.parametrize("dtype, after, message", [
+    ("float16", 1, "non-finite gradients in 3 float16 steps in a row, the last at iteration 11"),
+    ("bfloat16", 3, "non-finite loss at iteration 11 in bfloat16"),
+    ("float32", 2, "non-finite loss at iteration 10 in float32"),
+])
+def test_nan_stops_the_run_with_one_line_and_keeps_the_best_checkpoint(quick_cfg, tmp_path, capsys, dtype, after,
+                                                                       message):
+    cfg = dict(quick_cfg, amp={"dtype": dtype}, train={"epochs": 2},
+               model={"name": "conftest:nan_after", "num_classes": 10, "kwargs": {"after": 10**6}},
+               handlers={"non_finite": {"max_consecutive": 3}})
+    path = write(tmp_path, cfg)
+    assert main(["train", path, "--set", "train.epochs=1"]) == 0  # one good epoch: a best checkpoint
+    ckpts = os.path.join(cfg["output_dir"], "checkpoints")
+    best = sorted(f for f in os.listdir(ckpts) if f.startswith("best_"))
+    digest = {f: hashlib.sha256(open(os.path.join(ckpts, f), "rb").read()).hexdigest() for f in best}
+    capsys.readouterr()
+    code = main(["train", path, "--set", f"model.kwargs.after={after}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert {f: hashlib.sha256(open(os.path.join(ckpts, f), "rb").read()).hexdigest() for f in best} == digest
+
+
+def test_non_finite_guard_arguments():
+    with pytest.raises(ValueError, match="max_consecutive should be a positive integer"):
+        NonFiniteGuard(0)
+
+
+def test_unwritable_output_dir_is_one_line_before_training(quick_cfg, tmp_path, capsys):
+    if os.geteuid() == 0:  # root writes anywhere: use a path under a regular file instead
+        blocker = tmp_path / "blocker"
+        blocker.write_text("")
+        out = str(blocker / "run")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        out = str(locked / "run")
+    assert main(["train", write(tmp_path, dict(quick_cfg, output_dir=out))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "output_dir: cannot write to" in err
+
+
+VALUES = [None, True, False, 0, -1, 1, 2, 3.5, -0.5, 10**9, "", "x", "auto", "1e-3", [], [1], {}, {"a": 1},
+          float("nan"), float("inf")]
+
+
+def mutate(cfg: dict, rng: random.Random):
+    """One random mutation: a wrong value, an unknown key, a removed key or a whole section replaced."""
+    cfg = copy.deepcopy(cfg)
+    paths = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            paths.append(prefix + [key])
+            if isinstance(value, dict) and not key.endswith("kwargs"):
+                walk(value, prefix + [key])
+
+    walk(cfg, [])
+    path = rng.choice(paths)
+    parent = cfg
+    for key in path[:-1]:
+        parent = parent[key]
+    kind = rng.random()
+    if kind < 0.7:
+        parent[path[-1]] = rng.choice(VALUES)
+    elif kind < 0.85:
+        parent[rng.choice(["bogus", "dtyp", "batchsize", path[-1] + "_"])] = rng.choice(VALUES)
+    else:
+        del parent[path[-1]]
+    return cfg
+
+
+def test_config_fuzzing_never_shows_a_traceback(quick_cfg, tmp_path, capsys, monkeypatch):
+    """300 mutations of a valid config: each runs (one iteration), exits 2 with one line, or (a huge
+    learning rate, say) stops with one line and exit 1."""
+    from ignite_amp import run as run_module
+
+    def one_iteration(self):  # keep the fuzz fast: build everything for real, train one iteration
+        self.trainer.run(self.train_loader, max_epochs=1, epoch_length=1)
+        return {"history": [], "final": {}, "output_dir": self.output_dir, "best_checkpoint": None}
+
+    monkeypatch.setattr(run_module.Run, "train", one_iteration)
+    rng = random.Random(0)
+    base = dict(quick_cfg, data=dict(quick_cfg["data"], train_size=64, val_size=32))
+    outcomes = {0: 0, 1: 0, 2: 0}
+    for i in range(300):
+        cfg = mutate(base, rng)
+        cfg["output_dir"] = str(tmp_path / f"run{i}")
+        path = tmp_path / "fuzz.yaml"
+        text = yaml.safe_dump(cfg)
+        if rng.random() < 0.1:  # broken YAML
+            cut = rng.randrange(len(text))
+            text = text[:cut] + rng.choice(["{", "[", ": :", "\t", "'"]) + text[cut:]
+        path.write_text(text)
+        code = main(["train", str(path)])
+        captured = capsys.readouterr()
+        assert code in (0, 1, 2), (cfg, captured.err)
+        assert "Traceback" not in captured.err
+        if code:
+            prefix = "ignite-amp: error: " if code == 2 else "ignite-amp: stopped: "
+            assert captured.err.count("\n") == 1 and captured.err.startswith(prefix), captured.err
+        outcomes[code] += 1
+    assert outcomes[0] > 20 and outcomes[2] > 100  # both paths exercised
