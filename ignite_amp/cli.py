@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--steps", type=int, default=50, help="training steps per mode (default 50)")
     cmp.add_argument("--tolerance", type=float, default=0.1,
                      help="largest relative loss difference from float32 before a mode is flagged (default 0.1)")
+    cmp.add_argument("--modes", nargs="+", choices=["float32", "float16", "float16+scaler", "bfloat16"],
+                     help="modes to run besides float32 (default: those the device runs fast)")
     search = sub.add_parser("find-batch-size", help="find the largest batch size the GPU holds (needs CUDA)")
     _add_config(search)
     search.add_argument("--write", action="store_true", help="store the chosen size as data.batch_size in CONFIG")
@@ -75,7 +77,7 @@ def _compare(args: argparse.Namespace) -> int:
     if not args.tolerance > 0:
         raise ConfigError(f"--tolerance: expected a positive number, got {args.tolerance}")
     cfg = load_config(args.config, args.overrides)
-    results = compare(cfg, steps=args.steps, tolerance=args.tolerance)
+    results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes)
     print(format_table(results))
     print(f"per-mode TensorBoard runs: {cfg['output_dir']}/compare  "
           f"(open with: tensorboard --logdir {cfg['output_dir']}/compare)")

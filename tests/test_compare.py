@@ -8,7 +8,7 @@ from ignite_amp.compare import compare, format_table
 
 
 def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
-    results = compare(quick_cfg, steps=6, print_fn=lambda *a: None)
+    results = compare(quick_cfg, steps=6, modes=["float16", "float16+scaler", "bfloat16"], print_fn=lambda *a: None)
     assert [r.mode for r in results] == ["float32", "float16", "float16+scaler", "bfloat16"]
     fp32 = results[0]
     assert fp32.max_abs_diff == 0 and fp32.flag == ""
@@ -26,7 +26,8 @@ def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
 def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
     cfg = dict(quick_cfg, model={"name": "conftest:overflow_cnn", "num_classes": 10},
                optimizer={"name": "SGD", "lr": 0.01})
-    results = {r.mode: r for r in compare(cfg, steps=3, print_fn=lambda *a: None)}
+    modes = ["float16", "float16+scaler", "bfloat16"]
+    results = {r.mode: r for r in compare(cfg, steps=3, modes=modes, print_fn=lambda *a: None)}
     assert results["float32"].flag == "" and results["bfloat16"].flag == ""
     assert results["float16"].flag.startswith("NON-FINITE")
     assert results["float16"].first_non_finite == "layer blowup at step 1"
@@ -39,6 +40,9 @@ def test_compare_cli(quick_cfg, tmp_path, capsys):
     path.write_text(yaml.safe_dump(quick_cfg))
     assert main(["compare", str(path), "--steps", "4"]) == 0
     out = capsys.readouterr().out
-    assert "comparing on CPU" in out and "float16+scaler" in out and "speedup" in out
+    assert "comparing on CPU" in out and "bfloat16" in out and "speedup" in out
+    assert "float16 modes are left out" in out and "float16+scaler " not in out
+    assert main(["compare", str(path), "--steps", "2", "--modes", "float16+scaler"]) == 0
+    assert "float16+scaler " in capsys.readouterr().out
     assert main(["compare", str(path), "--steps", "0"]) == 2
     assert "--steps: expected a positive integer" in capsys.readouterr().err
