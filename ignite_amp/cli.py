@@ -44,17 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _find_batch_size(args: argparse.Namespace) -> int:
     import torch
 
-    from ignite_amp.config import ConfigError, load_config, write_batch_size
     from ignite_amp.batch_size import format_trials
-    from ignite_amp.run import build_optimizer, search_for_config, seed_everything
+    from ignite_amp.config import ConfigError, load_config, write_batch_size
     from ignite_amp.models import build_model
-    from ignite_amp.step import resolve_device
+    from ignite_amp.run import build_optimizer, config_device, search_for_config, seed_everything
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        device = resolve_device(cfg["device"])
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"device: {exc}") from None
+    device = config_device(cfg)
     if device.type != "cuda":
         raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
     seed_everything(cfg["seed"])

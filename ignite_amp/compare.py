@@ -18,7 +18,7 @@ from ignite_amp.config import load_config
 from ignite_amp.data import build_loaders
 from ignite_amp.events import AmpEvents
 from ignite_amp.models import build_model
-from ignite_amp.step import create_amp_trainer, resolve_device
+from ignite_amp.step import create_amp_trainer
 
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
 
@@ -89,10 +89,10 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     ``modes``: names from ``MODE_NAMES`` (float32 always runs first, as the reference);
     default :func:`supported_modes`.
     """
-    from ignite_amp.run import build_optimizer, seed_everything
+    from ignite_amp.run import build_optimizer, config_device, seed_everything
 
     cfg = load_config(cfg)
-    device = resolve_device(cfg["device"])
+    device = config_device(cfg)
     seed_everything(cfg["seed"])
     loader, _, _ = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device, cfg["seed"])
     batches, it = [], iter(loader)

@@ -31,6 +31,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def config_device(cfg: dict) -> torch.device:
+    """The config's ``device`` as a torch device; a device that isn't there is a ConfigError."""
+    try:
+        return resolve_device(cfg["device"])
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"device: {exc}") from None
+
+
 def build_optimizer(opt: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
     cls = getattr(torch.optim, opt["name"], None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -154,10 +162,7 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     """Validate ``cfg`` (path, dict or loaded config) and build everything it describes."""
     cfg = load_config(cfg)
     seed_everything(cfg["seed"])
-    try:
-        device = resolve_device(cfg["device"])
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"device: {exc}") from None
+    device = config_device(cfg)
     _check_output_dir(cfg["output_dir"])
     _check_backoff_mode(cfg)
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])

@@ -46,3 +46,16 @@ def test_compare_cli(quick_cfg, tmp_path, capsys):
     assert "float16+scaler " in capsys.readouterr().out
     assert main(["compare", str(path), "--steps", "0"]) == 2
     assert "--steps: expected a positive integer" in capsys.readouterr().err
+
+
+def test_compare_with_a_missing_device_is_one_line(quick_cfg, tmp_path, capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message shown without CUDA")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(quick_cfg, device="cuda")))
+    assert main(["compare", str(path), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "device: device 'cuda' was asked for but CUDA is not available" in err
