@@ -1,6 +1,5 @@
 """Best-validation checkpoints plus a ``last`` checkpoint per epoch, with full resume."""
 import os
-import random
 import re
 from typing import Any, Mapping, Optional
 
@@ -8,6 +7,8 @@ import torch
 from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
+
+from ignite_amp.rng import get_rng_state, set_rng_state
 
 __all__ = ["BestCheckpoint", "CheckpointError", "RNGState", "StoredValue"]
 
@@ -22,18 +23,11 @@ class RNGState(Serializable):
     _state_dict_all_req_keys = ("python", "torch")
 
     def state_dict(self) -> dict:
-        state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
+        return get_rng_state()
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         super().load_state_dict(state_dict)
-        version, internal, gauss = state_dict["python"]
-        random.setstate((version, tuple(internal), gauss))
-        torch.set_rng_state(state_dict["torch"])
-        if "cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state_dict["cuda"])
+        set_rng_state(state_dict)
 
 
 class StoredValue(Serializable):
@@ -107,7 +101,6 @@ class BestCheckpoint:
         self.metric, self.mode = metric, mode
         self.config = StoredValue(config)
         self.to_save = dict(to_save, rng=RNGState(), config=self.config)
-        self.trainer: Optional[Engine] = None
         self.resumed_config: Optional[dict] = None
         self.best: Optional[Checkpoint] = None
         self.last: Optional[Checkpoint] = None
@@ -119,7 +112,6 @@ class BestCheckpoint:
 
     def attach(self, trainer: Engine, evaluator: Engine) -> None:
         """Save on each evaluator completion: the best table first, then ``last`` (which stores the table)."""
-        self.trainer = trainer
         saver = DiskSaver(self.dirname, require_empty=False, atomic=True)
         step = global_step_from_engine(trainer)
         self.best = Checkpoint(self.to_save, saver, filename_prefix=self.BEST_PREFIX, score_function=self._score,

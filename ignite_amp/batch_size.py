@@ -6,15 +6,12 @@ optimizer state is allocated) and leaves model, optimizer, scaler and RNG as the
 """
 import copy
 import math
-import random
 import time
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
-from ignite.engine import Engine
-
-from ignite_amp.events import AmpEvents
-from ignite_amp.step import AmpStep, free_memory, is_oom_error
+from ignite_amp.rng import get_rng_state, set_rng_state
+from ignite_amp.step import create_amp_trainer, free_memory, is_oom_error
 
 __all__ = ["Trial", "BatchSizeResult", "search_batch_size", "find_batch_size", "format_trials"]
 
@@ -104,24 +101,17 @@ def format_trials(result: BatchSizeResult) -> str:
 
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    state = {
+    return {
         "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
         "optimizer": copy.deepcopy(optimizer.state_dict()),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
+        "rng": get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda_rng"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    if "cuda_rng" in state:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    set_rng_state(state["rng"])
 
 
 def find_batch_size(
@@ -152,9 +142,8 @@ def find_batch_size(
         tolerance: bisection stops when the bounds are within this share of the fit.
         step_kwargs: more :class:`~ignite_amp.step.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
     """
-    step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype, **step_kwargs)
-    engine = Engine(step)
-    engine.register_events(*AmpEvents)
+    engine = create_amp_trainer(model, optimizer, loss_fn, device=device, dtype=dtype, **step_kwargs)
+    step = engine.amp_step
     saved = _snapshot(model, optimizer)
     cuda = step.device.type == "cuda"
 
