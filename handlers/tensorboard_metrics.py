@@ -41,34 +41,25 @@ def _rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _flatten(cfg: dict, prefix: str = "") -> Dict[str, Any]:
-    flat = {}
-    for key, value in cfg.items():
-        if isinstance(value, dict) and value and not key.endswith("kwargs"):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
-    return flat
-
-
 class TensorBoardMetrics:
     """Log loss, lr, grad norm, loss scale, skipped steps, throughput, memory, batch and OOM figures.
 
     Built on Ignite's ``TensorboardLogger``. Every ``log_every`` iterations it writes the means
     over the window, kept on the device until then and read with one host sync; validation
-    metrics after each evaluation; and at the end the flattened ``config`` as hparams with the
-    final and best validation metrics. Rank 0 only. The tags are listed in ``TAGS``.
+    metrics after each evaluation; and at the end ``hparams`` with the final and best
+    validation metrics. Rank 0 only. The tags are listed in ``TAGS``.
 
     Args:
         logdir: TensorBoard directory.
         log_every: iterations between two logs.
-        config: the resolved config, logged as hparams at the end.
+        hparams: a flat mapping of numbers and strings (e.g. ``ignite_amp.config.flatten_config(cfg)``)
+            logged as TensorBoard hparams at the end.
     """
 
-    def __init__(self, logdir: str, log_every: int = 50, config: Optional[dict] = None):
+    def __init__(self, logdir: str, log_every: int = 50, hparams: Optional[Dict[str, Any]] = None):
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"Argument log_every should be a positive integer, got {log_every!r}.")
-        self.logdir, self.log_every, self.config = str(logdir), log_every, config
+        self.logdir, self.log_every, self.hparams = str(logdir), log_every, hparams
         self.tb: Optional[TensorboardLogger] = None
         self.skipped = 0
         self.final: Dict[str, float] = {}
@@ -86,7 +77,6 @@ class TensorBoardMetrics:
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         if idist.get_rank() != 0:
             return
-        self.trainer = trainer
         self.optimizer = optimizer if optimizer is not None else trainer.amp_step.optimizer
         self.tb = TensorboardLogger(log_dir=self.logdir)
         trainer.add_event_handler(Events.STARTED, lambda _: self._reset())
@@ -170,10 +160,10 @@ class TensorBoardMetrics:
         # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
         if self.tb is None:
             return
-        if self.config is not None:
+        if self.hparams is not None:
             metrics = {f"hparam/final_{k}": v for k, v in self.final.items()}
             metrics.update({f"hparam/best_{k}": v for k, v in self.best.items()})
-            self.tb.writer.add_hparams(_flatten(self.config), metrics, run_name=".")
+            self.tb.writer.add_hparams(dict(self.hparams), metrics, run_name=".")
         self.tb.writer.flush()
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from ignite.metrics import Accuracy, Loss
 
 from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, NonFiniteError,
                       NonFiniteGuard, OOMBackoff, ProfilerCapture, TensorBoardMetrics)
-from ignite_amp.config import ConfigError, load_config, save_config
+from ignite_amp.config import ConfigError, flatten_config, load_config, save_config
 from ignite_amp.data import build_loaders
 from ignite_amp.models import build_model
 from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_device
@@ -269,7 +269,8 @@ def _attach_handlers(run: Run) -> None:
     if cfg["non_finite"]["enabled"]:
         NonFiniteGuard(cfg["non_finite"]["max_consecutive"]).attach(trainer)
     if cfg["tensorboard"]["enabled"]:
-        tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"], config=run.cfg)
+        tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"],
+                                hparams=flatten_config(run.cfg))
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
     prof = cfg["profiler"]

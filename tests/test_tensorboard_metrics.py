@@ -39,7 +39,7 @@ def logged(tmp_path):
         record["scale"][engine.state.iteration] = engine.amp_step.scaler.get_scale()
         record["loss"][engine.state.iteration] = engine.state.output["loss"].item()
 
-    tb = TensorBoardMetrics(str(tmp_path), log_every=2, config={"name": "t", "optimizer": {"lr": 0.05}})
+    tb = TensorBoardMetrics(str(tmp_path), log_every=2, hparams={"name": "t", "optimizer.lr": 0.05})
     tb.attach(trainer, evaluator=evaluator, optimizer=optimizer)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(id_batches(16, 8)))
     trainer.run(batches, max_epochs=2)
