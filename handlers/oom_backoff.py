@@ -3,6 +3,7 @@ import logging
 import math
 from typing import Optional
 
+import ignite.distributed as idist
 from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader
@@ -54,7 +55,9 @@ class OOMBackoff(Serializable):
     (checkpoints already on disk were written atomically and stay intact).
 
     Attach one to the trainer and, if you like, another to the evaluator (which splits its
-    batches the same way). Stateful: put it in the checkpoint so a resumed run starts at the
+    batches the same way). Under DDP every rank backs off together: with this handler attached
+    the step asks all ranks (one small all-reduce per iteration, on the CPU) whether any ran out
+    of memory before it all-reduces the gradients, so no rank is left waiting in a collective. Stateful: put it in the checkpoint so a resumed run starts at the
     size that worked.
 
     Args:
@@ -99,8 +102,9 @@ class OOMBackoff(Serializable):
         step.micro_batches = chunks
         self.events += 1
         self.clean = 0
+        where = f"{step.device} (or another rank's)" if idist.get_world_size() > 1 else str(step.device)
         logger.warning("out of memory at micro-batch size %d on %s: retrying the same batch of %d in %d "
-                       "micro-batches of at most %d", size, step.device, step.batch_size, chunks,
+                       "micro-batches of at most %d", size, where, step.batch_size, chunks,
                        micro_batch_size(step.batch_size, chunks))
 
     def _grow(self, engine: Engine) -> None:

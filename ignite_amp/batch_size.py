@@ -10,6 +10,7 @@ import time
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
+from ignite_amp.distributed import is_distributed, min_across_ranks, unwrap
 from ignite_amp.rng import get_rng_state, set_rng_state
 from ignite_amp.step import create_amp_trainer, free_memory, is_oom_error
 
@@ -142,6 +143,7 @@ def find_batch_size(
         tolerance: bisection stops when the bounds are within this share of the fit.
         step_kwargs: more :class:`~ignite_amp.step.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
     """
+    model = unwrap(model)  # trials must not communicate: a rank out of memory would leave the others waiting
     engine = create_amp_trainer(model, optimizer, loss_fn, device=device, dtype=dtype, **step_kwargs)
     step = engine.amp_step
     saved = _snapshot(model, optimizer)
@@ -172,8 +174,12 @@ def find_batch_size(
         return Trial(size, ok, peak, seconds, stage)
 
     try:
-        return search_batch_size(fits, start=start, max_size=max_size, margin=margin, tolerance=tolerance)
+        result = search_batch_size(fits, start=start, max_size=max_size, margin=margin, tolerance=tolerance)
     finally:
         _restore(model, optimizer, saved)
         optimizer.zero_grad(set_to_none=True)
         free_memory(step.device)
+    if is_distributed():  # each rank searched its own device: every rank takes the smallest answer
+        result = result._replace(batch_size=min_across_ranks(result.batch_size),
+                                 largest_fit=min_across_ranks(result.largest_fit))
+    return result

@@ -4,6 +4,7 @@ User errors (bad config, missing data, unwritable output) exit 2 with one line o
 """
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -82,22 +83,21 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config
-    from ignite_amp.run import build_run
+    from ignite_amp.run import train_from_config
 
     cfg = load_config(args.config, args.overrides)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    run = build_run(cfg, progress=progress)
-    step = run.trainer.amp_step
-    print(f"training {cfg['name']} on {step.device} with {str(step.dtype)[6:]} autocast; "
-          f"output in {cfg['output_dir']}", flush=True)
-    result = run.train()
+    result = train_from_config(cfg, progress=progress)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0  # under torchrun, rank 0 reports
     final = result["final"]
     if final:
         print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {final['epoch']} epochs")
     if result["best_checkpoint"]:
         print(f"best checkpoint: {result['best_checkpoint']}")
-    if cfg["handlers"]["tensorboard"]["enabled"] or cfg["handlers"]["profiler"]["enabled"]:
-        print(f"TensorBoard logs: {run.tensorboard_dir}  (open with: tensorboard --logdir {run.tensorboard_dir})")
+    if result["tensorboard_dir"]:
+        tb = result["tensorboard_dir"]
+        print(f"TensorBoard logs: {tb}  (open with: tensorboard --logdir {tb})")
     return 0
 
 

@@ -181,6 +181,11 @@ SCHEMA: Dict[str, Any] = {
         "epochs": Field(5, integer(1)),
         "epoch_length": Field(None, integer(1, allow_none=True), "iterations per epoch; null for the whole loader"),
     },
+    "distributed": {
+        "backend": Field("auto", choice("auto", "nccl", "gloo")),
+        "nproc_per_node": Field(None, integer(1, allow_none=True, maximum=1024),
+                                "processes to spawn on this machine; null: one, or what torchrun started"),
+    },
     "handlers": {
         "clipping": {
             "max_norm": Field(1.0, positive(allow_none=True)),

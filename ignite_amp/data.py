@@ -8,10 +8,12 @@ import os
 import pickle
 from typing import Optional, Sequence, Tuple
 
+import ignite.distributed as idist
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ignite_amp.config import ConfigError
+from ignite_amp.distributed import EvenShardSampler
 
 __all__ = ["EpochShuffleSampler", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
 
@@ -200,11 +202,26 @@ class EpochShuffleSampler(Sampler):
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
                 seed: int = 0) -> DataLoader:
-    """A DataLoader with pinned memory on CUDA and persistent workers when there are workers."""
-    return DataLoader(
+    """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
+
+    ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
+    ``batch_size / N`` (validation: rounded down; and ``num_workers`` is shared out over the processes of a machine). The
+    training order is drawn from ``seed + epoch`` (``set_epoch``), the same permutation in one
+    process (:class:`EpochShuffleSampler`) as over N (``DistributedSampler``), so the global
+    batches are the same sets of samples. Validation is sharded without padding.
+    """
+    world = idist.get_world_size()
+    if world > 1:
+        if train and batch_size % world:
+            raise ConfigError(f"data.batch_size: {batch_size} is the global batch and should divide evenly over "
+                              f"{world} processes")
+        sampler = DistributedSampler(dataset, shuffle=True, seed=seed) if train else EvenShardSampler(dataset)
+    else:
+        sampler = EpochShuffleSampler(len(dataset), seed) if train else None
+    return idist.auto_dataloader(
         dataset,
         batch_size=batch_size,
-        sampler=EpochShuffleSampler(len(dataset), seed) if train else None,
+        sampler=sampler,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,

@@ -2,19 +2,23 @@
 
 This is the one module of ``ignite_amp`` that imports ``handlers``.
 """
+import inspect
 import os
 import random
 import time
 from typing import Any, Callable, Optional
 
+import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
+from torch.nn.parallel import DistributedDataParallel
 
 from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, NonFiniteError,
                       NonFiniteGuard, OOMBackoff, ProfilerCapture, TensorBoardMetrics)
 from ignite_amp.config import ConfigError, flatten_config, load_config, save_config
 from ignite_amp.data import build_loaders
+from ignite_amp.distributed import broadcast_buffers, is_distributed, launch
 from ignite_amp.models import build_model
 from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_device
 
@@ -107,6 +111,10 @@ class Run:
             self.print(f"already trained {state.epoch} epochs (checkpoint {self.resumed_from}); "
                        f"raise train.epochs to train more")
         else:
+            step, world = self.trainer.amp_step, idist.get_world_size()
+            where = f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1 else str(step.device)
+            self.print(f"training {cfg['name']} on {where} with {str(step.dtype)[6:]} autocast; "
+                       f"output in {self.output_dir}")
             try:
                 self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
                                  epoch_length=cfg["train"]["epoch_length"])
@@ -115,7 +123,13 @@ class Run:
                     close()
         return {"history": self.history, "final": self.history[-1] if self.history else {},
                 "output_dir": self.output_dir,
-                "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None}
+                "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None,
+                "tensorboard_dir": self.tensorboard_dir if self.writes_tensorboard else None}
+
+    @property
+    def writes_tensorboard(self) -> bool:
+        handlers = self.cfg["handlers"]
+        return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]
 
 
 class _EpochSummary:
@@ -142,13 +156,22 @@ class _EpochSummary:
         self.samples += out["batch_size"]
 
     def completed(self, engine: Engine) -> None:
-        train_loss = (self.loss_sum / max(self.samples, 1)).item() if self.loss_sum is not None else float("nan")
+        samples = self.samples
+        if self.loss_sum is None:
+            train_loss = float("nan")
+        elif is_distributed():  # over every rank's samples
+            totals = torch.stack([self.loss_sum.double(),
+                                  torch.tensor(samples, dtype=torch.float64, device=self.loss_sum.device)])
+            loss_sum, samples = idist.all_reduce(totals).tolist()
+            train_loss = loss_sum / max(samples, 1)
+        else:
+            train_loss = (self.loss_sum / max(samples, 1)).item()
         seconds = time.perf_counter() - self.start  # after the .item() sync above
         run = self.run
         run.evaluator.run(run.val_loader)
         metrics = dict(run.evaluator.state.metrics)
         epoch, epochs = engine.state.epoch, engine.state.max_epochs
-        record = {"epoch": epoch, "train_loss": train_loss, "samples_per_sec": self.samples / max(seconds, 1e-9),
+        record = {"epoch": epoch, "train_loss": train_loss, "samples_per_sec": samples / max(seconds, 1e-9),
                   **{f"val_{k}": float(v) for k, v in metrics.items()}}
         run.history.append(record)
         width = len(str(epochs))
@@ -158,19 +181,44 @@ class _EpochSummary:
                   f"{record['samples_per_sec']:.0f} samples/s  {seconds:.1f}s")
 
 
+# DDP does not broadcast rank 0's buffers at every forward (a collective inside the step, which
+# would hang a rank that ran out of memory earlier); the run sends them before each evaluation.
+# Rank 0's running statistics come from its own batches either way. Newer torch renames the flag.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
 def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> Run:
-    """Validate ``cfg`` (path, dict or loaded config) and build everything it describes."""
+    """Validate ``cfg`` (path, dict or loaded config) and build everything it describes.
+
+    Inside a process group of N > 1 ranks (``torchrun``, or :func:`train_from_config` with
+    ``distributed.nproc_per_node``) the model is wrapped by ``idist.auto_model`` (DDP), the
+    loaders shard the global batch, and rank 0 alone prints and writes files.
+    """
     cfg = load_config(cfg)
     seed_everything(cfg["seed"])
     device = config_device(cfg)
-    _check_output_dir(cfg["output_dir"])
+    main = idist.get_rank() == 0
+    if not main:
+        print_fn, progress = _silent, False
+    if is_distributed():
+        device = _rank_device(cfg, device)
+    if main:
+        _check_output_dir(cfg["output_dir"])
     _check_backoff_mode(cfg)
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
     optimizer = build_optimizer(cfg["optimizer"], model)
     if cfg["data"]["batch_size"] == "auto":
         result = search_for_config(cfg, model, optimizer, device)
-        cfg["data"]["batch_size"] = result.batch_size
-        print_fn(f"batch-size search: largest fit {result.largest_fit}, using {result.batch_size} "
+        world = idist.get_world_size()
+        cfg["data"]["batch_size"] = result.batch_size * world
+        per_rank = f" per process x {world} processes" if world > 1 else ""
+        print_fn(f"batch-size search: largest fit {result.largest_fit}, using {result.batch_size}{per_rank} "
                  f"({len(result.trials)} trials)")
 
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
@@ -182,12 +230,19 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     loss_fn = torch.nn.functional.cross_entropy
     step_kwargs = dict(device=device, dtype=amp["dtype"], channels_last=amp["channels_last"],
                        compile=amp["compile"], fp32_modules=amp["fp32_modules"])
+    trained = model
+    if is_distributed():  # DDP wraps the model in its final place and memory format
+        model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
+        trained = idist.auto_model(model, **NO_FORWARD_BUFFER_SYNC)
+        optimizer = idist.auto_optim(optimizer)
     try:
-        trainer = create_amp_trainer(model, optimizer, loss_fn, accumulation_steps=amp["accumulation_steps"],
+        trainer = create_amp_trainer(trained, optimizer, loss_fn, accumulation_steps=amp["accumulation_steps"],
                                      micro_batches=amp["micro_batches"], **step_kwargs)
         evaluator = create_amp_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(loss_fn)}, **step_kwargs)
     except ValueError as exc:
         raise ConfigError(f"amp: {exc}") from None
+    if is_distributed():
+        evaluator.add_event_handler(Events.STARTED, lambda _: broadcast_buffers(model))
 
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
     total_steps = max(1, cfg["train"]["epochs"] * epoch_length // amp["accumulation_steps"])
@@ -211,8 +266,18 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
 
         # No loss in the bar: showing it would sync the host with the device every iteration.
         ProgressBar(persist=False).attach(trainer)
-    save_config(cfg, os.path.join(cfg["output_dir"], "config.yaml"))
+    if main:
+        save_config(cfg, os.path.join(cfg["output_dir"], "config.yaml"))
     return run
+
+
+def _rank_device(cfg: dict, device: torch.device) -> torch.device:
+    """This rank's device (``cuda:LOCAL_RANK`` on GPUs); the config's device type must match it."""
+    rank_device = idist.device()
+    if rank_device.type != device.type:
+        raise ConfigError(f"device: {cfg['device']} resolves to {device.type}, but ignite.distributed places "
+                          f"this rank on {rank_device}; use device: auto")
+    return rank_device
 
 
 def _check_backoff_mode(cfg: dict) -> None:
@@ -284,7 +349,12 @@ def _attach_handlers(run: Run) -> None:
                                     n_saved=ckpt["n_saved"], config=run.cfg)
     run.checkpoint.attach(trainer, evaluator)
     if ckpt["resume"]:
-        run.resumed_from = run.checkpoint.resume(None if ckpt["resume"] == "auto" else ckpt["resume"])
+        path = ckpt["resume"]
+        if path == "auto":
+            path = run.checkpoint.latest()
+            if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
+                path = idist.broadcast(path or "", src=0) or None
+        run.resumed_from = run.checkpoint.resume(path) if path else None
         if run.resumed_from:
             _check_schedule_fits(run.cfg, run.checkpoint.resumed_config or {}, run.resumed_from)
             run.print(f"resumed from {run.resumed_from} at epoch {trainer.state.epoch}")
@@ -306,9 +376,17 @@ def _check_schedule_fits(cfg: dict, stored: dict, path: str) -> None:
                 f"{section}.{key}={old}, not {cfg[section][key]}; keep it, or use a new output_dir")
 
 
+def _train(cfg: dict, progress: bool, print_fn: Callable) -> dict:
+    return build_run(cfg, progress=progress, print_fn=print_fn).train()
+
+
 def train_from_config(cfg: Any, progress: bool = False, print_fn: Callable = print) -> dict:
     """Train what ``cfg`` (a YAML path, a dict, or a loaded config) describes.
 
-    Returns ``{"history": [per-epoch records], "final": last record, "output_dir": ...}``.
+    With ``distributed.nproc_per_node: N > 1`` it spawns N processes (``idist.Parallel``; then
+    ``print_fn`` must be picklable, like ``print``); under ``torchrun`` this process is one rank.
+    Returns rank 0's ``{"history": [per-epoch records], "final": last record, "output_dir": ...,
+    "best_checkpoint": ..., "tensorboard_dir": ...}``.
     """
-    return build_run(cfg, progress=progress, print_fn=print_fn).train()
+    cfg = load_config(cfg)
+    return launch(cfg, _train, cfg, progress, print_fn)

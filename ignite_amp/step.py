@@ -29,7 +29,9 @@ from ignite.base.mixins import Serializable
 from ignite.engine import Engine
 from ignite.engine import _prepare_batch as ignite_prepare_batch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from ignite_amp.distributed import all_reduce_gradients, any_rank, is_distributed, unwrap
 from ignite_amp.events import AmpEvents
 
 __all__ = [
@@ -170,10 +172,10 @@ def _fp32_forward(forward: Callable, device_type: str, *args: Any, **kwargs: Any
 
 
 def keep_in_fp32(model: nn.Module, names: Iterable[str], device_type: str) -> None:
-    """Run the named submodules with autocast disabled and float32 inputs."""
+    """Run the named submodules with autocast disabled and float32 inputs (names of the unwrapped model)."""
     for name in names:
         try:
-            module = model.get_submodule(name)
+            module = unwrap(model).get_submodule(name)
         except AttributeError:
             raise ValueError(f"fp32_modules: the model has no submodule {name!r}") from None
         if getattr(module, "_ignite_amp_fp32", False):
@@ -226,15 +228,22 @@ class _RetryingStep:
     def __call__(self, engine: Engine, batch: Any) -> Any:
         self.batch_size = batch_size_of(batch)
         while True:
+            agree = self._agrees_on_oom(engine)
+            output, error = None, None
             try:
-                return self._run(engine, batch)
+                output = self._run(engine, batch, defer=agree)
             except RuntimeError as exc:
                 if not is_oom_error(exc):
                     raise
                 error = exc
+            if agree and any_rank(error is not None) and error is None:
+                error = torch.OutOfMemoryError("out of memory on another rank: every rank retries together")
+            if error is None:
+                return self._complete(engine, output) if agree else output
             # Outside the except block. The traceback's frames still hold the failed step's
             # activations: clear their locals (the lines stay for the re-raise), then free.
             traceback.clear_frames(error.__traceback__)
+            output = None
             self._recover(engine)
             free_memory(self.device)
             self.oom_count += 1
@@ -244,8 +253,15 @@ class _RetryingStep:
                 raise error  # nothing made the chunks smaller: retrying would fail the same way
             del error
 
-    def _run(self, engine: Engine, batch: Any) -> Any:
+    def _agrees_on_oom(self, engine: Engine) -> bool:
+        """Whether this step must agree with the other ranks before communicating (see AmpStep)."""
+        return False
+
+    def _run(self, engine: Engine, batch: Any, defer: bool = False) -> Any:
         raise NotImplementedError
+
+    def _complete(self, engine: Engine, output: Any) -> Any:
+        return output
 
     def _recover(self, engine: Engine) -> None:
         pass
@@ -300,32 +316,52 @@ class AmpStep(_RetryingStep, Serializable):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=self.dtype == torch.float16 if scaler is None else scaler,
             **(scaler_kwargs or {}),
         )
 
-    def _run(self, engine: Engine, batch: Any) -> dict:
+    def _agrees_on_oom(self, engine: Engine) -> bool:
+        # Only a DDP model communicates inside the step, and only a handler of OUT_OF_MEMORY
+        # (OOMBackoff) makes a retry worth agreeing on; otherwise the error simply propagates.
+        return self.ddp is not None and is_distributed() and bool(engine._event_handlers.get(AmpEvents.OUT_OF_MEMORY))
+
+    def _run(self, engine: Engine, batch: Any, defer: bool = False) -> dict:
         n = self.batch_size
         chunks = min(self.micro_batches, n)
         iteration = engine.state.iteration
+        stepping = iteration % self.accumulation_steps == 0
         self.model.train()
         if (iteration - 1) % self.accumulation_steps == 0:
             self.optimizer.zero_grad(set_to_none=True)
         total = None
-        for chunk in split_batch(batch, chunks):
+        parts = split_batch(batch, chunks)
+        for i, chunk in enumerate(parts):
             x, y = self._inputs(chunk)
-            with self.autocast():
-                loss = self.loss_fn(self.forward(x), y)
-            # Each chunk's share of the full batch's mean loss, and of the accumulation cycle.
-            share = batch_size_of(chunk) / n
-            scale = share / self.accumulation_steps
-            self.scaler.scale(loss * scale if scale != 1 else loss).backward()
+            # DDP all-reduces the gradients in the backward of the last chunk of a stepping
+            # iteration only: once per optimizer step. Deferred: after all ranks agreed.
+            with self._no_sync(defer or not (stepping and i == len(parts) - 1)):
+                with self.autocast():
+                    loss = self.loss_fn(self.forward(x), y)
+                # Each chunk's share of the full batch's mean loss, and of the accumulation cycle.
+                share = batch_size_of(chunk) / n
+                scale = share / self.accumulation_steps
+                self.scaler.scale(loss * scale if scale != 1 else loss).backward()
             part = loss.detach().float()
             total = part * share if total is None else total + part * share
-        if iteration % self.accumulation_steps == 0:
+        output = {"loss": total, "batch_size": n}
+        return output if defer else self._complete(engine, output, reduce=False)
+
+    def _complete(self, engine: Engine, output: dict, reduce: bool = True) -> dict:
+        if engine.state.iteration % self.accumulation_steps == 0:
+            if reduce:
+                all_reduce_gradients(self.model.parameters())
             self._optimizer_step(engine)
-        return {"loss": total, "batch_size": n}
+        return output
+
+    def _no_sync(self, skip: bool):
+        return self.ddp.no_sync() if skip and self.ddp is not None else contextlib.nullcontext()
 
     def _optimizer_step(self, engine: Engine) -> None:
         found_inf = False
@@ -373,7 +409,7 @@ class EvalStep(_RetryingStep):
     Returns ``(y_pred, y)`` with ``y_pred`` in float32, what Ignite metrics expect.
     """
 
-    def _run(self, engine: Engine, batch: Any) -> Any:
+    def _run(self, engine: Engine, batch: Any, defer: bool = False) -> Any:
         self.model.eval()
         preds, targets = [], []
         with torch.no_grad():

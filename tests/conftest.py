@@ -125,3 +125,22 @@ class NaNAfter(nn.Module):
 
 def nan_after(num_classes: int = 10, after: int = 3) -> nn.Module:
     return NaNAfter(num_classes, after)
+
+
+class OOMOnRank(OOMCNN):
+    """OOMCNN that runs out of memory only in the process of rank ``rank`` (others have no limit)."""
+
+    def __init__(self, num_classes: int = 10, limit: int = 8, rank: int = 1):
+        super().__init__(num_classes, limit)
+        self.rank = rank
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == self.rank:
+            return super().forward(x)
+        return self.body(x)
+
+
+def oom_on_rank(num_classes: int = 10, limit: int = 8, rank: int = 1) -> nn.Module:
+    return OOMOnRank(num_classes, limit, rank)

@@ -167,7 +167,8 @@ def test_config_fuzzing_never_shows_a_traceback(quick_cfg, tmp_path, capsys, mon
 
     def one_iteration(self):  # keep the fuzz fast: build everything for real, train one iteration
         self.trainer.run(self.train_loader, max_epochs=1, epoch_length=1)
-        return {"history": [], "final": {}, "output_dir": self.output_dir, "best_checkpoint": None}
+        return {"history": [], "final": {}, "output_dir": self.output_dir, "best_checkpoint": None,
+                "tensorboard_dir": None}
 
     monkeypatch.setattr(run_module.Run, "train", one_iteration)
     rng = random.Random(0)

@@ -1,0 +1,230 @@
+"""Data-parallel training on CPU: two gloo processes against one process over the same global batch."""
+import copy
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from conftest import ROOT
+from ignite_amp import load_config, train_from_config
+from ignite_amp.distributed import EvenShardSampler, launch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# float32, a model without BatchNorm (per-rank batch statistics would differ from the global
+# batch's), no augmentation: two ranks of 16 must train exactly like one process of 32.
+BASE = {
+    "name": "ddp",
+    "device": "cpu",
+    "amp": {"dtype": "float32"},
+    "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 256, "val_size": 65,
+             "image_size": 16},
+    "model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 1000}},
+    "optimizer": {"name": "AdamW", "lr": 3e-3},
+    "scheduler": {"name": "onecycle"},
+    "train": {"epochs": 2},
+}
+
+
+def config(output_dir, **sections) -> dict:
+    cfg = copy.deepcopy(BASE)
+    for key, value in sections.items():
+        cfg[key] = dict(cfg.get(key, {}), **value) if isinstance(value, dict) else value
+    cfg["output_dir"] = str(output_dir)
+    return cfg
+
+
+def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``ignite-amp train`` in a fresh interpreter: ``nproc`` processes spawned from the config, or by torchrun."""
+    path = tmp_path / f"{os.path.basename(cfg['output_dir'])}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
+    if torchrun:
+        command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   "-m", "ignite_amp", "train", str(path)]
+    else:
+        command = ["-m", "ignite_amp", "train", str(path), "--set", f"distributed.nproc_per_node={nproc}"]
+    return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300)
+
+
+def one_process(cfg: dict) -> dict:
+    lines = []
+    result = train_from_config(cfg, print_fn=lines.append)
+    result["lines"] = lines
+    return result
+
+
+def weights(output_dir) -> dict:
+    folder = os.path.join(output_dir, "checkpoints")
+    last = [n for n in os.listdir(folder) if n.startswith("last_")]
+    assert len(last) == 1, last
+    return torch.load(os.path.join(folder, last[0]), weights_only=True)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def epoch_lines(text) -> list:
+    """Epoch lines without the timing columns."""
+    lines = text if isinstance(text, list) else text.splitlines()
+    return [re.sub(r"\s+[\d.]+ samples/s.*", "", l) for l in lines if re.match(r"epoch \d+/\d+", l)]
+
+
+def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
+    cfg = config(tmp_path / "two", handlers={"profiler": {"enabled": True, "wait": 1, "warmup": 1, "active": 2}})
+    two = cli(cfg, tmp_path)
+    assert two.returncode == 0, two.stderr
+    ref = one_process(dict(cfg, output_dir=str(tmp_path / "one")))
+
+    # Same weights, same global train loss and the same validation metrics over all 65 samples
+    # (sharded 33 + 32 without padding), printed once.
+    assert_same_weights(weights(tmp_path / "one")["model"], weights(tmp_path / "two")["model"])
+    assert epoch_lines(two.stdout) == epoch_lines(ref["lines"]) and len(epoch_lines(two.stdout)) == 2
+    assert "training ddp on 2 processes (gloo), cpu" in two.stdout
+    assert two.stdout.count("done: val accuracy") == 1
+    assert "Traceback" not in two.stderr
+
+    # Only rank 0 wrote: the same files as one process, and every TensorBoard/profiler file from one pid.
+    def listing(run):
+        return sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs)
+
+    files = listing(tmp_path / "two")
+    assert [f for f in files if not f.startswith("tensorboard")] == \
+        [f for f in listing(tmp_path / "one") if not f.startswith("tensorboard")]
+    logs = [f for f in files if f.startswith("tensorboard")]
+    pids = {re.search(r"(?:\.|_)(\d+)\.(?:\d+$|\d+\.pt\.trace)", f).group(1) for f in logs if "profiler_top" not in f}
+    assert len(pids) == 1, logs
+    assert sum(f.endswith(".pt.trace.json") for f in logs) == 1
+
+
+def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_path):
+    """Launched by torchrun. Without OOM backoff DDP overlaps its all-reduce with the last backward
+    of each optimizer step, the other chunks under no_sync."""
+    cfg = config(tmp_path / "two", amp={"accumulation_steps": 2, "micro_batches": 2},
+                 handlers={"oom_backoff": {"enabled": False}})
+    two = cli(cfg, tmp_path, torchrun=True)
+    assert two.returncode == 0, two.stderr
+    assert "training ddp on 2 processes (gloo), cpu" in two.stdout and two.stdout.count("done: val accuracy") == 1
+    one_process(dict(cfg, output_dir=str(tmp_path / "one")))
+    assert_same_weights(weights(tmp_path / "one")["model"], weights(tmp_path / "two")["model"])
+
+
+def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
+    cfg = config(tmp_path / "two", model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
+    two = cli(cfg, tmp_path)
+    assert two.returncode == 0, two.stderr
+    saved = weights(tmp_path / "two")
+    # Rank 1 ran out of memory at 16 samples; rank 0 (whose state is saved) backed off with it.
+    assert saved["oom_backoff"]["events"] == 1 and saved["amp_step"]["micro_batches"] == 2
+    assert "out of memory at micro-batch size 16 on cpu (or another rank's)" in two.stderr
+    # And no sample was lost or doubled: the same weights as one process that never ran out.
+    one_process(dict(cfg, output_dir=str(tmp_path / "one"), model=BASE["model"]))
+    assert_same_weights(weights(tmp_path / "one")["model"], saved["model"])
+
+
+def test_resume_across_process_counts(tmp_path):
+    """Two processes then one, and one then two, end where one uninterrupted process does."""
+    cfg = config(tmp_path / "ref", scheduler={"name": "none"})
+    one_process(cfg)
+    reference = weights(tmp_path / "ref")
+
+    first = dict(cfg, output_dir=str(tmp_path / "two_then_one"), train={"epochs": 1})
+    assert cli(first, tmp_path).returncode == 0
+    resumed = one_process(dict(first, train={"epochs": 2}))
+    assert any("resumed from" in line for line in resumed["lines"])
+    assert_same_weights(reference["model"], weights(tmp_path / "two_then_one")["model"])
+
+    first = dict(cfg, output_dir=str(tmp_path / "one_then_two"), train={"epochs": 1})
+    one_process(first)
+    second = cli(dict(first, train={"epochs": 2}), tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout
+    final = weights(tmp_path / "one_then_two")
+    assert_same_weights(reference["model"], final["model"])
+    assert final["trainer"]["iteration"] == reference["trainer"]["iteration"] == 16
+
+
+def test_a_rank_error_is_one_line_in_the_parent(tmp_path):
+    cfg = config(tmp_path / "odd", data={"batch_size": 33})
+    out = cli(cfg, tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == ("ignite-amp: error: data.batch_size: 33 is the global batch and should divide "
+                          "evenly over 2 processes\n")
+
+
+def test_nccl_without_cuda_is_refused_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    from ignite_amp.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config(tmp_path / "x", distributed={"backend": "nccl", "nproc_per_node": 2})))
+    assert main(["train", str(path)]) == 2
+
+
+def _search_on_rank(limits: dict) -> int:
+    from conftest import OOMAbove, mlp  # noqa: F401  (stand-in: a model that runs out of memory above a size)
+    from ignite_amp.batch_size import find_batch_size
+
+    model = OOMAbove(limit=limits[dist.get_rank()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def make_batch(n):
+        return torch.randn(n, 5), torch.randint(0, 3, (n,))
+
+    return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device="cpu",
+                           dtype="float32", start=8, max_size=256, margin=0.0).batch_size
+
+
+def test_find_batch_size_takes_the_smallest_rank(tmp_path):
+    cfg = load_config({"device": "cpu", "distributed": {"nproc_per_node": 2}})
+    # Rank 0 holds 200 samples, rank 1 only 50: rank 0 answers with rank 1's size.
+    assert launch(cfg, _search_on_rank, {0: 200, 1: 50}) == 50
+
+
+def test_even_shard_sampler_covers_every_sample_once():
+    data = list(range(10))
+    shards = [list(EvenShardSampler(data, num_replicas=3, rank=r)) for r in range(3)]
+    assert sorted(sum(shards, [])) == data
+    assert [len(EvenShardSampler(data, num_replicas=3, rank=r)) for r in range(3)] == [4, 3, 3]
+
+
+def test_ddp_all_reduces_once_per_optimizer_step(tmp_path, monkeypatch):
+    """Accumulation and micro-batches run under no_sync: one gradient all-reduce per optimizer step."""
+    import ignite.distributed as idist
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    from conftest import mlp
+    from ignite_amp import create_amp_trainer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(mlp())
+        calls = []
+
+        def counting_hook(state, bucket):
+            calls.append(bucket.index())
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        model.register_comm_hook(None, counting_hook)
+        trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     torch.nn.functional.cross_entropy, device="cpu", dtype="float32",
+                                     accumulation_steps=2, micro_batches=3)
+        batches = [(torch.randn(6, 5), torch.randint(0, 3, (6,))) for _ in range(4)]
+        trainer.run(batches, max_epochs=1)
+        # 4 iterations x 3 micro-batches = 12 backward passes, 2 optimizer steps: 2 all-reduces.
+        assert len(calls) == 2
+    finally:
+        idist.finalize()
+        if dist.is_initialized():
+            dist.destroy_process_group()
