@@ -43,25 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _find_batch_size(args: argparse.Namespace) -> int:
-    import torch
-
     from ignite_amp.batch_size import format_trials
-    from ignite_amp.config import ConfigError, load_config, write_batch_size
-    from ignite_amp.models import build_model
-    from ignite_amp.run import build_optimizer, config_device, search_for_config, seed_everything
+    from ignite_amp.config import load_config, write_batch_size
+    from ignite_amp.distributed import launch
+    from ignite_amp.run import search_from_config
 
     cfg = load_config(args.config, args.overrides)
-    device = config_device(cfg)
-    if device.type != "cuda":
-        raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
-    seed_everything(cfg["seed"])
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
-    result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device)
-    print(f"{cfg['model']['name']} on {torch.cuda.get_device_name(device)}, dtype {cfg['amp']['dtype']}")
+    result, device_name, world = launch(cfg, search_from_config, cfg)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0  # under torchrun, rank 0 reports
+    print(f"{cfg['model']['name']} on {device_name}, dtype {cfg['amp']['dtype']}")
     print(format_trials(result))
+    size = result.batch_size * world
+    if world > 1:
+        print(f"the smallest of {world} processes: {result.batch_size} per process, global batch {size}")
     if args.write:
-        write_batch_size(args.config, result.batch_size)
-        print(f"wrote data.batch_size: {result.batch_size} to {args.config}")
+        write_batch_size(args.config, size)
+        print(f"wrote data.batch_size: {size} to {args.config}")
     return 0
 
 

@@ -255,6 +255,11 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         return result[0]
     if backend == "nccl" and nproc > torch.cuda.device_count():
         raise ConfigError(f"distributed.nproc_per_node: {nproc} processes but {torch.cuda.device_count()} GPUs")
+    try:
+        pickle.dumps((fn, args))
+    except Exception as exc:
+        raise ValueError(f"spawning {nproc} processes needs picklable arguments (print_fn=print, not a lambda); "
+                         f"{exc}") from None
     outbox = tempfile.mkdtemp(prefix="ignite-amp-")
     try:
         try:

@@ -2,7 +2,6 @@
 
 This is the one module of ``ignite_amp`` that imports ``handlers``.
 """
-import inspect
 import os
 import random
 import time
@@ -12,13 +11,12 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
-from torch.nn.parallel import DistributedDataParallel
 
 from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, NonFiniteError,
                       NonFiniteGuard, OOMBackoff, ProfilerCapture, TensorBoardMetrics)
 from ignite_amp.config import ConfigError, flatten_config, load_config, save_config
 from ignite_amp.data import build_loaders
-from ignite_amp.distributed import broadcast_buffers, is_distributed, launch
+from ignite_amp.distributed import is_distributed, launch
 from ignite_amp.models import build_model
 from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_device
 
@@ -181,14 +179,6 @@ class _EpochSummary:
                   f"{record['samples_per_sec']:.0f} samples/s  {seconds:.1f}s")
 
 
-# DDP does not broadcast rank 0's buffers at every forward (a collective inside the step, which
-# would hang a rank that ran out of memory earlier); the run sends them before each evaluation.
-# Rank 0's running statistics come from its own batches either way. Newer torch renames the flag.
-NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                          else {"broadcast_buffers": False})
-
-
 def _silent(*args: Any, **kwargs: Any) -> None:
     pass
 
@@ -233,7 +223,7 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     trained = model
     if is_distributed():  # DDP wraps the model in its final place and memory format
         model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
-        trained = idist.auto_model(model, **NO_FORWARD_BUFFER_SYNC)
+        trained = idist.auto_model(model)
         optimizer = idist.auto_optim(optimizer)
     try:
         trainer = create_amp_trainer(trained, optimizer, loss_fn, accumulation_steps=amp["accumulation_steps"],
@@ -241,8 +231,6 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
         evaluator = create_amp_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(loss_fn)}, **step_kwargs)
     except ValueError as exc:
         raise ConfigError(f"amp: {exc}") from None
-    if is_distributed():
-        evaluator.add_event_handler(Events.STARTED, lambda _: broadcast_buffers(model))
 
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
     total_steps = max(1, cfg["train"]["epochs"] * epoch_length // amp["accumulation_steps"])
@@ -314,6 +302,19 @@ def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.
     amp = cfg["amp"]
     return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
                            dtype=amp["dtype"], channels_last=amp["channels_last"], fp32_modules=amp["fp32_modules"])
+
+
+def search_from_config(cfg: dict):
+    """``ignite-amp find-batch-size``: ``(result, device name, processes)``; the size is per process."""
+    device = config_device(cfg)
+    if device.type != "cuda":
+        raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
+    if is_distributed():
+        device = _rank_device(cfg, device)
+    seed_everything(cfg["seed"])
+    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device)
+    return result, torch.cuda.get_device_name(device), idist.get_world_size()
 
 
 def _attach_handlers(run: Run) -> None:

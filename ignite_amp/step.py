@@ -26,12 +26,12 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 from ignite.base.mixins import Serializable
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 from ignite.engine import _prepare_batch as ignite_prepare_batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ignite_amp.distributed import all_reduce_gradients, any_rank, is_distributed, unwrap
+from ignite_amp.distributed import all_reduce_gradients, any_rank, broadcast_buffers, is_distributed, unwrap
 from ignite_amp.events import AmpEvents
 
 __all__ = [
@@ -317,6 +317,8 @@ class AmpStep(_RetryingStep, Serializable):
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        if self.ddp is not None:
+            _no_buffer_sync_in_forward(self.ddp)
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=self.dtype == torch.float16 if scaler is None else scaler,
             **(scaler_kwargs or {}),
@@ -424,6 +426,20 @@ class EvalStep(_RetryingStep):
         return torch.cat(preds), torch.cat(targets)
 
 
+def _no_buffer_sync_in_forward(ddp: DistributedDataParallel) -> None:
+    """Turn off DDP's broadcast of rank 0's buffers at each forward.
+
+    That broadcast is a collective inside the step: a rank retrying after an out-of-memory error
+    would call it once more than the others and hang. Rank 0's buffers (BatchNorm running
+    statistics) evolve from its own batches either way, and the evaluator made by
+    :func:`create_amp_evaluator` sends them to every rank before each evaluation.
+    """
+    if hasattr(ddp, "forward_sync_buffers"):  # torch >= 2.13
+        ddp.forward_sync_buffers = False
+    else:
+        ddp.broadcast_buffers = False
+
+
 def _engine(step: _RetryingStep) -> Engine:
     engine = Engine(step)
     engine.register_events(*AmpEvents)
@@ -470,10 +486,17 @@ def create_amp_evaluator(
 ) -> Engine:
     """An Ignite ``Engine`` evaluating ``model`` under autocast with no grad, with ``metrics`` attached.
 
+    A DDP-wrapped model is evaluated through its module. Under data-parallel training every
+    rank runs the evaluator on its shard (Ignite's metrics add the ranks up), after receiving
+    rank 0's buffers.
+
     Keyword arguments go to :class:`EvalStep` (``micro_batches``, ``non_blocking``,
     ``channels_last``, ``compile``, ``fp32_modules``, ``prepare_batch``).
     """
+    model = unwrap(model)  # evaluation never communicates: no DDP forward
     evaluator = _engine(EvalStep(model, device=device, dtype=dtype, **kwargs))
+    if is_distributed():  # every rank evaluates its shard with rank 0's buffers (see AmpStep)
+        evaluator.add_event_handler(Events.STARTED, lambda _: broadcast_buffers(model))
     for name, metric in (metrics or {}).items():
         metric.attach(evaluator, name)
     return evaluator

@@ -73,11 +73,11 @@ def quick_cfg(tmp_path):
 class OOMCNN(nn.Module):
     """Image stand-in for config runs: a tiny CNN raising torch.OutOfMemoryError above ``limit`` samples."""
 
-    def __init__(self, num_classes: int = 10, limit: int = 16):
+    def __init__(self, num_classes: int = 10, limit: int = 16, norm: bool = False):
         super().__init__()
         self.limit = limit
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(8, num_classes))
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8) if norm else nn.Identity(),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
 
     def forward(self, x):
         if x.shape[0] > self.limit:
@@ -130,8 +130,8 @@ def nan_after(num_classes: int = 10, after: int = 3) -> nn.Module:
 class OOMOnRank(OOMCNN):
     """OOMCNN that runs out of memory only in the process of rank ``rank`` (others have no limit)."""
 
-    def __init__(self, num_classes: int = 10, limit: int = 8, rank: int = 1):
-        super().__init__(num_classes, limit)
+    def __init__(self, num_classes: int = 10, limit: int = 8, rank: int = 1, norm: bool = False):
+        super().__init__(num_classes, limit, norm)
         self.rank = rank
 
     def forward(self, x):
@@ -142,5 +142,5 @@ class OOMOnRank(OOMCNN):
         return self.body(x)
 
 
-def oom_on_rank(num_classes: int = 10, limit: int = 8, rank: int = 1) -> nn.Module:
-    return OOMOnRank(num_classes, limit, rank)
+def oom_on_rank(num_classes: int = 10, limit: int = 8, rank: int = 1, norm: bool = False) -> nn.Module:
+    return OOMOnRank(num_classes, limit, rank, norm)

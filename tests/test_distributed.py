@@ -130,6 +130,16 @@ def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
     assert_same_weights(weights(tmp_path / "one")["model"], saved["model"])
 
 
+def test_out_of_memory_in_the_first_forward_of_a_batchnorm_model_does_not_hang(tmp_path):
+    """DDP would broadcast buffers at the start of a forward: the retrying rank would call it once
+    more than the others. The step turns that off and the evaluator sends rank 0's buffers instead."""
+    cfg = config(tmp_path / "bn", model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "norm": True}},
+                 train={"epochs": 1})
+    out = cli(cfg, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert weights(tmp_path / "bn")["amp_step"]["micro_batches"] == 2
+
+
 def test_resume_across_process_counts(tmp_path):
     """Two processes then one, and one then two, end where one uninterrupted process does."""
     cfg = config(tmp_path / "ref", scheduler={"name": "none"})
