@@ -184,6 +184,8 @@ def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, args: t
     logging.basicConfig(level=log_level, format="%(name)s: %(message)s")
     sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does (N x all cores thrashes)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // idist.get_nproc_per_node()))
     _quiet_other_ranks()
     try:
         outcome = ("ok", _call(fn, args))
