@@ -9,7 +9,6 @@ The collectives used by the step live here too: :func:`any_rank` (the out-of-mem
 agreement, on a CPU group so it never waits for the device), :func:`all_reduce_gradients`
 and :func:`broadcast_buffers`.
 """
-import functools
 import gc
 import logging
 import os
@@ -62,15 +61,24 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_group(world_size: int, backend: str) -> Optional[Any]:
-    # A gloo group for host-side flags: an all-reduce over it never waits for queued device work.
-    return None if backend == "gloo" else dist.new_group(backend="gloo")
+_CPU_GROUPS: dict = {}
+
+
+def _cpu_group() -> Optional[Any]:
+    """A gloo group for host-side flags (the default group when it is gloo already): an all-reduce
+    over it never waits for work queued on the GPU. Made once per process group, by every rank
+    at the same point (the first step)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
 
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (one all-reduce of one integer, on the CPU)."""
-    group = _cpu_group(idist.get_world_size(), dist.get_backend())
+    group = _cpu_group()
     value = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
