@@ -15,6 +15,12 @@
 An out-of-memory error is caught, the memory freed outside the ``except`` block, and
 ``OUT_OF_MEMORY`` fired; a handler that raises ``micro_batches`` makes the step retry the
 same batch, otherwise the original error is re-raised.
+
+With a ``DistributedDataParallel`` model, every backward but the last of an optimizer step
+runs under ``no_sync``. When something handles ``OUT_OF_MEMORY`` (and there are several
+ranks), all backward passes run under ``no_sync``; the ranks then agree whether any ran out
+of memory (``any_rank``), and only when none did are the gradients all-reduced and the
+optimizer stepped, so a retry never leaves another rank waiting in a collective.
 """
 import contextlib
 import functools
