@@ -34,11 +34,22 @@ def seed_everything(seed: int) -> None:
 
 
 def config_device(cfg: dict) -> torch.device:
-    """The config's ``device`` as a torch device; a device that isn't there is a ConfigError."""
+    """The config's ``device`` as a torch device; a device that isn't there is a ConfigError.
+
+    Inside a process group of several ranks it is this rank's device (``cuda:LOCAL_RANK`` on
+    GPUs), whose type must match the config's.
+    """
     try:
-        return resolve_device(cfg["device"])
+        device = resolve_device(cfg["device"])
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(f"device: {exc}") from None
+    if not is_distributed():
+        return device
+    rank_device = idist.device()
+    if rank_device.type != device.type:
+        raise ConfigError(f"device: {cfg['device']} resolves to {device.type}, but ignite.distributed places "
+                          f"this rank on {rank_device}; use device: auto")
+    return rank_device
 
 
 def build_optimizer(opt: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -196,8 +207,6 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     main = idist.get_rank() == 0
     if not main:
         print_fn, progress = _silent, False
-    if is_distributed():
-        device = _rank_device(cfg, device)
     if main:
         _check_output_dir(cfg["output_dir"])
     _check_backoff_mode(cfg)
@@ -259,15 +268,6 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
     return run
 
 
-def _rank_device(cfg: dict, device: torch.device) -> torch.device:
-    """This rank's device (``cuda:LOCAL_RANK`` on GPUs); the config's device type must match it."""
-    rank_device = idist.device()
-    if rank_device.type != device.type:
-        raise ConfigError(f"device: {cfg['device']} resolves to {device.type}, but ignite.distributed places "
-                          f"this rank on {rank_device}; use device: auto")
-    return rank_device
-
-
 def _check_backoff_mode(cfg: dict) -> None:
     backoff = cfg["handlers"]["oom_backoff"]
     if not (backoff["enabled"] and backoff["mode"] == "batch"):
@@ -309,8 +309,6 @@ def search_from_config(cfg: dict):
     device = config_device(cfg)
     if device.type != "cuda":
         raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
-    if is_distributed():
-        device = _rank_device(cfg, device)
     seed_everything(cfg["seed"])
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
     result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device)
