@@ -168,14 +168,12 @@ class _EpochSummary:
         samples = self.samples
         if self.loss_sum is None:
             train_loss = float("nan")
-        elif is_distributed():  # over every rank's samples
+        else:  # over every rank's samples (all_reduce returns the tensor as it is in one process)
             totals = torch.stack([self.loss_sum.double(),
                                   torch.tensor(samples, dtype=torch.float64, device=self.loss_sum.device)])
             loss_sum, samples = idist.all_reduce(totals).tolist()
             train_loss = loss_sum / max(samples, 1)
-        else:
-            train_loss = (self.loss_sum / max(samples, 1)).item()
-        seconds = time.perf_counter() - self.start  # after the .item() sync above
+        seconds = time.perf_counter() - self.start  # after the .tolist() sync above
         run = self.run
         run.evaluator.run(run.val_loader)
         metrics = dict(run.evaluator.state.metrics)
