@@ -109,7 +109,7 @@ def main() -> None:
 def attach_default_handlers(trainer, model, optimizer, logdir):
     from ignite.metrics import Accuracy
 
-    from handlers import BestCheckpoint, GradientClipping, OOMBackoff, TensorBoardMetrics
+    from ignite_amp.handlers import BestCheckpoint, GradientClipping, OOMBackoff, TensorBoardMetrics
     from ignite_amp import create_amp_evaluator
 
     evaluator = create_amp_evaluator(model, {"accuracy": Accuracy()}, device=trainer.amp_step.device,

@@ -2,12 +2,13 @@
 
 They reach inside a training step only through ``ignite_amp.AmpEvents``.
 """
-from handlers.best_checkpoint import BestCheckpoint, CheckpointError
-from handlers.gradient_clipping import GradientClipping
-from handlers.non_finite_guard import NonFiniteError, NonFiniteGuard
-from handlers.oom_backoff import BatchSizeFloorError, OOMBackoff
-from handlers.profiler_capture import ProfilerCapture
-from handlers.tensorboard_metrics import TensorBoardMetrics
+from ignite_amp.errors import BatchSizeFloorError, CheckpointError, NonFiniteError
+from ignite_amp.handlers.best_checkpoint import BestCheckpoint
+from ignite_amp.handlers.gradient_clipping import GradientClipping
+from ignite_amp.handlers.non_finite_guard import NonFiniteGuard
+from ignite_amp.handlers.oom_backoff import OOMBackoff
+from ignite_amp.handlers.profiler_capture import ProfilerCapture
+from ignite_amp.handlers.tensorboard_metrics import TensorBoardMetrics
 
 __all__ = ["GradientClipping", "BestCheckpoint", "CheckpointError", "OOMBackoff", "BatchSizeFloorError",
            "NonFiniteGuard", "NonFiniteError", "ProfilerCapture", "TensorBoardMetrics"]

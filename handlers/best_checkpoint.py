@@ -8,13 +8,10 @@ from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 
+from ignite_amp.errors import CheckpointError
 from ignite_amp.rng import get_rng_state, set_rng_state
 
 __all__ = ["BestCheckpoint", "CheckpointError", "RNGState", "StoredValue"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, truncated or does not fit the run: one line, nothing overwritten."""
 
 
 class RNGState(Serializable):
@@ -67,7 +64,7 @@ class BestCheckpoint:
     Example:
         >>> import tempfile, torch
         >>> from ignite.engine import Engine, Events
-        >>> from handlers import BestCheckpoint
+        >>> from ignite_amp.handlers import BestCheckpoint
         >>> model = torch.nn.Linear(2, 2)
         >>> trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
         >>> scores = iter([0.5, 0.9, 0.7])

@@ -4,8 +4,8 @@ from typing import Iterable, Optional
 import torch
 from ignite.engine import Engine
 
-from handlers._grad_norm import total_grad_norm
 from ignite_amp.events import AmpEvents
+from ignite_amp.step import amp_step_of
 
 __all__ = ["GradientClipping"]
 
@@ -15,8 +15,9 @@ class GradientClipping:
 
     There the gradients are unscaled, whatever the dtype (float16 with a scaler, bfloat16 and
     float32 without), and the event fires once per optimizer step, not per accumulation step.
-    The pre-clip total norm is kept as a device tensor in ``self.last_norm`` and
-    ``engine.state.grad_norm`` for logging; no host sync.
+    The pre-clip total norm is kept as a device tensor in ``self.last_norm``; no host sync. The
+    L2 norm of all the model's gradients is the step's own ``grad_norm`` (computed once, before
+    any ``GRADS_READY`` handler), so clipping and logging share it.
 
     Args:
         max_norm: clip the total norm of the gradients to this value.
@@ -27,7 +28,7 @@ class GradientClipping:
     Example:
         >>> import torch
         >>> from ignite_amp import create_amp_trainer
-        >>> from handlers import GradientClipping
+        >>> from ignite_amp.handlers import GradientClipping
         >>> model = torch.nn.Linear(4, 2)
         >>> trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
         ...                              torch.nn.functional.cross_entropy, device="cpu")
@@ -55,13 +56,23 @@ class GradientClipping:
         self.last_norm: Optional[torch.Tensor] = None
 
     def __call__(self, engine: Engine) -> None:
-        params = self.parameters if self.parameters is not None else list(engine.amp_step.model.parameters())
+        params = self.parameters if self.parameters is not None else self.step.model.parameters()
         params = [p for p in params if p.grad is not None]
-        self.last_norm = total_grad_norm(engine, params, self.norm_type, share=self.parameters is None)
-        if self.max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, self.last_norm)
-        else:
+        if not params:
+            return
+        if self.clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.clip_value)
+            return
+        norm = self.step.grad_norm if self._shares_norm else None
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], self.norm_type)
+        self.last_norm = norm
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
 
     def attach(self, engine: Engine) -> None:
+        self.step = amp_step_of(engine)
+        # The step's grad_norm is the L2 norm of every model gradient: the one this clipping needs.
+        self._shares_norm = self.parameters is None and self.norm_type == 2.0
+        if self._shares_norm:
+            self.step.track_grad_norm()
         engine.add_event_handler(AmpEvents.GRADS_READY, self)

@@ -4,13 +4,11 @@ from typing import Optional, Tuple
 import torch
 from ignite.engine import Engine, Events
 
+from ignite_amp.errors import NonFiniteError
 from ignite_amp.events import AmpEvents
+from ignite_amp.step import amp_step_of
 
 __all__ = ["NonFiniteGuard", "NonFiniteError"]
-
-
-class NonFiniteError(RuntimeError):
-    """The loss went non-finite past what the guard allows: one line naming the iteration."""
 
 
 class NonFiniteGuard:
@@ -37,6 +35,7 @@ class NonFiniteGuard:
         self._pending: Optional[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = None
 
     def attach(self, engine: Engine) -> None:
+        self.step = amp_step_of(engine)
         engine.add_event_handler(AmpEvents.STEP_SKIPPED, self._skipped)
         engine.add_event_handler(AmpEvents.GRADS_READY, self._stepped)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._check_loss)
@@ -47,14 +46,13 @@ class NonFiniteGuard:
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"non-finite gradients in {self.consecutive} float16 steps in a row, the last at iteration "
-                f"{engine.state.iteration} (loss scale now {engine.amp_step.scaler.get_scale():g}): stopping")
+                f"{engine.state.iteration} (loss scale now {self.step.scaler.get_scale():g}): stopping")
 
     def _stepped(self, engine: Engine) -> None:
         self.consecutive = 0
 
     def _check_loss(self, engine: Engine) -> None:
-        step = engine.amp_step
-        if step.scaler.is_enabled():
+        if self.step.scaler.is_enabled():
             return
         self._flush(engine)
         bad = ~torch.isfinite(engine.state.output["loss"])
@@ -76,5 +74,5 @@ class NonFiniteGuard:
         if event is not None:
             event.synchronize()
         if bool(bad):
-            raise NonFiniteError(f"non-finite loss at iteration {iteration} in {str(engine.amp_step.dtype)[6:]} "
+            raise NonFiniteError(f"non-finite loss at iteration {iteration} in {str(self.step.dtype)[6:]} "
                                  f"(no loss scaler to skip the step): stopping")

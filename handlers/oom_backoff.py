@@ -8,15 +8,13 @@ from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader
 
+from ignite_amp.errors import BatchSizeFloorError
 from ignite_amp.events import AmpEvents
+from ignite_amp.step import AmpStep, amp_step_of
 
 __all__ = ["OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
 
 logger = logging.getLogger("ignite_amp")
-
-
-class BatchSizeFloorError(RuntimeError):
-    """Out of memory even at the smallest micro-batch allowed: one line, the run stops."""
 
 
 def micro_batch_size(batch_size: int, micro_batches: int) -> int:
@@ -84,6 +82,9 @@ class OOMBackoff(Serializable):
         self.clean = 0
 
     def attach(self, engine: Engine) -> None:
+        self.step = amp_step_of(engine)
+        if isinstance(self.step, AmpStep):  # every rank attaches it: every rank agrees on out of memory
+            self.step.oom_agreement = True
         engine.add_event_handler(AmpEvents.OUT_OF_MEMORY, self)
         if self.grow_after is not None:
             engine.add_event_handler(Events.ITERATION_COMPLETED, self._grow)
@@ -92,7 +93,7 @@ class OOMBackoff(Serializable):
             engine.add_event_handler(Events.EPOCH_COMPLETED, self._shrink_loader)
 
     def __call__(self, engine: Engine) -> None:
-        step = engine.amp_step
+        step = self.step
         size = micro_batch_size(step.batch_size, step.micro_batches)
         chunks = backoff_micro_batches(step.batch_size, step.micro_batches)
         if chunks is None or micro_batch_size(step.batch_size, chunks) < self.min_batch_size:
@@ -110,13 +111,15 @@ class OOMBackoff(Serializable):
     def _grow(self, engine: Engine) -> None:
         self.clean += 1
         if self.history and self.clean >= self.grow_after:
-            engine.amp_step.micro_batches = self.history.pop()
+            self.step.micro_batches = self.history.pop()
             self.clean = 0
 
     def _shrink_loader(self, engine: Engine) -> None:
-        step = engine.amp_step
-        if step.micro_batches > 1 and step.batch_size > 1:
-            self.loader_batch_size = micro_batch_size(step.batch_size, step.micro_batches)
+        step, loader = self.step, engine.state.dataloader
+        # The loader's batch, not the epoch's last (often partial) one.
+        full = loader.batch_size if isinstance(loader, DataLoader) and loader.batch_size else step.batch_size
+        if step.micro_batches > 1 and full > 1:
+            self.loader_batch_size = micro_batch_size(full, step.micro_batches)
             step.micro_batches = 1
             self.history.clear()
             self._apply_loader_batch_size(engine)

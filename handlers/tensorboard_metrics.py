@@ -8,8 +8,8 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
-from handlers._grad_norm import total_grad_norm
 from ignite_amp.events import AmpEvents
+from ignite_amp.step import amp_step_of
 
 __all__ = ["TensorBoardMetrics", "TAGS"]
 
@@ -77,7 +77,9 @@ class TensorBoardMetrics:
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         if idist.get_rank() != 0:
             return
-        self.optimizer = optimizer if optimizer is not None else trainer.amp_step.optimizer
+        self.step = amp_step_of(trainer)
+        self.step.track_grad_norm()
+        self.optimizer = optimizer if optimizer is not None else self.step.optimizer
         self.tb = TensorboardLogger(log_dir=self.logdir)
         trainer.add_event_handler(Events.STARTED, lambda _: self._reset())
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
@@ -100,7 +102,9 @@ class TensorBoardMetrics:
         self.data_wait += time.perf_counter() - self._fetch_start
 
     def _grads_ready(self, engine: Engine) -> None:
-        norm = total_grad_norm(engine, engine.amp_step.model.parameters())
+        norm = self.step.grad_norm
+        if norm is None:
+            return
         self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
         self.steps += 1
 
@@ -116,7 +120,7 @@ class TensorBoardMetrics:
             self._log(engine)
 
     def _log(self, engine: Engine) -> None:
-        step, writer, amp = engine.state.iteration, self.tb.writer, engine.amp_step
+        step, writer, amp = engine.state.iteration, self.tb.writer, self.step
         means = [self.loss_sum / self.iters]
         if self.norm_sum is not None:
             means.append(self.norm_sum.to(means[0].device) / self.steps)

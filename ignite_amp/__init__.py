@@ -1,30 +1,41 @@
-"""ignite-amp: a mixed-precision training engine and handlers for PyTorch Ignite."""
-from ignite_amp.batch_size import find_batch_size
-from ignite_amp.config import ConfigError, load_config
-from ignite_amp.events import AmpEvents
-from ignite_amp.step import AmpStep, EvalStep, create_amp_evaluator, create_amp_trainer
+"""ignite-amp: a mixed-precision training engine and handlers for PyTorch Ignite.
+
+The names below are imported on first use (PEP 562), so ``import ignite_amp`` and
+``ignite-amp --help`` do not pay for importing torch.
+"""
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AmpEvents",
-    "AmpStep",
-    "EvalStep",
-    "ConfigError",
-    "create_amp_trainer",
-    "create_amp_evaluator",
-    "load_config",
-    "train_from_config",
-    "find_batch_size",
-]
+_EXPORTS = {
+    "AmpEvents": "ignite_amp.events",
+    "AmpStep": "ignite_amp.step",
+    "EvalStep": "ignite_amp.step",
+    "create_amp_trainer": "ignite_amp.step",
+    "create_amp_evaluator": "ignite_amp.step",
+    "ConfigError": "ignite_amp.errors",
+    "load_config": "ignite_amp.config",
+    "train_from_config": "ignite_amp.run",
+    "find_batch_size": "ignite_amp.batch_size",
+}
+
+# Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
+_SUBMODULES = ("batch_size", "builders", "cli", "collectives", "compare", "config", "data", "errors", "events",
+               "launcher", "models", "rng", "run", "step")
+
+__all__ = list(_EXPORTS)
 
 
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # ignite_amp.config etc. without importing them first
+        return importlib.import_module(f"ignite_amp.{name}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ignite_amp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
 
-def train_from_config(cfg, **kwargs):
-    """Build everything a config describes and train; see :func:`ignite_amp.run.train_from_config`.
 
-    Imported when called: ``ignite_amp.run`` imports ``handlers``, which import ``ignite_amp.events``.
-    """
-    from ignite_amp.run import train_from_config as run
-
-    return run(cfg, **kwargs)
+def __dir__() -> list:
+    return sorted([*globals(), *_EXPORTS, *_SUBMODULES])

@@ -10,7 +10,7 @@ import time
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
-from ignite_amp.distributed import is_distributed, min_across_ranks, unwrap
+from ignite_amp.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.rng import get_rng_state, set_rng_state
 from ignite_amp.step import create_amp_trainer, free_memory, is_oom_error
 

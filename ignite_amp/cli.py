@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _find_batch_size(args: argparse.Namespace) -> int:
     from ignite_amp.batch_size import format_trials
     from ignite_amp.config import load_config, write_batch_size
-    from ignite_amp.distributed import launch
+    from ignite_amp.launcher import launch
     from ignite_amp.run import search_from_config
 
     cfg = load_config(args.config, args.overrides)
@@ -65,7 +65,8 @@ def _find_batch_size(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from ignite_amp.compare import compare, format_table
-    from ignite_amp.config import ConfigError, load_config
+    from ignite_amp.config import load_config
+    from ignite_amp.errors import ConfigError
 
     if args.steps < 1:
         raise ConfigError(f"--steps: expected a positive integer, got {args.steps}")
@@ -105,7 +106,7 @@ COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    from ignite_amp.run import RUN_STOPPED, USER_ERRORS
+    from ignite_amp.errors import RUN_STOPPED, USER_ERRORS
 
     try:
         return COMMANDS[args.command](args)

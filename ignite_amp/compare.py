@@ -14,6 +14,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 from ignite.engine import Events
 
+from ignite_amp.builders import build_optimizer, config_device, seed_everything
 from ignite_amp.config import load_config
 from ignite_amp.data import build_loaders
 from ignite_amp.events import AmpEvents
@@ -89,8 +90,6 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     ``modes``: names from ``MODE_NAMES`` (float32 always runs first, as the reference);
     default :func:`supported_modes`.
     """
-    from ignite_amp.run import build_optimizer, config_device, seed_everything
-
     cfg = load_config(cfg)
     device = config_device(cfg)
     seed_everything(cfg["seed"])

@@ -12,13 +12,10 @@ from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import yaml
 
+from ignite_amp.errors import ConfigError
+
 __all__ = ["ConfigError", "load_config", "default_config", "save_config", "flatten_config", "write_batch_size",
            "SCHEMA"]
-
-
-class ConfigError(ValueError):
-    """A user error in a config: the message is one line that names the key path."""
-
 
 def _show(value: Any) -> str:
     if isinstance(value, str):

@@ -12,10 +12,9 @@ import ignite.distributed as idist
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ignite_amp.config import ConfigError
-from ignite_amp.distributed import EvenShardSampler
+from ignite_amp.errors import ConfigError
 
-__all__ = ["EpochShuffleSampler", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+__all__ = ["EpochShuffleSampler", "EvenShardSampler", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
 
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -198,6 +197,25 @@ class EpochShuffleSampler(Sampler):
 
     def __len__(self) -> int:
         return self.length
+
+
+class EvenShardSampler(DistributedSampler):
+    """Validation sharding without padding: rank ``r`` takes samples ``r, r + world, ...``.
+
+    ``DistributedSampler`` pads the data set to a multiple of the world size by repeating
+    samples, which would count them twice in the metrics; here each sample is evaluated once
+    and Ignite's metrics add the ranks' counts up.
+    """
+
+    def __init__(self, dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,

@@ -9,7 +9,7 @@ import importlib
 
 from torch import nn
 
-from ignite_amp.config import ConfigError
+from ignite_amp.errors import ConfigError
 
 __all__ = ["build_model", "small_cnn", "cifar_resnet18"]
 

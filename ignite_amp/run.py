@@ -3,7 +3,6 @@
 This is the one module of ``ignite_amp`` that imports ``handlers``.
 """
 import os
-import random
 import time
 from typing import Any, Callable, Optional
 
@@ -12,67 +11,20 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
-from handlers import (BatchSizeFloorError, BestCheckpoint, CheckpointError, GradientClipping, NonFiniteError,
-                      NonFiniteGuard, OOMBackoff, ProfilerCapture, TensorBoardMetrics)
-from ignite_amp.config import ConfigError, flatten_config, load_config, save_config
+from ignite_amp.batch_size import find_batch_size
+from ignite_amp.builders import build_optimizer, build_scheduler, config_device, input_shape, seed_everything
+from ignite_amp.collectives import is_distributed
+from ignite_amp.config import flatten_config, load_config, save_config
 from ignite_amp.data import build_loaders
-from ignite_amp.distributed import is_distributed, launch
+from ignite_amp.errors import CheckpointError, ConfigError
+from ignite_amp.events import AmpEvents
+from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
+                                 TensorBoardMetrics)
+from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
-from ignite_amp.step import create_amp_evaluator, create_amp_trainer, resolve_device
+from ignite_amp.step import create_amp_evaluator, create_amp_trainer
 
-__all__ = ["train_from_config", "build_run", "Run", "USER_ERRORS", "RUN_STOPPED"]
-
-# Errors that are the user's to fix: the CLI prints them as one line and exits 2.
-USER_ERRORS = (ConfigError, CheckpointError)
-# Errors that stop a run for a stated reason (one line, exit 1): not a bug, no traceback.
-RUN_STOPPED = (BatchSizeFloorError, NonFiniteError)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def config_device(cfg: dict) -> torch.device:
-    """The config's ``device`` as a torch device; a device that isn't there is a ConfigError.
-
-    Inside a process group of several ranks it is this rank's device (``cuda:LOCAL_RANK`` on
-    GPUs), whose type must match the config's.
-    """
-    try:
-        device = resolve_device(cfg["device"])
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"device: {exc}") from None
-    if not is_distributed():
-        return device
-    rank_device = idist.device()
-    if rank_device.type != device.type:
-        raise ConfigError(f"device: {cfg['device']} resolves to {device.type}, but ignite.distributed places "
-                          f"this rank on {rank_device}; use device: auto")
-    return rank_device
-
-
-def build_optimizer(opt: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
-    cls = getattr(torch.optim, opt["name"], None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer.name: unknown torch.optim optimizer {opt['name']!r}")
-    try:
-        return cls(model.parameters(), lr=opt["lr"], **opt["kwargs"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc})") from None
-
-
-def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float, total_steps: int):
-    from torch.optim import lr_scheduler
-
-    try:
-        if sched["name"] == "cosine":
-            return lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps, **sched["kwargs"])
-        if sched["name"] == "onecycle":
-            return lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps, **sched["kwargs"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"scheduler.kwargs: {sched['name']} refused its arguments ({exc})") from None
-    return None
+__all__ = ["train_from_config", "build_run", "Run", "search_from_config"]
 
 
 def _check_output_dir(path: str) -> None:
@@ -240,11 +192,11 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = print) -> R
         raise ConfigError(f"amp: {exc}") from None
 
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
-    total_steps = max(1, cfg["train"]["epochs"] * epoch_length // amp["accumulation_steps"])
+    # An accumulation cycle ends at the epoch's end: ceil(epoch_length / accumulation) steps per epoch.
+    total_steps = cfg["train"]["epochs"] * -(-epoch_length // amp["accumulation_steps"])
     scheduler = build_scheduler(cfg["scheduler"], optimizer, cfg["optimizer"]["lr"], total_steps)
-    if scheduler is not None:
-        every = amp["accumulation_steps"]
-        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=every), lambda _: scheduler.step())
+    if scheduler is not None:  # per optimizer step taken: a step the scaler skipped does not count
+        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: scheduler.step())
 
     sampler = train_loader.sampler
     if hasattr(sampler, "set_epoch"):  # each epoch's order follows from its number, also after a resume
@@ -277,19 +229,9 @@ def _check_backoff_mode(cfg: dict) -> None:
         raise ConfigError("handlers.oom_backoff.mode: batch changes the epoch length; leave train.epoch_length null")
 
 
-def input_shape(data: dict) -> tuple:
-    """(C, H, W) of the config's images."""
-    if data["name"] in ("cifar10", "cifar100"):
-        return (3, 32, 32)
-    size = data["image_size"] or (224 if data["name"] == "imagefolder" else 32)
-    return (3, size, size)
-
-
 def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       device: torch.device):
     """Run :func:`~ignite_amp.batch_size.find_batch_size` for a config's model, dtype and input shape."""
-    from ignite_amp.batch_size import find_batch_size
-
     if device.type != "cuda":
         raise ConfigError(f"data.batch_size: the batch-size search needs a GPU, and this run is on {device}")
     shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]

@@ -169,7 +169,7 @@ def _trial(model, optimizer, make_batch, n):
 def test_gpu_backoff_recovers_from_real_ooms():
     from torchvision.models import resnet18
 
-    from handlers import OOMBackoff
+    from ignite_amp.handlers import OOMBackoff
     from ignite_amp import create_amp_trainer
 
     device = torch.device("cuda")

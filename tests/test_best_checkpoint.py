@@ -5,8 +5,8 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 
-import handlers.best_checkpoint
-from handlers import BestCheckpoint, CheckpointError
+import ignite_amp.handlers.best_checkpoint
+from ignite_amp.handlers import BestCheckpoint, CheckpointError
 from ignite_amp.cli import main
 from ignite_amp.run import build_run
 
@@ -30,7 +30,7 @@ def files(path, prefix):
 
 
 def test_docstring_example_runs():
-    assert doctest.testmod(handlers.best_checkpoint).failed == 0
+    assert doctest.testmod(ignite_amp.handlers.best_checkpoint).failed == 0
 
 
 def test_keeps_the_n_best_by_accuracy_and_one_last(tmp_path):

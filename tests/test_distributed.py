@@ -12,7 +12,8 @@ import yaml
 
 from conftest import ROOT
 from ignite_amp import load_config, train_from_config
-from ignite_amp.distributed import EvenShardSampler, launch
+from ignite_amp.data import EvenShardSampler
+from ignite_amp.launcher import launch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -264,3 +265,23 @@ def test_nccl_on_two_gpus_trains_like_one_and_backs_off_together(tmp_path):
     assert saved["amp_step"]["micro_batches"] == 2
     one_process(dict(cfg, output_dir=str(tmp_path / "one"), model=BASE["model"]))
     assert_same_weights(weights(tmp_path / "one")["model"], saved["model"], 1e-3, 1e-4)  # cuDNN: looser
+
+
+def test_cpu_only_hides_the_gpus_from_cpu_ranks_and_then_restores(monkeypatch):
+    """Ignite pins rank N to cuda:N whenever CUDA is visible, gloo included: CPU ranks must not see CUDA."""
+    from ignite_amp.launcher import cpu_only
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with cpu_only():
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                               capture_output=True, text=True, timeout=120)
+        assert probe.stdout.strip() == "False"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    with cpu_only(enabled=False):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with cpu_only():
+        pass
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # a torchrun rank is this process: it stays on the CPU

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from conftest import CONFIGS, ROOT, id_batches, mlp
-from handlers import NonFiniteError, NonFiniteGuard
+from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli import main
 

@@ -7,17 +7,17 @@ from ignite.metrics import Accuracy
 from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
-import handlers.oom_backoff
+import ignite_amp.handlers.oom_backoff
 from conftest import OOMAbove, id_batches
-from handlers import BatchSizeFloorError, OOMBackoff
-from handlers.oom_backoff import backoff_micro_batches, micro_batch_size
+from ignite_amp.handlers import BatchSizeFloorError, OOMBackoff
+from ignite_amp.handlers.oom_backoff import backoff_micro_batches, micro_batch_size
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.config import ConfigError
 from ignite_amp.run import build_run
 
 
 def test_docstring_examples():
-    assert doctest.testmod(handlers.oom_backoff).failed == 0
+    assert doctest.testmod(ignite_amp.handlers.oom_backoff).failed == 0
 
 
 @pytest.mark.parametrize("batch, chunks, expected", [
@@ -109,6 +109,18 @@ def test_mode_batch_shrinks_the_loader_from_the_next_epoch():
     assert batch_sizes == [8] * 3 + [4] * 6 + [4] * 6
     assert trainer.state.epoch == 3 and trainer.state.iteration == 18 and trainer.amp_step.micro_batches == 1
     assert backoff.state_dict()["loader_batch_size"] == 4
+
+
+def test_mode_batch_sizes_the_loader_from_the_full_batch_not_the_partial_last_one():
+    """Batch 16 split in 2 (micro-batch 8), the epoch's last batch 5: the loader yields 8, not 3."""
+    x = torch.randn(37, 5)
+    x[:, 0] = torch.arange(37, dtype=torch.float32)
+    loader = DataLoader(TensorDataset(x, torch.randint(0, 3, (37,))), batch_size=16)
+    backoff = OOMBackoff(mode="batch")
+    model, trainer = make(limit=8, backoff=backoff)
+    trainer.run(loader, max_epochs=2)
+    assert backoff.loader_batch_size == 8 and trainer.state.dataloader.batch_size == 8
+    assert sorted(model.seen) == sorted(list(range(37)) * 2)
 
 
 def test_state_round_trip_and_bad_arguments():

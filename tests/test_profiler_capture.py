@@ -8,7 +8,7 @@ from ignite.engine import Events
 from torch.nn.functional import cross_entropy
 
 from conftest import id_batches, mlp
-from handlers import ProfilerCapture
+from ignite_amp.handlers import ProfilerCapture
 from ignite_amp import create_amp_trainer
 
 

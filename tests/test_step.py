@@ -222,7 +222,8 @@ def test_state_dict_round_trip():
                                  device="cpu", dtype="float16", scaler_kwargs={"init_scale": 64.0})
     trainer.amp_step.micro_batches = 4
     state = trainer.amp_step.state_dict()
-    other = create_amp_trainer(mlp(), torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+    other_model = mlp()
+    other = create_amp_trainer(other_model, torch.optim.SGD(other_model.parameters(), lr=0.1), cross_entropy,
                                device="cpu", dtype="float16")
     other.amp_step.load_state_dict(state)
     assert other.amp_step.micro_batches == 4 and other.amp_step.scaler.get_scale() == 64.0
@@ -286,3 +287,216 @@ def test_split_batch_keeps_structure():
     parts = split_batch((x, {"y": y}), 3)
     assert [len(p[0]) for p in parts] == [4, 3, 3]
     assert torch.equal(torch.cat([p[1]["y"] for p in parts]), y)
+
+
+def test_found_inf_reads_the_flag_unscale_recorded():
+    """The one read of GradScaler's private state: fails loudly if a torch upgrade moves it."""
+    from ignite_amp.step import found_inf
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with pytest.raises(RuntimeError, match="no inf/NaN check"):
+        found_inf(scaler, opt)
+    (x, y), = id_batches(8, 8)
+    for bad in (False, True):
+        opt.zero_grad()
+        scaler.scale(cross_entropy(model(x * (float("inf") if bad else 1.0)), y)).backward()
+        scaler.unscale_(opt)
+        flag = found_inf(scaler, opt)
+        assert torch.is_tensor(flag) and flag.numel() == 1 and bool(flag.item()) is bad
+        scaler.update()
+
+
+def test_float16_step_reads_the_inf_flag_once(monkeypatch):
+    """One host sync per float16 step: GradScaler.step (which reads the flag again) is not called."""
+    import ignite_amp.step as step_module
+
+    calls = {"found_inf": 0}
+    real = step_module.found_inf
+
+    def counting(*args):
+        calls["found_inf"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(step_module, "found_inf", counting)
+    monkeypatch.setattr(torch.amp.GradScaler, "step", lambda *a, **k: pytest.fail("GradScaler.step re-reads the flag"))
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float16", scaler_kwargs={"init_scale": 64.0})
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.run(id_batches(24, 8), max_epochs=1)
+    assert calls["found_inf"] == 3
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_auto_dtype_is_float16_where_bfloat16_is_only_emulated(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_dtype("auto", "cuda") == torch.float16  # pre-Ampere: emulated bf16 is slow
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_devices_that_are_not_there_are_named(monkeypatch):
+    from ignite_amp.step import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ValueError, match=r"'cuda:1' was asked for but this machine has 1 CUDA device \(cuda:0\)"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'mps' was asked for but mps is not available"):
+        resolve_device("mps")
+
+
+def test_out_of_memory_inside_the_optimizer_step_is_not_retried():
+    from ignite_amp.errors import OptimizerOutOfMemoryError
+
+    class OOMOnSecondStep(torch.optim.AdamW):
+        calls = 0
+
+        def step(self, closure=None):
+            OOMOnSecondStep.calls += 1
+            if OOMOnSecondStep.calls == 2:
+                # Half applied, as a foreach update cut short would leave it.
+                with torch.no_grad():
+                    next(iter(self.param_groups[0]["params"])).add_(1.0)
+                raise torch.OutOfMemoryError("CUDA out of memory (stand-in, inside optimizer.step)")
+            return super().step(closure)
+
+    model = mlp()
+    trainer = create_amp_trainer(model, OOMOnSecondStep(model.parameters(), lr=1e-3), cross_entropy, device="cpu",
+                                 dtype="bfloat16")
+    fired = []
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: fired.append(e.state.iteration))
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: setattr(e.amp_step, "micro_batches", 4))
+    with pytest.raises(OptimizerOutOfMemoryError, match=r"inside optimizer.step\(\) \(OOMOnSecondStep\).*iteration 2.*not retried"):
+        trainer.run(id_batches(24, 8), max_epochs=1)
+    assert fired == [] and OOMOnSecondStep.calls == 2  # no retry applied the update a second time
+
+
+def test_out_of_memory_in_a_grads_ready_handler_retries_with_a_clean_scaler():
+    model, ref = mlp(), mlp()
+    batches = id_batches(16, 8)
+    trainers = []
+    for m in (model, ref):
+        t = create_amp_trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), cross_entropy, device="cpu",
+                               dtype="float16", scaler_kwargs={"init_scale": 64.0})
+        trainers.append(t)
+    failed = []
+
+    def oom_once(engine):  # e.g. clipping allocating its norms
+        if not failed:
+            failed.append(engine.state.iteration)
+            raise torch.OutOfMemoryError("out of memory (stand-in, in a GRADS_READY handler)")
+
+    trainers[0].add_event_handler(AmpEvents.GRADS_READY, oom_once)
+    trainers[0].add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: setattr(e.amp_step, "micro_batches", 2))
+    for t in trainers:
+        t.run(batches, max_epochs=1)
+    assert failed == [1] and trainers[0].amp_step.scaler.get_scale() == trainers[1].amp_step.scaler.get_scale()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda y_pred, y: cross_entropy(y_pred, y, reduction="none"), r"scalar \(0-d\) tensor, got \(8,\)"),
+])
+def test_a_non_scalar_loss_is_named(loss_fn, message):
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device="cpu")
+    with pytest.raises(ValueError, match=message):
+        trainer.run(id_batches(8, 8), max_epochs=1)
+
+
+def test_wrong_optimizer_or_reduction_is_refused_at_construction():
+    import functools
+
+    model = mlp()
+    with pytest.raises(ValueError, match="optimizer: none of its parameters belong to the model"):
+        create_amp_trainer(model, torch.optim.SGD(mlp().parameters(), lr=0.1), cross_entropy, device="cpu")
+    for loss_fn in (nn.CrossEntropyLoss(reduction="sum"), functools.partial(cross_entropy, reduction="sum")):
+        with pytest.raises(ValueError, match="reduction='sum'; the step needs a mean-reduced loss"):
+            create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device="cpu")
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                                 device="cpu")
+    with pytest.raises(ValueError, match="micro_batches should be a positive integer"):
+        trainer.amp_step.micro_batches = 0
+    with pytest.raises(ValueError, match="empty batch"):
+        trainer.run([(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))], max_epochs=1)
+
+
+def test_handlers_need_an_amp_trainer():
+    from ignite.engine import Engine
+    from ignite_amp.handlers import GradientClipping
+
+    with pytest.raises(TypeError, match="create_amp_trainer"):
+        GradientClipping(max_norm=1.0).attach(Engine(lambda e, b: None))
+
+
+@pytest.mark.parametrize("epoch_length, steps", [(5, [2, 4, 5]), (4, [2, 4]), (1, [1])])
+def test_an_accumulation_cycle_ends_with_the_epoch(epoch_length, steps):
+    """accumulation_steps=2: the epoch's last iteration steps, with the mean of its (shorter) cycle."""
+    batches = id_batches(8 * epoch_length, 8)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32", accumulation_steps=2)
+    stepped, grads = [], []
+    trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: (
+        stepped.append((e.state.iteration - 1) % epoch_length + 1), grads.append([p.grad.clone() for p in model.parameters()])))
+    snapshot = []
+    trainer.add_event_handler(Events.ITERATION_STARTED, lambda e: snapshot.append(copy_model(model)))
+    trainer.run(batches, max_epochs=2)
+    assert stepped == steps * 2
+    # The gradient of the last cycle is the mean over its batches (one batch when the cycle is cut short).
+    last = steps[-1] - (steps[-2] if len(steps) > 1 else 0)
+    ref = snapshot[epoch_length - last]
+    ref.zero_grad()
+    for x, y in batches[epoch_length - last:epoch_length]:
+        (cross_entropy(ref(x), y) / last).backward()
+    for got, want in zip(grads[len(steps) - 1], [p.grad for p in ref.parameters()]):
+        torch.testing.assert_close(got, want)
+
+
+def copy_model(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_a_submodule_kept_in_eval_mode_stays_there():
+    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    model[1].eval()  # the user froze it; the step must not flip it back every iteration
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+    trainer.run(id_batches(16, 8), max_epochs=2)
+    assert model.training and not model[1].training
+
+
+def test_oom_count_is_kept_in_the_state_dict():
+    model = OOMAbove(limit=4)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float32")
+    trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: setattr(e.amp_step, "micro_batches", 2))
+    trainer.run(id_batches(8, 8), max_epochs=1)
+    state = trainer.amp_step.state_dict()
+    other = OOMAbove(limit=4)
+    resumed = create_amp_trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), cross_entropy, device="cpu")
+    resumed.amp_step.load_state_dict(state)
+    assert resumed.amp_step.oom_count == 1 and resumed.amp_step.micro_batches == 2
+
+
+def test_skipped_steps_do_not_advance_a_schedule():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float16",
+                                 scaler_kwargs={"init_scale": 64.0})
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: scheduler.step())
+    skipped = []
+    trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda e: skipped.append(e.state.iteration))
+    batches = id_batches(32, 8)
+    x, y = batches[1]
+    batches[1] = (x * float("inf"), y)
+    trainer.run(batches, max_epochs=1)
+    assert skipped == [2] and scheduler.last_epoch == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)

@@ -1,14 +1,14 @@
-"""Data-parallel training through ``ignite.distributed``: launch, agreement between ranks, samplers.
+"""Launch a run on every rank: ``torchrun``, spawned processes, or this one process.
 
 A run is distributed when it is started by ``torchrun`` (the environment says so) or when the
 config asks for ``distributed.nproc_per_node > 1`` (the processes are then spawned by
 ``idist.Parallel``). In both cases :func:`launch` runs a function on every rank and returns
 rank 0's result; with one process and no ``torchrun`` it simply calls the function.
 
-The collectives used by the step live here too: :func:`any_rank` (the out-of-memory
-agreement, on a CPU group so it never waits for the device), :func:`all_reduce_gradients`
-and :func:`broadcast_buffers`.
+Ranks of a CPU run stay on the CPU on a machine with GPUs too: Ignite pins rank N to
+``cuda:N`` whenever CUDA is visible, so the launcher hides the GPUs from CPU ranks.
 """
+import contextlib
 import gc
 import logging
 import os
@@ -18,18 +18,16 @@ import socket
 import sys
 import tempfile
 import traceback
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import ignite.distributed as idist
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
-from torch.utils.data import DistributedSampler
 
-__all__ = ["launch", "under_torchrun", "resolve_backend", "is_distributed", "any_rank", "all_reduce_gradients",
-           "broadcast_buffers", "min_across_ranks", "unwrap", "EvenShardSampler"]
+from ignite_amp.builders import config_device
+from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError
 
-logger = logging.getLogger("ignite_amp")
+__all__ = ["launch", "under_torchrun", "resolve_backend", "cpu_only"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -50,104 +48,32 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def is_distributed() -> bool:
-    return idist.get_world_size() > 1
+@contextlib.contextmanager
+def cpu_only(enabled: bool = True) -> Iterator[None]:
+    """Hide the GPUs (``CUDA_VISIBLE_DEVICES=""``) from the ranks started inside, and from this
+    process until it first touches CUDA.
 
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a ``DistributedDataParallel`` / ``DataParallel`` wrapper (or the model itself)."""
-    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        return model.module
-    return model
-
-
-_CPU_GROUPS: dict = {}
-
-
-def _cpu_group() -> Optional[Any]:
-    """A gloo group for host-side flags (the default group when it is gloo already): an all-reduce
-    over it never waits for work queued on the GPU. Made once per process group, by every rank
-    at the same point (the first step)."""
-    if dist.get_backend() == "gloo":
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
-    return _CPU_GROUPS[key]
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (one all-reduce of one integer, on the CPU)."""
-    group = _cpu_group()
-    value = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
-
-
-def min_across_ranks(value: int) -> int:
-    """The smallest ``value`` over all ranks (``value`` itself when not distributed)."""
-    if not is_distributed():
-        return value
-    return int(idist.all_reduce(torch.tensor(value, device=idist.device()), op="MIN").item())
-
-
-def all_reduce_gradients(parameters: Iterator[torch.nn.Parameter], bucket_mb: float = 64) -> None:
-    """Average the gradients over all ranks, in flat buckets of about ``bucket_mb`` megabytes.
-
-    What DDP does during backward, done after it instead: used when every backward ran under
-    ``no_sync`` so that the ranks could first agree that none of them ran out of memory.
-    Every rank must hold gradients for the same parameters (the same model on batches of the
-    same shape does).
+    Ignite's native process group calls ``torch.cuda.set_device(local_rank)`` whenever CUDA is
+    available, gloo included: on a one-GPU machine rank 1 would die ("invalid device ordinal"),
+    and ``idist.device()`` would put CPU ranks on a GPU. Spawned ranks inherit the variable;
+    under ``torchrun`` this process is the rank and keeps it. Use it around your own
+    ``idist.Parallel(backend="gloo", ...)`` when the ranks should train on the CPU.
     """
-    world = idist.get_world_size()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    limit = int(bucket_mb * 2**20)
-    bucket, size = [], 0
-
-    def flush():
-        if not bucket:
-            return
-        flat = torch._utils._flatten_dense_tensors(bucket)
-        dist.all_reduce(flat)
-        flat.div_(world)
-        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(reduced)
-        bucket.clear()
-
-    for grad in grads:
-        if bucket and (grad.dtype != bucket[0].dtype or grad.device != bucket[0].device or size >= limit):
-            flush()
-            size = 0
-        bucket.append(grad)
-        size += grad.numel() * grad.element_size()
-    flush()
-
-
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics), e.g. before evaluating."""
-    if not is_distributed():
+    if not enabled:
+        yield
         return
-    for buffer in unwrap(model).buffers():
-        dist.broadcast(buffer, src=0)
-
-
-class EvenShardSampler(DistributedSampler):
-    """Validation sharding without padding: rank ``r`` takes samples ``r, r + world, ...``.
-
-    ``DistributedSampler`` pads the data set to a multiple of the world size by repeating
-    samples, which would count them twice in the metrics; here each sample is evaluated once
-    and Ignite's metrics add the ranks' counts up.
-    """
-
-    def __init__(self, dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
-
-    def __iter__(self):
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
-
-    def __len__(self) -> int:
-        return self.num_samples
+    if under_torchrun() and torch.cuda.is_initialized():
+        raise ConfigError("device: cpu under torchrun, but this process already initialised CUDA")
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if not under_torchrun():  # a torchrun rank stays on the CPU for good
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _free_port() -> int:
@@ -165,9 +91,6 @@ def _quiet_ignite() -> None:
     stops the other processes when one failed (the failure itself is reported)."""
     for name in IGNITE_CHATTER:  # ignite.utils.setup_logger leaves an existing logger as it is
         logging.getLogger(name).setLevel(logging.ERROR if name.startswith("torch") else logging.WARNING)
-
-
-_quiet_ignite()
 
 
 def _quiet_other_ranks() -> None:
@@ -226,8 +149,6 @@ def _collect(outbox: str, nproc: int) -> Any:
     errors = [(rank, o) for rank, o in sorted(outcomes.items()) if o[0] == "error"]
     if errors:
         rank, (_, exc, text) = errors[0]
-        from ignite_amp.run import RUN_STOPPED, USER_ERRORS
-
         if isinstance(exc, USER_ERRORS + RUN_STOPPED + (KeyboardInterrupt,)):
             raise exc
         raise RuntimeError(f"rank {rank} of {nproc} failed:\n{text}")
@@ -246,20 +167,18 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
 
     Errors raised on a rank are raised here (the first rank's), so a user error stays one line.
     """
-    from ignite_amp.run import config_device
-
     nproc = cfg["distributed"]["nproc_per_node"] or 1
     if idist.get_world_size() > 1 or (nproc == 1 and not under_torchrun()):
         return fn(*args)  # already inside a process group, or a plain single-process run
-    from ignite_amp.config import ConfigError
-
+    device = config_device(cfg)
     try:
-        backend = resolve_backend(cfg["distributed"]["backend"], config_device(cfg))
+        backend = resolve_backend(cfg["distributed"]["backend"], device)
     except ValueError as exc:
         raise ConfigError(f"distributed.backend: {exc}") from None
+    _quiet_ignite()
     if under_torchrun():
         result = []
-        with idist.Parallel(backend=backend) as parallel:
+        with cpu_only(device.type == "cpu"), idist.Parallel(backend=backend) as parallel:
             _quiet_other_ranks()
             parallel.run(lambda local_rank: result.append(_call(fn, args)))
         return result[0]
@@ -273,7 +192,8 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
     outbox = tempfile.mkdtemp(prefix="ignite-amp-")
     try:
         try:
-            with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=_free_port()) as parallel:
+            with cpu_only(device.type == "cpu"), \
+                    idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=_free_port()) as parallel:
                 parallel.run(_spawned, fn, outbox, logging.getLogger().getEffectiveLevel(), args)
         except ProcessException:
             pass  # a rank failed (and torch stopped the others): its error is in the outbox

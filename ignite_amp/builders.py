@@ -1,0 +1,74 @@
+"""Builders shared by the run, ``compare`` and the CLI: device, seeding, optimizer, scheduler.
+
+Each turns a validated config section into a torch object, or raises :class:`ConfigError`
+naming the key.
+"""
+from typing import Optional
+
+import ignite.distributed as idist
+import torch
+from ignite.utils import manual_seed
+
+from ignite_amp.collectives import is_distributed
+from ignite_amp.errors import ConfigError
+from ignite_amp.step import resolve_device
+
+__all__ = ["config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA): Ignite's ``manual_seed``."""
+    manual_seed(seed)
+
+
+def config_device(cfg: dict) -> torch.device:
+    """The config's ``device`` as a torch device; a device that isn't there is a ConfigError.
+
+    Inside a process group of several ranks it is this rank's device (``cuda:LOCAL_RANK`` on
+    GPUs), whose type must match the config's.
+    """
+    try:
+        device = resolve_device(cfg["device"])
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"device: {exc}") from None
+    if not is_distributed():
+        return device
+    rank_device = idist.device()
+    if rank_device.type != device.type:
+        raise ConfigError(f"device: {cfg['device']} resolves to {device.type}, but ignite.distributed places "
+                          f"this rank on {rank_device}; use device: auto")
+    return rank_device
+
+
+def build_optimizer(opt: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``torch.optim.<name>(model.parameters(), lr=lr, **kwargs)``."""
+    cls = getattr(torch.optim, opt["name"], None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer.name: unknown torch.optim optimizer {opt['name']!r}")
+    try:
+        return cls(model.parameters(), lr=opt["lr"], **opt["kwargs"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc})") from None
+
+
+def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,
+                    total_steps: int) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+    """A cosine or one-cycle schedule over ``total_steps`` optimizer steps, or None."""
+    from torch.optim import lr_scheduler
+
+    try:
+        if sched["name"] == "cosine":
+            return lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps, **sched["kwargs"])
+        if sched["name"] == "onecycle":
+            return lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps, **sched["kwargs"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"scheduler.kwargs: {sched['name']} refused its arguments ({exc})") from None
+    return None
+
+
+def input_shape(data: dict) -> tuple:
+    """(C, H, W) of the config's images."""
+    if data["name"] in ("cifar10", "cifar100"):
+        return (3, 32, 32)
+    size = data["image_size"] or (224 if data["name"] == "imagefolder" else 32)
+    return (3, size, size)

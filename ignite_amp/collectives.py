@@ -1,0 +1,98 @@
+"""Collectives the AMP step and the batch-size search use under data-parallel training.
+
+- :func:`any_rank`: the out-of-memory agreement, one integer all-reduced over a CPU (gloo)
+  group, so it never waits for work queued on the GPU;
+- :func:`all_reduce_gradients`: what DDP does during backward, done after it, once every rank
+  agreed that none ran out of memory;
+- :func:`broadcast_buffers`, :func:`min_across_ranks`, :func:`unwrap`, :func:`is_distributed`.
+
+Without a process group every function here is a no-op or returns its input.
+"""
+from typing import Any, Iterator, Optional
+
+import ignite.distributed as idist
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "all_reduce_gradients", "broadcast_buffers"]
+
+
+def is_distributed() -> bool:
+    return idist.get_world_size() > 1
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``DistributedDataParallel`` / ``DataParallel`` wrapper (or the model itself)."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
+_CPU_GROUPS: dict = {}
+
+
+def _cpu_group() -> Optional[Any]:
+    """A gloo group for host-side flags (the default group when it is gloo already): an all-reduce
+    over it never waits for work queued on the GPU. Made once per process group, by every rank
+    at the same point (the first step)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one all-reduce of one integer, on the CPU)."""
+    group = _cpu_group()
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def min_across_ranks(value: int) -> int:
+    """The smallest ``value`` over all ranks (``value`` itself when not distributed)."""
+    if not is_distributed():
+        return value
+    return int(idist.all_reduce(torch.tensor(value, device=idist.device()), op="MIN").item())
+
+
+def all_reduce_gradients(parameters: Iterator[torch.nn.Parameter], bucket_mb: float = 64) -> None:
+    """Average the gradients over all ranks, in flat buckets of about ``bucket_mb`` megabytes.
+
+    What DDP does during backward, done after it instead: used when every backward ran under
+    ``no_sync`` so that the ranks could first agree that none of them ran out of memory.
+    Every rank must hold gradients for the same parameters (the same model on batches of the
+    same shape does).
+    """
+    world = idist.get_world_size()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    limit = int(bucket_mb * 2**20)
+    bucket, size = [], 0
+
+    def flush():
+        if not bucket:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        for grad, reduced in zip(bucket, flat.split([grad.numel() for grad in bucket])):
+            grad.copy_(reduced.view_as(grad))
+        bucket.clear()
+
+    for grad in grads:
+        if bucket and (grad.dtype != bucket[0].dtype or grad.device != bucket[0].device or size >= limit):
+            flush()
+            size = 0
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+    flush()
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics), e.g. before evaluating."""
+    if not is_distributed():
+        return
+    for buffer in unwrap(model).buffers():
+        dist.broadcast(buffer, src=0)

@@ -1,0 +1,36 @@
+"""The errors a user can act on: a leaf module that every layer may import.
+
+Two families, told apart by the CLI:
+
+- ``USER_ERRORS``: the user's to fix (a bad config, a checkpoint that does not fit, a run
+  directory in use): one line on stderr, exit 2, nothing written.
+- ``RUN_STOPPED``: the run stopped for a stated reason (out of memory at the smallest batch,
+  a non-finite loss): one line, exit 1; the checkpoints on disk stay as they were.
+"""
+
+__all__ = ["ConfigError", "CheckpointError", "BatchSizeFloorError", "OptimizerOutOfMemoryError", "NonFiniteError",
+           "USER_ERRORS", "RUN_STOPPED"]
+
+
+class ConfigError(ValueError):
+    """A user error in a config: the message is one line that names the key path."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated or does not fit the run: one line, nothing overwritten."""
+
+
+class BatchSizeFloorError(RuntimeError):
+    """Out of memory even at the smallest micro-batch allowed: one line, the run stops."""
+
+
+class OptimizerOutOfMemoryError(RuntimeError):
+    """Out of memory inside ``optimizer.step()``: never retried, since the update may be half applied."""
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the weights went non-finite past what the guard allows: one line naming the iteration."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError)
+RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError)

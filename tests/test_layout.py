@@ -1,0 +1,155 @@
+"""The package's shape: one installed package, layers without import circles, honest floors."""
+import ast
+import configparser
+import logging
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+PACKAGES = {"ignite_amp": os.path.join(ROOT, "ignite_amp"), "ignite_amp.handlers": os.path.join(ROOT, "handlers")}
+
+
+def modules() -> dict:
+    """{module name: path} of every module of the package, handlers included."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
+                found[module] = os.path.join(folder, name)
+    return found
+
+
+def import_graph() -> dict:
+    """{module: set of package modules it imports}, from the source: every import statement,
+    in functions too, and the names ``ignite_amp/__init__.py`` imports lazily."""
+    known = modules()
+    graph = {}
+    for module, path in known.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+            elif (isinstance(node, ast.Assign) and module == "ignite_amp"
+                  and getattr(node.targets[0], "id", "") in ("_EXPORTS", "_SUBMODULES")):
+                value = ast.literal_eval(node.value)
+                targets.update(value.values() if isinstance(value, dict) else (f"ignite_amp.{v}" for v in value))
+        graph[module] = {t for t in targets if t in known and t != module}
+    return graph
+
+
+def find_cycle(graph: dict):
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_import_graph_has_no_circles():
+    graph = import_graph()
+    assert len(graph) >= 20 and graph["ignite_amp.run"] >= {"ignite_amp.handlers", "ignite_amp.step"}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_find_cycle_finds_one():  # the checker itself can fail
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_layers():
+    graph = import_graph()
+    importers_of_handlers = {m for m, deps in graph.items()
+                             if not m.startswith("ignite_amp.handlers") and any(d.startswith("ignite_amp.handlers")
+                                                                                 for d in deps)}
+    assert importers_of_handlers == {"ignite_amp.run"}
+    high = {"ignite_amp.cli", "ignite_amp.config", "ignite_amp.run", "ignite_amp.launcher", "ignite_amp.compare"}
+    for module, deps in graph.items():
+        if module.startswith("ignite_amp.handlers"):
+            assert not deps & high, (module, deps & high)
+    for leaf in ("ignite_amp.errors", "ignite_amp.events"):
+        assert graph[leaf] == set(), (leaf, graph[leaf])
+    assert graph["ignite_amp.collectives"] == set()
+    assert "ignite_amp.launcher" not in graph["ignite_amp.step"] | graph["ignite_amp.collectives"]
+
+
+def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    wheel, = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"ignite_amp", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    assert "ignite_amp/handlers/oom_backoff.py" in names and "ignite_amp/handlers/__init__.py" in names
+
+
+def test_importing_the_package_leaves_logging_alone():
+    code = ("import logging; before = {n: logging.getLogger(n).level for n in logging.root.manager.loggerDict}; "
+            "root = logging.getLogger().level; handlers = list(logging.getLogger().handlers); "
+            "import ignite_amp, ignite_amp.run, ignite_amp.cli, ignite_amp.launcher, ignite_amp.compare; "
+            "changed = {n: l for n, l in before.items() if logging.getLogger(n).level != l}; "
+            "new = [n for n in logging.root.manager.loggerDict if logging.getLogger(n).level != logging.NOTSET "
+            "and n not in before]; "
+            "assert not changed and logging.getLogger().level == root and logging.getLogger().handlers == handlers, "
+            "changed; print(new)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert not [n for n in eval(proc.stdout) if n.startswith(("ignite", "torch.multiprocessing"))], proc.stdout
+
+
+# The newest torch API each call needs: the floor in setup.cfg must admit none older.
+TORCH_APIS = {
+    "torch.nn.utils.get_total_norm": (2, 6),
+    "torch.nn.utils.clip_grads_with_norm_": (2, 6),
+    "torch.amp.GradScaler": (2, 3),
+    "torch.OutOfMemoryError": (2, 5),
+}
+
+
+def test_setup_cfg_floors_admit_no_torch_without_the_apis_we_call():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    requires = cfg["options"]["install_requires"]
+    floor = tuple(int(v) for v in re.search(r"^\s*torch>=(\d+)\.(\d+)", requires, re.M).groups())
+    for api, since in TORCH_APIS.items():
+        obj = torch
+        for part in api.split(".")[1:]:
+            obj = getattr(obj, part)  # the API exists in the torch we test with
+        assert floor >= since, f"setup.cfg says torch>={floor[0]}.{floor[1]} but {api} needs {since}"
+    calls = "".join(open(p, encoding="utf-8").read() for p in modules().values())
+    for api in ("get_total_norm", "clip_grads_with_norm_"):
+        assert api in calls  # still used: otherwise drop it from the table
