@@ -1,17 +1,26 @@
-"""Best-validation checkpoints plus a ``last`` checkpoint per epoch, with full resume."""
+"""Best-validation checkpoints plus a ``last`` checkpoint per epoch, crash-safe, with full resume."""
+import errno
+import logging
+import math
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
+import ignite.distributed as idist
 import torch
 from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 
-from ignite_amp.errors import CheckpointError
+from ignite_amp.errors import CheckpointError, CheckpointWriteError, NonFiniteError
 from ignite_amp.rng import get_rng_state, set_rng_state
 
-__all__ = ["BestCheckpoint", "CheckpointError", "RNGState", "StoredValue"]
+__all__ = ["BestCheckpoint", "CheckpointError", "SafeDiskSaver", "RNGState", "StoredValue", "load_checkpoint",
+           "all_finite"]
+
+logger = logging.getLogger("ignite_amp")
+
+TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>"
 
 
 class RNGState(Serializable):
@@ -43,15 +52,135 @@ class StoredValue(Serializable):
         self.value = state_dict["value"]
 
 
+def _disk_full(exc: BaseException) -> bool:
+    for error in (exc, exc.__cause__, exc.__context__):
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+    text = str(exc)
+    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
+
+
+class SafeDiskSaver(DiskSaver):
+    """Ignite's ``DiskSaver`` made crash-safe: a new file is complete before an old one goes.
+
+    Ignite's ``Checkpoint`` asks its saver to remove the file it replaces *before* it saves the
+    new one, so a kill in between would leave nothing to resume. Here ``remove`` only queues
+    the name; ``__call__`` writes the new file to ``.<name>.tmp-<pid>``, flushes and fsyncs it,
+    renames it into place, fsyncs the directory, and only then removes what was queued. A
+    failed write (disk full, say) removes its temp file, keeps every old file and raises
+    :class:`~ignite_amp.errors.CheckpointWriteError`.
+    """
+
+    def __init__(self, dirname: str, **kwargs: Any):
+        super().__init__(dirname, atomic=True, create_dir=True, require_empty=False, **kwargs)
+        self._pending: List[str] = []
+
+    def __call__(self, checkpoint: Mapping, filename: str, metadata: Optional[Mapping] = None) -> None:
+        if idist.get_rank() != self.save_on_rank:
+            return
+        path = os.path.join(self.dirname, filename)
+        tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f, **self.kwargs)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(str(self.dirname))
+        except BaseException as exc:
+            self._pending.clear()  # the files it would replace are the good ones now
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            if isinstance(exc, Exception) and _disk_full(exc):
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
+                                           f"checkpoints are kept: free space and run the same command to resume"
+                                           ) from None
+            raise
+        pending, self._pending = self._pending, []
+        for old in pending:
+            if old != filename:  # Ignite "removes" a file it is about to overwrite
+                try:
+                    os.remove(os.path.join(self.dirname, old))
+                except FileNotFoundError:
+                    pass
+
+    def remove(self, filename: str) -> None:
+        if idist.get_rank() == self.save_on_rank:
+            self._pending.append(filename)
+
+    @staticmethod
+    def remove_temp_files(dirname: str) -> List[str]:
+        """Remove what killed saves left (``.<name>.tmp-<pid>``); returns their names."""
+        if not os.path.isdir(dirname):
+            return []
+        left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n]
+        for name in left:
+            try:
+                os.remove(os.path.join(dirname, name))
+            except OSError:
+                pass
+        return left
+
+
+def _fsync_dir(dirname: str) -> None:
+    try:
+        fd = os.open(dirname, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _load_table(checkpoint: Checkpoint, items: List[Tuple[float, str]]) -> None:
+    """Give an Ignite Checkpoint its table of saved files, in the shape its state_dict has."""
+    key, = checkpoint.state_dict()  # "_saved" in Ignite 0.5 (its docstring says "saved")
+    checkpoint.load_state_dict({key: items})
+
+
+def load_checkpoint(path: str) -> dict:
+    """``torch.load(path, weights_only=True)`` on the CPU; a missing or unreadable file is a CheckpointError."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, foreign pickle...: whatever torch.load raised
+        raise CheckpointError(f"checkpoint {path}: truncated or not a checkpoint file "
+                              f"({exc.__class__.__name__})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (holds a {type(state).__name__})")
+    return state
+
+
+def all_finite(modules: List[torch.nn.Module]) -> bool:
+    """Whether every floating-point parameter and buffer is finite: one reduction, one host sync."""
+    tensors = [t.detach() for m in modules for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()]
+    if not tensors:
+        return True
+    # The max-abs norm is inf or NaN exactly when some element is.
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)).item())
+
+
 class BestCheckpoint:
     """Keep the ``n_saved`` best checkpoints by a validation metric, and a ``last`` one per evaluation.
 
-    Built on Ignite's ``Checkpoint`` (policy) and ``DiskSaver`` (atomic writes: temp file, then
-    ``os.replace``). Each checkpoint holds ``to_save`` (model, optimizer, the AMP step with its
-    scaler, scheduler, trainer, stateful handlers...), the RNG states, the best-score table and,
-    if given, the resolved ``config``. :meth:`resume` continues from the latest ``last``
-    checkpoint, best-score table included, so a worse model after a resume never replaces a
-    better one.
+    Built on Ignite's ``Checkpoint`` (policy) with a :class:`SafeDiskSaver` (storage): a new file is
+    written, flushed and renamed into place before the one it replaces is removed, so at every
+    instant at least one complete checkpoint is on disk. Each checkpoint holds ``to_save``
+    (model, optimizer, the AMP step with its scaler, scheduler, trainer, stateful handlers...),
+    the RNG states and, if given, the resolved ``config``. Nothing is saved when an evaluated
+    metric or a parameter is non-finite: the run stops with
+    :class:`~ignite_amp.errors.NonFiniteError` and the files on disk stay as they were.
+
+    :meth:`resume` continues from the newest ``last`` checkpoint that loads (an unreadable one is
+    renamed ``*.unreadable`` and named in a warning) and rebuilds the best table from the best
+    files present, so a worse model after a resume never replaces a better one, and a best file
+    that is gone is simply not in the table.
 
     Args:
         dirname: where checkpoints go (created if missing).
@@ -82,10 +211,11 @@ class BestCheckpoint:
 
     LAST_PREFIX = "last"
     BEST_PREFIX = "best"
+    UNREADABLE = ".unreadable"
 
     def __init__(self, dirname: str, to_save: Mapping[str, Any], metric: str = "accuracy", n_saved: int = 2,
                  mode: Optional[str] = None, config: Optional[dict] = None):
-        if not isinstance(n_saved, int) or n_saved < 1:
+        if not isinstance(n_saved, int) or isinstance(n_saved, bool) or n_saved < 1:
             raise ValueError(f"Argument n_saved should be a positive integer, got {n_saved!r}.")
         if mode is None:
             mode = "min" if "loss" in metric.lower() else "max"
@@ -96,6 +226,7 @@ class BestCheckpoint:
                 raise ValueError(f"Argument to_save should not use the reserved key {reserved!r}.")
         self.dirname = str(dirname)
         self.metric, self.mode = metric, mode
+        self.score_name = metric if mode == "max" else f"neg_{metric}"
         self.config = StoredValue(config)
         self.to_save = dict(to_save, rng=RNGState(), config=self.config)
         self.resumed_config: Optional[dict] = None
@@ -103,70 +234,147 @@ class BestCheckpoint:
         self.last: Optional[Checkpoint] = None
         self.n_saved = n_saved
 
-    def _score(self, engine: Engine) -> float:
-        value = float(engine.state.metrics[self.metric])
-        return value if self.mode == "max" else -value
-
     def attach(self, trainer: Engine, evaluator: Engine) -> None:
-        """Save on each evaluator completion: the best table first, then ``last`` (which stores the table)."""
-        saver = DiskSaver(self.dirname, require_empty=False, atomic=True)
+        """On each evaluator completion: refuse non-finite state, then save the best table, then ``last``.
+
+        Temp files that killed saves left in ``dirname`` are removed first.
+        """
+        for name in SafeDiskSaver.remove_temp_files(self.dirname):
+            logger.warning("removed %s in %s: the temp file of a save that was killed", name, self.dirname)
+        saver = SafeDiskSaver(self.dirname)
         step = global_step_from_engine(trainer)
-        self.best = Checkpoint(self.to_save, saver, filename_prefix=self.BEST_PREFIX, score_function=self._score,
-                               score_name=self.metric if self.mode == "max" else f"neg_{self.metric}",
-                               n_saved=self.n_saved, global_step_transform=step)
+        score = Checkpoint.get_default_score_fn(self.metric, 1.0 if self.mode == "max" else -1.0)
+        self.best = Checkpoint(self.to_save, saver, filename_prefix=self.BEST_PREFIX, score_function=score,
+                               score_name=self.score_name, n_saved=self.n_saved, global_step_transform=step)
         self.last = Checkpoint(dict(self.to_save, best_table=self.best), saver, filename_prefix=self.LAST_PREFIX,
                                n_saved=1, global_step_transform=step, include_self=True)
+        self._trainer = trainer
+        evaluator.add_event_handler(Events.COMPLETED, self._refuse_non_finite)
         evaluator.add_event_handler(Events.COMPLETED, self.best)
         evaluator.add_event_handler(Events.COMPLETED, self.last)
+
+    def _refuse_non_finite(self, evaluator: Engine) -> None:
+        epoch = self._trainer.state.epoch
+        bad = sorted(k for k, v in evaluator.state.metrics.items()
+                     if isinstance(v, (int, float)) and not math.isfinite(v))
+        if bad:
+            raise NonFiniteError(f"validation {', '.join(bad)} non-finite after epoch {epoch}: stopping without "
+                                 f"saving; the checkpoints on disk are kept")
+        modules = [obj for obj in self.to_save.values() if isinstance(obj, torch.nn.Module)]
+        if not all_finite(modules):
+            raise NonFiniteError(f"non-finite parameters after epoch {epoch}: stopping without saving; the "
+                                 f"checkpoints on disk are kept")
 
     @property
     def best_path(self) -> Optional[str]:
         """Path of the best checkpoint so far, or None."""
         return None if self.best is None or self.best.last_checkpoint is None else str(self.best.last_checkpoint)
 
-    def latest(self) -> Optional[str]:
-        """The newest ``last`` checkpoint in ``dirname`` (highest epoch), or None."""
-        if not os.path.isdir(self.dirname):
-            return None
+    @staticmethod
+    def _files(dirname: str, prefix: str, pattern: str = "") -> List[Tuple[int, str, re.Match]]:
+        if not os.path.isdir(dirname):
+            return []
         found = []
-        for name in os.listdir(self.dirname):
-            match = re.fullmatch(rf"{self.LAST_PREFIX}_checkpoint_(\d+)\.pt", name)
+        for name in os.listdir(dirname):
+            match = re.fullmatch(rf"{prefix}_checkpoint_(\d+){pattern}\.pt", name)
             if match:
-                found.append((int(match.group(1)), name))
-        return os.path.join(self.dirname, max(found)[1]) if found else None
+                found.append((int(match.group(1)), name, match))
+        return sorted(found)
 
-    def resume(self, path: Optional[str] = None) -> Optional[str]:
-        """Load the checkpoint at ``path`` (default: :meth:`latest`) into every saved object.
+    def latest(self) -> Optional[str]:
+        """The newest ``last`` checkpoint in ``dirname`` (highest epoch), or None; not opened."""
+        found = self._files(self.dirname, self.LAST_PREFIX)
+        return os.path.join(self.dirname, found[-1][1]) if found else None
 
+    @classmethod
+    def find_resumable(cls, dirname: str) -> Tuple[Optional[str], Optional[dict]]:
+        """``(path, state)`` of the newest checkpoint in ``dirname`` that loads, or ``(None, None)`` if none is there.
+
+        ``last`` files come first, newest first, then ``best`` files (each holds the full run
+        state too), newest first. Files that do not load (truncated, not a checkpoint) and are
+        newer than the one chosen are renamed ``<name>.unreadable`` (kept, never picked again)
+        and named in a warning. When files are there but none loads, it raises a CheckpointError
+        naming them and the way out (nothing is renamed). Callable before the run is built, so
+        the stored config can be compared with the new one first.
+        """
+        candidates = [(cls.LAST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.LAST_PREFIX))]
+        candidates += [(cls.BEST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.BEST_PREFIX, r"_.+"))]
+        skipped = []
+        for _, _, name in candidates:
+            path = os.path.join(dirname, name)
+            try:
+                state = load_checkpoint(path)
+                if "trainer" not in state or "config" not in state:
+                    raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing "
+                                          f"{', '.join(k for k in ('trainer', 'config') if k not in state)})")
+            except CheckpointError as exc:
+                skipped.append((path, str(exc).split(": ", 1)[-1]))
+                continue
+            for bad, why in skipped:
+                os.replace(bad, bad + cls.UNREADABLE)
+                logger.warning("skipped %s (%s): resuming from the older %s; renamed it %s%s", bad, why, name,
+                               os.path.basename(bad), cls.UNREADABLE)
+            return path, state
+        if skipped:
+            listed = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped[:3])
+            raise CheckpointError(f"no checkpoint in {dirname} loads ({listed}); to start over, set "
+                                  f"handlers.checkpoint.resume: never (the old files are moved aside)")
+        return None, None
+
+    def _check_keys(self, path: str, state: dict) -> None:
+        missing = [k for k in self.to_save if k not in state]  # a last file also has best_table, checkpointer
+        if missing:
+            raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing {', '.join(missing)})")
+
+    def resume(self, path: Optional[str] = None, state: Optional[dict] = None) -> Optional[str]:
+        """Load the checkpoint at ``path`` (default: :meth:`find_resumable`) into every saved object.
+
+        ``state`` is the already loaded file, if the caller read it (to compare configs first).
         Returns the path loaded, or None when ``path`` is None and there is nothing to resume.
         Raises :class:`CheckpointError` (one line) for a missing, truncated or incompatible file.
         """
         if self.best is None:
             raise RuntimeError("BestCheckpoint.resume() needs attach() first")
-        if path is None:
-            path = self.latest()
+        if state is None:
             if path is None:
-                return None
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint {path}: no such file")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # truncated zip, foreign pickle...: whatever torch.load raised
-            raise CheckpointError(f"checkpoint {path}: truncated or not a checkpoint file "
-                                  f"({exc.__class__.__name__})") from None
-        to_load = dict(self.to_save, best_table=self.best)
-        missing = [k for k in [*to_load, "checkpointer"] if not isinstance(state, dict) or k not in state]
-        if missing:
-            raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing {', '.join(missing)})")
+                path, state = self.find_resumable(self.dirname)
+                if path is None:
+                    return None
+            else:
+                state = load_checkpoint(path)
+        self._check_keys(path, state)
         # The stored config is kept apart: later checkpoints store the config of this run.
-        self.resumed_config = state["config"].get("value") if isinstance(state["config"], dict) else None
-        for key, obj in to_load.items():
+        stored = state["config"]
+        self.resumed_config = stored.get("value") if isinstance(stored, dict) else None
+        for key, obj in self.to_save.items():
             if key == "config":
                 continue
             try:
-                obj.load_state_dict(state[key])
+                Checkpoint.load_objects({key: obj}, {key: state[key]})
             except Exception as exc:  # shape/key mismatch, wrong optimizer...: name the object, first line
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
                 raise CheckpointError(f"checkpoint {path}: {key} does not fit this run ({first})") from None
-        self.last.load_state_dict(state["checkpointer"])
+        # The file's number is the trainer's epoch when it was saved (global_step_from_engine).
+        match = re.fullmatch(rf"{self.LAST_PREFIX}_checkpoint_(\d+)\.pt", os.path.basename(path))
+        epoch = int(match.group(1)) if match else None
+        if match and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname):
+            _load_table(self.last, [(epoch, os.path.basename(path))])
+        _load_table(self.best, self._best_table(epoch))
         return path
+
+    def _best_table(self, epoch: Optional[int]) -> List[Tuple[float, str]]:
+        """The best files present, as (priority, name); files from epochs after ``epoch`` (a run killed
+        between its best and last saves) are removed: that epoch is trained again."""
+        table = []
+        for file_epoch, name, match in self._files(self.dirname, self.BEST_PREFIX,
+                                                   rf"_{re.escape(self.score_name)}=(\S+?)"):
+            if epoch is not None and file_epoch > epoch:
+                os.remove(os.path.join(self.dirname, name))
+                logger.warning("removed %s: saved after the checkpoint resumed from (epoch %d), whose epochs are "
+                               "trained again", name, epoch)
+                continue
+            try:
+                table.append((float(match.group(2)), name))
+            except ValueError:
+                continue
+        return sorted(table)

@@ -1,5 +1,5 @@
-"""Stop a run whose loss or gradients stay non-finite, naming the iteration."""
-from typing import Optional, Tuple
+"""Stop a run whose loss or gradients go non-finite, naming the iteration, before anything saves."""
+from typing import Optional
 
 import torch
 from ignite.engine import Engine, Events
@@ -14,14 +14,17 @@ __all__ = ["NonFiniteGuard", "NonFiniteError"]
 class NonFiniteGuard:
     """Stop the run on non-finite losses or gradients.
 
-    - float16 (with a scaler): a skipped step is the scaler's job; the run stops only after
-      ``max_consecutive`` skipped steps in a row (``AmpEvents.STEP_SKIPPED``; no extra sync).
+    - float16 (with a scaler): a skipped step is the scaler's job; the run stops after
+      ``max_consecutive`` skipped steps in a row (``AmpEvents.STEP_SKIPPED``; no extra sync),
+      or at the end of an epoch in which every step was skipped.
     - bfloat16 / float32 (no scaler to skip the step): the run stops at the first non-finite
-      loss. On CUDA the check is lagged by one iteration (a non-blocking copy to the host, read
-      once the next iteration is queued) so it never stalls the device pipeline.
+      loss. On CUDA the check is lagged by one iteration (a non-blocking copy to pinned host
+      memory, read once the next iteration is queued) so it never stalls the device pipeline.
 
-    Checkpoints already on disk stay as they were: the error is raised inside the iteration,
-    before any epoch-end evaluation could save a ruined model.
+    The lagged check is flushed at ``EPOCH_COMPLETED`` and ``COMPLETED``: attach the guard before
+    the handlers that evaluate and checkpoint at the epoch's end (``train_from_config`` does), so
+    a loss that went bad on the epoch's last iteration stops the run before anything is saved.
+    (:class:`~ignite_amp.handlers.BestCheckpoint` also refuses to save non-finite weights.)
 
     Args:
         max_consecutive: skipped float16 steps in a row that stop the run.
@@ -32,17 +35,28 @@ class NonFiniteGuard:
             raise ValueError(f"Argument max_consecutive should be a positive integer, got {max_consecutive!r}.")
         self.max_consecutive = max_consecutive
         self.consecutive = 0
-        self._pending: Optional[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = None
+        self.stepped_in_epoch = 0
+        self.skipped_in_epoch = 0
+        self._pending_iteration: Optional[int] = None
+        self._host: Optional[torch.Tensor] = None
+        self._event: Optional[torch.cuda.Event] = None
 
     def attach(self, engine: Engine) -> None:
         self.step = amp_step_of(engine)
+        engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(AmpEvents.STEP_SKIPPED, self._skipped)
         engine.add_event_handler(AmpEvents.GRADS_READY, self._stepped)
-        engine.add_event_handler(Events.ITERATION_COMPLETED, self._check_loss)
+        if not self.step.scaler.is_enabled():
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self._check_loss)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)
         engine.add_event_handler(Events.COMPLETED, self._flush)
+
+    def _epoch_started(self, engine: Engine) -> None:
+        self.stepped_in_epoch = self.skipped_in_epoch = 0
 
     def _skipped(self, engine: Engine) -> None:
         self.consecutive += 1
+        self.skipped_in_epoch += 1
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"non-finite gradients in {self.consecutive} float16 steps in a row, the last at iteration "
@@ -50,29 +64,37 @@ class NonFiniteGuard:
 
     def _stepped(self, engine: Engine) -> None:
         self.consecutive = 0
+        self.stepped_in_epoch += 1
+
+    def _epoch_completed(self, engine: Engine) -> None:
+        self._flush(engine)
+        if self.skipped_in_epoch and not self.stepped_in_epoch:
+            raise NonFiniteError(
+                f"no optimizer step in epoch {engine.state.epoch}: all {self.skipped_in_epoch} float16 steps had "
+                f"non-finite gradients (loss scale now {self.step.scaler.get_scale():g}): stopping")
 
     def _check_loss(self, engine: Engine) -> None:
-        if self.step.scaler.is_enabled():
-            return
         self._flush(engine)
         bad = ~torch.isfinite(engine.state.output["loss"])
         if bad.device.type == "cuda":
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(bad, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (engine.state.iteration, host, event)
-        else:  # no pipeline to protect: check now
-            self._pending = (engine.state.iteration, bad, None)
-            self._flush(engine)
+            if self._host is None:  # made once: pinned memory is expensive to allocate
+                self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+                self._event = torch.cuda.Event()
+            # The copy runs on the current stream of the loss's device: record the event there.
+            self._host.copy_(bad, non_blocking=True)
+            self._event.record(torch.cuda.current_stream(bad.device))
+            self._pending_iteration = engine.state.iteration
+        elif bool(bad):  # no pipeline to protect: check now
+            self._raise(engine.state.iteration)
 
     def _flush(self, engine: Engine) -> None:
-        if self._pending is None:
+        if self._pending_iteration is None:
             return
-        iteration, bad, event = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        if bool(bad):
-            raise NonFiniteError(f"non-finite loss at iteration {iteration} in {str(self.step.dtype)[6:]} "
-                                 f"(no loss scaler to skip the step): stopping")
+        iteration, self._pending_iteration = self._pending_iteration, None
+        self._event.synchronize()
+        if bool(self._host):
+            self._raise(iteration)
+
+    def _raise(self, iteration: int) -> None:
+        raise NonFiniteError(f"non-finite loss at iteration {iteration} in {str(self.step.dtype)[6:]} "
+                             f"(no loss scaler to skip the step): stopping")

@@ -1,12 +1,18 @@
 """``ignite-amp`` command line: a thin layer over the functions a script would call.
 
-User errors (bad config, missing data, unwritable output) exit 2 with one line on stderr.
+Every failure ends in one line on stderr: a user error (bad config, missing data, unwritable
+output, a run directory in use) exits 2; a run stopped for a stated reason (non-finite loss,
+out of memory at the floor, disk full) exits 1; an unexpected error exits 1 and points at the
+traceback in the run's ``train.log``. ``--debug`` also prints the traceback.
 """
 import argparse
+import errno
 import logging
 import os
+import re
 import sys
-from typing import List, Optional
+import traceback
+from typing import List, Optional, Tuple
 
 __all__ = ["main"]
 
@@ -20,6 +26,7 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="override a config value (repeatable), e.g. --set train.epochs=2")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a failure too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,41 +91,82 @@ def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config
     from ignite_amp.run import train_from_config
 
+    from ignite_amp.run import safe_print
+
     cfg = load_config(args.config, args.overrides)
+    _state["log"] = os.path.join(cfg["output_dir"], "train.log")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    result = train_from_config(cfg, progress=progress)
+    result = train_from_config(cfg, progress=progress, command=f"ignite-amp train {args.config}")
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun, rank 0 reports
     final = result["final"]
     if final:
-        print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {final['epoch']} epochs")
+        safe_print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {final['epoch']} epochs")
     if result["best_checkpoint"]:
-        print(f"best checkpoint: {result['best_checkpoint']}")
+        safe_print(f"best checkpoint: {result['best_checkpoint']}")
     if result["tensorboard_dir"]:
         tb = result["tensorboard_dir"]
-        print(f"TensorBoard logs: {tb}  (open with: tensorboard --logdir {tb})")
+        safe_print(f"TensorBoard logs: {tb}  (open with: tensorboard --logdir {tb})")
     return 0
 
 
 COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+_state: dict = {}  # what the command knew before it failed (the run's log file)
+
+
+def one_line(exc: BaseException) -> str:
+    """The user-facing line of an error: its first line; for an error raised in a DataLoader worker
+    (which arrives as "Caught X in DataLoader worker ... Original Traceback ..."), the original's."""
+    text = str(exc).strip()
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        name, sep, message = last.partition(": ")
+        text = message if sep and re.fullmatch(r"[\w.]+", name) else last
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def describe(exc: BaseException) -> Tuple[int, str]:
+    """(exit code, the one line) for a failure of a command."""
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS
 
+    if isinstance(exc, USER_ERRORS):
+        return 2, f"ignite-amp: error: {one_line(exc)}"
+    if isinstance(exc, RUN_STOPPED):
+        return 1, f"ignite-amp: stopped: {one_line(exc)}"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return 1, (f"ignite-amp: stopped: no space left on device ({exc.filename or 'writing the run'}); "
+                   f"the last checkpoint is kept: free space and run the same command to resume")
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return 2, f"ignite-amp: error: cannot write {exc.filename or ''}: {exc.strerror}"
+    log = _state.get("log")
+    where = f"the traceback is in {log}" if log and os.path.exists(log) else "run it again with --debug"
+    return 1, f"ignite-amp: internal error: {exc.__class__.__name__}: {one_line(exc)} ({where})"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ignite_amp.rundir import terminal_log_handler
+
+    handler = terminal_log_handler()
+    logging.getLogger().addHandler(handler)
+    _state.clear()
     try:
         return COMMANDS[args.command](args)
-    except USER_ERRORS as exc:
-        print(f"ignite-amp: error: {exc}", file=sys.stderr)
-        return 2
-    except RUN_STOPPED as exc:
-        print(f"ignite-amp: stopped: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
-        print("ignite-amp: interrupted", file=sys.stderr)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print("ignite-amp: interrupted: run the same command to resume from the last checkpoint", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        code, line = describe(exc)
+        print(line, file=sys.stderr)
+        return code
+    finally:
+        logging.getLogger().removeHandler(handler)
 
 
 if __name__ == "__main__":

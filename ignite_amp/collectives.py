@@ -8,13 +8,31 @@
 
 Without a process group every function here is a no-op or returns its input.
 """
+import logging
 from typing import Any, Iterator, Optional
 
 import ignite.distributed as idist
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "all_reduce_gradients", "broadcast_buffers"]
+__all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "all_reduce_gradients", "broadcast_buffers",
+           "adopt_ignite_loggers"]
+
+IGNITE_LOGGERS = ("ignite.distributed.launcher.Parallel", "ignite.distributed.auto.auto_dataloader",
+                  "ignite.distributed.auto.auto_model", "ignite.distributed.auto.auto_optim")
+
+
+def adopt_ignite_loggers() -> None:
+    """Leave Ignite's auto_* and launcher records to the application's logging configuration.
+
+    On first use, ``ignite.utils.setup_logger`` gives each of those loggers an INFO stream
+    handler of its own (so every run printed "Use data loader kwargs for dataset ..."); it
+    leaves a logger that already exists as it is. Creating them first (level untouched) is
+    enough: their records then go where the application's other records go.
+    """
+    for name in IGNITE_LOGGERS:
+        logging.getLogger(name)
+
 
 
 def is_distributed() -> bool:

@@ -19,6 +19,7 @@ from ignite_amp.config import load_config
 from ignite_amp.data import build_loaders
 from ignite_amp.events import AmpEvents
 from ignite_amp.models import build_model
+from ignite_amp.rundir import check_writable
 from ignite_amp.step import create_amp_trainer
 
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
@@ -92,6 +93,7 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     """
     cfg = load_config(cfg)
     device = config_device(cfg)
+    check_writable(os.path.join(cfg["output_dir"], "compare"))  # before minutes of training, not after
     seed_everything(cfg["seed"])
     loader, _, _ = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device, cfg["seed"])
     batches, it = [], iter(loader)

@@ -137,7 +137,7 @@ def resume_value(value: Any, path: str) -> Union[str, bool]:
 
 SCHEMA: Dict[str, Any] = {
     "name": Field("ignite-amp", text(r"[\w.\-]+", "a name of letters, digits, '.', '_' or '-'")),
-    "seed": Field(0, integer(0)),
+    "seed": Field(0, integer(0, maximum=2**32 - 1)),
     "device": Field("auto", text(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", "auto, cpu, cuda or cuda:N")),
     "output_dir": Field(None, text(allow_none=True), "defaults to runs/<name>"),
     "amp": {
@@ -147,6 +147,7 @@ SCHEMA: Dict[str, Any] = {
         "fp32_modules": Field([], string_list),
         "channels_last": Field(False, boolean),
         "compile": Field(False, boolean),
+        "cudnn_benchmark": Field(True, boolean, "CUDA: autotune convolutions for the run's fixed image shapes"),
     },
     "data": {
         "name": Field("shapes", choice("shapes", "cifar10", "cifar100", "imagefolder", "fake")),
@@ -282,6 +283,23 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping (YAML would keep the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str) -> Any:
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file")
@@ -289,7 +307,7 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: is a directory, expected a YAML file")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -326,6 +344,9 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
     cfg = _validate(raw, SCHEMA, "")
     if cfg["output_dir"] is None:
         cfg["output_dir"] = os.path.join("runs", cfg["name"])
+    # Expanded once, here: every file of the run (checkpoints, TensorBoard, config.yaml) uses this path.
+    cfg["output_dir"] = os.path.expanduser(cfg["output_dir"])
+    cfg["data"]["root"] = os.path.expanduser(cfg["data"]["root"])
     return cfg
 
 

@@ -12,9 +12,10 @@ import ignite.distributed as idist
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ignite_amp.collectives import adopt_ignite_loggers
 from ignite_amp.errors import ConfigError
 
-__all__ = ["EpochShuffleSampler", "EvenShardSampler", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+__all__ = ["EpochShuffleSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
 
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -117,7 +118,30 @@ def _unpickle(path: str) -> dict:
 def _download_cifar(root: str, fine: bool) -> None:
     from torchvision import datasets
 
-    (datasets.CIFAR100 if fine else datasets.CIFAR10)(root, train=True, download=True)
+    name = "CIFAR-100" if fine else "CIFAR-10"
+    try:
+        (datasets.CIFAR100 if fine else datasets.CIFAR10)(root, train=True, download=True)
+    except Exception as exc:  # no network, a proxy, a full disk, a bad archive: one line with the way out
+        reason = str(getattr(exc, "reason", "") or exc).strip().splitlines()
+        raise ConfigError(f"data.download: cannot download {name} into {root} ({exc.__class__.__name__}: "
+                          f"{reason[0] if reason else 'no detail'}); put the extracted "
+                          f"{'cifar-100-python' if fine else 'cifar-10-batches-py'} folder there yourself") from None
+
+
+class ImageReadError(ConfigError):
+    """An image file that cannot be decoded: a user error whose message names the file."""
+
+
+def read_image(path: str):
+    """torchvision's default image loader, with an error that names the file."""
+    from torchvision.datasets.folder import default_loader
+
+    try:
+        return default_loader(path)
+    except Exception as exc:
+        raise ImageReadError(f"data.root: cannot read image {path} ({exc.__class__.__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}); "
+                             f"remove or replace the file") from None
 
 
 def _imagefolder(root: str, split: str, image_size: int, augment: bool):
@@ -132,7 +156,7 @@ def _imagefolder(root: str, split: str, image_size: int, augment: bool):
         resize = [transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
     tf = transforms.Compose([*resize, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     try:
-        return datasets.ImageFolder(path, transform=tf)
+        return datasets.ImageFolder(path, transform=tf, loader=read_image)
     except (FileNotFoundError, RuntimeError) as exc:
         raise ConfigError(f"data.root: {path}: {str(exc).splitlines()[0]}") from None
 
@@ -170,6 +194,12 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
         size = data["image_size"] or 224
         train_set = _imagefolder(root, "train", size, augment)
         val_set = _imagefolder(root, "val", size, False)
+        if val_set.classes != train_set.classes:  # labels are indices into the sorted class list
+            missing = sorted(set(train_set.classes) - set(val_set.classes))
+            extra = sorted(set(val_set.classes) - set(train_set.classes))
+            raise ConfigError(f"data.root: {root}/val has other classes than {root}/train (missing in val: "
+                              f"{', '.join(missing) or 'none'}; only in val: {', '.join(extra) or 'none'}); "
+                              f"the labels would not match")
         return train_set, val_set, len(train_set.classes)
     else:  # the config schema already refused other names
         raise ConfigError(f"data.name: unknown data set {name!r}")
@@ -228,6 +258,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     process (:class:`EpochShuffleSampler`) as over N (``DistributedSampler``), so the global
     batches are the same sets of samples. Validation is sharded without padding.
     """
+    adopt_ignite_loggers()
     world = idist.get_world_size()
     if world > 1:
         if train and batch_size % world:

@@ -8,8 +8,8 @@ Two families, told apart by the CLI:
   a non-finite loss): one line, exit 1; the checkpoints on disk stay as they were.
 """
 
-__all__ = ["ConfigError", "CheckpointError", "BatchSizeFloorError", "OptimizerOutOfMemoryError", "NonFiniteError",
-           "USER_ERRORS", "RUN_STOPPED"]
+__all__ = ["ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError", "OptimizerOutOfMemoryError",
+           "NonFiniteError", "CheckpointWriteError", "USER_ERRORS", "RUN_STOPPED"]
 
 
 class ConfigError(ValueError):
@@ -18,6 +18,10 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated or does not fit the run: one line, nothing overwritten."""
+
+
+class RunDirInUseError(ValueError):
+    """Another run holds the run directory's lock: one line naming its PID."""
 
 
 class BatchSizeFloorError(RuntimeError):
@@ -32,5 +36,9 @@ class NonFiniteError(RuntimeError):
     """The loss or the weights went non-finite past what the guard allows: one line naming the iteration."""
 
 
-USER_ERRORS = (ConfigError, CheckpointError)
-RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError)
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, say): the previous one is kept, the run stops."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError)
+RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError)

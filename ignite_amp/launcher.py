@@ -25,7 +25,9 @@ import torch
 from torch.multiprocessing.spawn import ProcessException
 
 from ignite_amp.builders import config_device
+from ignite_amp.collectives import adopt_ignite_loggers
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError
+from ignite_amp.rundir import terminal_log_handler
 
 __all__ = ["launch", "under_torchrun", "resolve_backend", "cpu_only"]
 
@@ -82,15 +84,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-IGNITE_CHATTER = ("torch.multiprocessing.spawn", "ignite.distributed.launcher.Parallel", "ignite.distributed.auto.auto_dataloader",
-                  "ignite.distributed.auto.auto_model", "ignite.distributed.auto.auto_optim")
-
-
-def _quiet_ignite() -> None:
-    """Leave out the info lines of Ignite's launcher and auto_* helpers, and torch's notice that it
-    stops the other processes when one failed (the failure itself is reported)."""
-    for name in IGNITE_CHATTER:  # ignite.utils.setup_logger leaves an existing logger as it is
-        logging.getLogger(name).setLevel(logging.ERROR if name.startswith("torch") else logging.WARNING)
+def _quiet_launchers() -> None:
+    """Leave out Ignite's launcher lines and torch's notice that it stops the other processes when
+    one failed (the failure itself is reported)."""
+    adopt_ignite_loggers()
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
 def _quiet_other_ranks() -> None:
@@ -112,7 +110,7 @@ def _call(fn: Callable, args: tuple) -> Any:
 
 def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, args: tuple) -> None:
     """Body of a spawned process: run ``fn``, leave its result or its error for the parent."""
-    logging.basicConfig(level=log_level, format="%(name)s: %(message)s")
+    logging.getLogger().addHandler(terminal_log_handler(log_level))
     sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does (N x all cores thrashes)
@@ -175,7 +173,7 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         backend = resolve_backend(cfg["distributed"]["backend"], device)
     except ValueError as exc:
         raise ConfigError(f"distributed.backend: {exc}") from None
-    _quiet_ignite()
+    _quiet_launchers()
     if under_torchrun():
         result = []
         with cpu_only(device.type == "cpu"), idist.Parallel(backend=backend) as parallel:

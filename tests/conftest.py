@@ -106,11 +106,14 @@ def overflow_cnn(num_classes: int = 10) -> nn.Module:
 
 
 class NaNAfter(nn.Module):
-    """A small model whose output turns NaN from the ``after``-th training forward on."""
+    """A small model whose output turns NaN from the ``after``-th training forward on.
+
+    ``after`` comes from the NAN_AFTER environment variable when set, so a test can make a
+    resumed run go bad without changing its config (which a resume would refuse)."""
 
     def __init__(self, num_classes: int = 10, after: int = 3):
         super().__init__()
-        self.after, self.calls = after, 0
+        self.after, self.calls = int(os.environ.get("NAN_AFTER", after)), 0
         self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                                   nn.Linear(4, num_classes))
 

@@ -74,14 +74,16 @@ def test_bad_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_path):
     _, ckpt = scripted(tmp_path, [], model=torch.nn.Linear(3, 2))
     with pytest.raises(CheckpointError, match=r"last_checkpoint_1.pt: model does not fit this run \(Error"):
         ckpt.resume()
-    # Truncated.
+    # Truncated: named explicitly, a one-line error; found by resume(), skipped and set aside.
     last.write_bytes(good[: len(good) // 2])
     with pytest.raises(CheckpointError, match="truncated or not a checkpoint file"):
-        scripted(tmp_path, [], resume=True)
+        scripted(tmp_path, [])[1].resume(str(last))
+    assert scripted(tmp_path, [], resume=True)[1].resumed_config is None
+    assert not last.exists() and (tmp_path / "last_checkpoint_1.pt.unreadable").read_bytes() == good[: len(good) // 2]
     # Foreign: a plain state dict.
     torch.save(torch.nn.Linear(2, 2).state_dict(), last)
     with pytest.raises(CheckpointError, match="not a checkpoint of this run .missing model, trainer"):
-        scripted(tmp_path, [], resume=True)
+        scripted(tmp_path, [])[1].resume(str(last))
     with pytest.raises(CheckpointError, match="no such file"):
         scripted(tmp_path, [])[1].resume(str(tmp_path / "nope.pt"))
     assert files(tmp_path, "best") == ["best_checkpoint_1_accuracy=0.5000.pt"]

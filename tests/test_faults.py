@@ -3,6 +3,7 @@ import copy
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,30 +50,37 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_command(quick_
     assert f"resumed from {ckpts}/last_checkpoint_{done}.pt" in again.stdout
 
 
-def test_truncated_or_foreign_checkpoint_is_one_line_and_nothing_is_overwritten(quick_cfg, tmp_path, capsys):
+def test_an_unreadable_last_checkpoint_falls_back_and_none_readable_is_one_line(quick_cfg, tmp_path, capsys):
     path = write(tmp_path, dict(quick_cfg, train={"epochs": 1}))
     assert main(["train", path]) == 0
     ckpts = os.path.join(quick_cfg["output_dir"], "checkpoints")
     last = os.path.join(ckpts, "last_checkpoint_1.pt")
+    best, = [os.path.join(ckpts, f) for f in os.listdir(ckpts) if f.startswith("best_")]
 
     def digest():
         return {f: hashlib.sha256(open(os.path.join(ckpts, f), "rb").read()).hexdigest() for f in os.listdir(ckpts)}
 
+    # Both unreadable (a truncated zip, a foreign pickle): one line, exit 2, nothing touched.
     with open(last, "r+b") as f:
         f.truncate(os.path.getsize(last) // 3)
+    torch.save({"weights": torch.zeros(3)}, best)
     before = digest()
     capsys.readouterr()
     assert main(["train", path, "--set", "train.epochs=2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "last_checkpoint_1.pt: truncated or not a checkpoint file" in err
-    assert digest() == before
+    assert err.count("\n") == 1 and "no checkpoint in" in err and "last_checkpoint_1.pt: truncated" in err
+    assert "resume: never" in err and digest() == before
 
-    torch.save({"weights": torch.zeros(3)}, last)
-    before = digest()
-    assert main(["train", path, "--set", "train.epochs=2"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not a checkpoint of this run" in err
-    assert digest() == before
+    # A readable best file: the run resumes from it, naming the file it skipped.
+    other = write(tmp_path, dict(quick_cfg, train={"epochs": 1}, output_dir=str(tmp_path / "b")), name="b.yaml")
+    assert main(["train", other]) == 0
+    good_best, = [f for f in os.listdir(tmp_path / "b" / "checkpoints") if f.startswith("best_")]
+    shutil.copy(tmp_path / "b" / "checkpoints" / good_best, best)
+    assert main(["train", path, "--set", "train.epochs=2"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped" in captured.err and "last_checkpoint_1.pt.unreadable" in captured.err
+    assert f"resumed from {best} at epoch 1" in captured.out
+    assert os.path.exists(last + ".unreadable") and os.path.exists(os.path.join(ckpts, "last_checkpoint_2.pt"))
 
 
 def test_nan_in_float16_is_skipped_and_the_run_goes_on():
@@ -94,8 +102,8 @@ def test_nan_in_float16_is_skipped_and_the_run_goes_on():
     ("bfloat16", 3, "non-finite loss at iteration 11 in bfloat16"),
     ("float32", 2, "non-finite loss at iteration 10 in float32"),
 ])
-def test_nan_stops_the_run_with_one_line_and_keeps_the_best_checkpoint(quick_cfg, tmp_path, capsys, dtype, after,
-                                                                       message):
+def test_nan_stops_the_run_with_one_line_and_keeps_the_best_checkpoint(quick_cfg, tmp_path, capsys, monkeypatch,
+                                                                       dtype, after, message):
     cfg = dict(quick_cfg, amp={"dtype": dtype}, train={"epochs": 2},
                model={"name": "conftest:nan_after", "num_classes": 10, "kwargs": {"after": 10**6}},
                handlers={"non_finite": {"max_consecutive": 3}})
@@ -105,7 +113,8 @@ def test_nan_stops_the_run_with_one_line_and_keeps_the_best_checkpoint(quick_cfg
     best = sorted(f for f in os.listdir(ckpts) if f.startswith("best_"))
     digest = {f: hashlib.sha256(open(os.path.join(ckpts, f), "rb").read()).hexdigest() for f in best}
     capsys.readouterr()
-    code = main(["train", path, "--set", f"model.kwargs.after={after}"])
+    monkeypatch.setenv("NAN_AFTER", str(after))
+    code = main(["train", path])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and message in err and "Traceback" not in err
     assert {f: hashlib.sha256(open(os.path.join(ckpts, f), "rb").read()).hexdigest() for f in best} == digest
@@ -166,7 +175,10 @@ def test_config_fuzzing_never_shows_a_traceback(quick_cfg, tmp_path, capsys, mon
     from ignite_amp import run as run_module
 
     def one_iteration(self):  # keep the fuzz fast: build everything for real, train one iteration
-        self.trainer.run(self.train_loader, max_epochs=1, epoch_length=1)
+        try:
+            self.trainer.run(self.train_loader, max_epochs=1, epoch_length=1)
+        finally:
+            self.close()
         return {"history": [], "final": {}, "output_dir": self.output_dir, "best_checkpoint": None,
                 "tensorboard_dir": None}
 

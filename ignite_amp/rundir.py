@@ -1,0 +1,163 @@
+"""The run directory: one run at a time (a lock), everything writable before the first iteration,
+a log file for tracebacks, and a previous run moved aside rather than mixed with a new one.
+"""
+import glob
+import logging
+import os
+import shutil
+import sys
+import time
+from typing import List, Optional
+
+from ignite_amp.errors import ConfigError, RunDirInUseError
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no advisory lock
+    fcntl = None
+
+__all__ = ["RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
+           "terminal_log_handler"]
+
+logger = logging.getLogger("ignite_amp")
+
+LOCK_NAME = ".lock"
+LOG_NAME = "train.log"
+# What a training run writes in its output_dir (and what "starting over" moves aside).
+RUN_ARTIFACTS = ("checkpoints", "tensorboard", "profiler", "config.yaml", LOG_NAME, "events.out.tfevents.*")
+
+
+class RunLock:
+    """An advisory ``flock`` on ``output_dir/.lock``, held while the run lives; the file holds the PID.
+
+    A second run into the same directory gets :class:`~ignite_amp.errors.RunDirInUseError` at
+    once, naming the holder's PID. The kernel drops the lock when the process dies, so a killed
+    run never leaves the directory locked.
+    """
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        if fcntl is None or self._fd is not None:
+            return self
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirInUseError(f"output_dir: {os.path.dirname(self.path)} is in use by another run (PID {holder}); "
+                                   f"wait for it to end, or set another output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing drops the flock; the file stays (unlinking would race a waiting run)
+
+
+def check_writable(path: str, key: str = "output_dir") -> None:
+    """Create the directory ``path`` and write a file in it, or raise a ConfigError naming ``key``."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot write to {path} ({exc.strerror or exc})") from None
+
+
+def _previous_artifacts(output_dir: str) -> List[str]:
+    found = []
+    for pattern in RUN_ARTIFACTS:
+        found.extend(glob.glob(os.path.join(glob.escape(output_dir), pattern)))
+    return sorted(found)
+
+
+def move_previous_run(output_dir: str) -> Optional[str]:
+    """Move what an earlier run left in ``output_dir`` to a sibling ``<dir>.replaced-<time>``.
+
+    Returns the new place, or None when there was nothing. Only the run's own files move
+    (:data:`RUN_ARTIFACTS`); anything else in the directory stays.
+    """
+    found = _previous_artifacts(output_dir)
+    if not found:
+        return None
+    base = os.path.normpath(output_dir)
+    target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    suffix = 1
+    while os.path.exists(target):
+        suffix += 1
+        target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}"
+    try:
+        os.makedirs(target)
+        for path in found:
+            shutil.move(path, os.path.join(target, os.path.basename(path)))
+    except OSError as exc:
+        raise ConfigError(f"output_dir: cannot move the previous run's files out of {output_dir} "
+                          f"({exc.strerror or exc})") from None
+    return target
+
+
+def free_bytes(path: str) -> Optional[int]:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def terminal_log_handler(level: int = logging.WARNING) -> logging.Handler:
+    """A stderr handler for ignite-amp's own warnings only: other libraries' log records (Ignite's
+    "Engine run is terminating due to exception", say) go to the run's log file, not the terminal,
+    where the command's one line already says what happened."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(level)
+    handler.addFilter(lambda record: record.name == "ignite_amp"
+                      or (record.name.startswith("ignite_amp.") and record.name != "ignite_amp.run"))
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    return handler
+
+
+class LogFile:
+    """``output_dir/train.log``: the run's printed lines, every warning (Ignite's too) and the
+    traceback of a run that failed, with times. Attached to the root logger while the run lives;
+    it changes no logger's level, so the terminal shows what it showed before."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, LOG_NAME)
+        self.handler: Optional[logging.Handler] = None
+
+    def open(self) -> "LogFile":
+        try:
+            handler = logging.FileHandler(self.path, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"output_dir: cannot write {self.path} ({exc.strerror or exc})") from None
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+        self.handler = handler
+        return self
+
+    def _emit(self, level: int, message: str, exc_info=None) -> None:
+        if self.handler is not None:
+            self.handler.handle(logging.LogRecord("ignite_amp.run", level, __file__, 0, message, None, exc_info))
+
+    def line(self, message: str) -> None:
+        """A line the run printed (epoch summaries, resume notices), into this file only."""
+        self._emit(logging.INFO, message)
+
+    def traceback(self, message: str) -> None:
+        """The exception being handled, with its traceback, into this file only."""
+        self._emit(logging.ERROR, message, sys.exc_info())
+
+    def close(self) -> None:
+        if self.handler is not None:
+            handler, self.handler = self.handler, None
+            logging.getLogger().removeHandler(handler)
+            handler.close()
