@@ -105,6 +105,9 @@ class SafeDiskSaver(DiskSaver):
                     os.remove(os.path.join(self.dirname, old))
                 except FileNotFoundError:
                     pass
+                except OSError as exc:  # the new file is in place: an old one left behind costs only space
+                    logger.warning("could not remove the old checkpoint %s (%s): it stays on disk",
+                                   os.path.join(self.dirname, old), exc.strerror or exc)
 
     def remove(self, filename: str) -> None:
         if idist.get_rank() == self.save_on_rank:
@@ -377,4 +380,9 @@ class BestCheckpoint:
                 table.append((float(match.group(2)), name))
             except ValueError:
                 continue
-        return sorted(table)
+        table.sort()
+        while len(table) > self.n_saved:  # left by a removal that failed (or a smaller n_saved now)
+            _, name = table.pop(0)
+            os.remove(os.path.join(self.dirname, name))
+            logger.warning("removed %s: more best checkpoints than n_saved %d", name, self.n_saved)
+        return table

@@ -1,0 +1,138 @@
+"""Resume says what it keeps: what may change between a checkpoint's config and the new one."""
+import os
+import re
+import pytest
+import torch
+import yaml
+
+from ignite_amp.cli import main
+from ignite_amp.config import load_config
+from ignite_amp.errors import CheckpointError
+from ignite_amp.resume import check_resume, config_changes
+
+
+def cfg_with(**overrides):
+    return load_config({}, [f"{k}={v}" for k, v in overrides.items()])
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("model.name", "resnet34", "model.name resnet18 -> resnet34"),
+    ("model.kwargs.width", 16, "model.kwargs {} -> {'width': 16}"),
+    ("optimizer.name", "SGD", "optimizer.name AdamW -> SGD"), ("data.name", "fake", "data.name shapes -> fake"),
+    ("data.image_size", 64, "data.image_size null -> 64"), ("amp.accumulation_steps", 4, "amp.accumulation_steps 1 -> 4"),
+    ("scheduler.name", "cosine", "scheduler.name none -> cosine"),
+    ("handlers.checkpoint.metric", "loss", "handlers.checkpoint.metric accuracy -> loss"),
+])
+def test_keys_that_never_change_under_a_resume(key, value, shown):
+    with pytest.raises(CheckpointError, match=rf"^cannot resume ck.pt: {re.escape(shown)} cannot change under a resume"):
+        check_resume(cfg_with(), cfg_with(**{key: value}), "ck.pt")
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train.epochs", 9), ("train.epoch_length", 7), ("data.batch_size", 128), ("data.train_size", 500),
+    ("optimizer.lr", 0.1), ("optimizer.kwargs.weight_decay", 0.1),
+])
+def test_a_schedule_fixes_the_length_and_the_optimizer_settings(key, value):
+    old = cfg_with(**{"scheduler.name": "onecycle"})
+    new = cfg_with(**{key: value, "scheduler.name": "onecycle"})
+    assert [c.key for c in check_resume(cfg_with(), cfg_with(**{key: value}), "x")] == [key.split(".kwargs")[0] + (
+        ".kwargs" if ".kwargs" in key else "")]
+    with pytest.raises(CheckpointError, match=r"the onecycle schedule was made for the old values.*resume=never"):
+        check_resume(old, new, "x")
+
+
+def test_everything_else_takes_effect_and_is_named():
+    new = cfg_with(**{"optimizer.lr": 0.01, "handlers.tensorboard.log_every": 5, "data.num_workers": 0,
+                      "amp.dtype": "float16", "device": "cpu", "handlers.checkpoint.resume": "never",
+                      "output_dir": "elsewhere"})
+    changes = check_resume(cfg_with(), new, "x")
+    assert [c.key for c in changes] == ["device", "amp.dtype", "data.num_workers", "optimizer.lr",
+                                        "handlers.tensorboard.log_every"]
+    assert config_changes(cfg_with(), cfg_with()) == []
+
+
+def test_a_stored_config_from_an_older_schema_compares_at_the_defaults():
+    old = cfg_with()
+    del old["amp"]["cudnn_benchmark"]
+    assert config_changes(old, cfg_with()) == []
+
+
+# --- end to end: the CLI resumes, refuses, or starts over, saying so in one line --------------
+
+def base(tmp_path, **over):
+    cfg = {"name": "r", "device": "cpu", "output_dir": str(tmp_path / "run"),
+           "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 128, "val_size": 32,
+                    "image_size": 16},
+           "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 10, "kwargs": {"width": 8}},
+           "optimizer": {"name": "AdamW", "lr": 3e-3}, "train": {"epochs": 1},
+           "handlers": {"tensorboard": {"enabled": False}}}
+    cfg.update(over)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), cfg
+
+
+def last(cfg, epoch):
+    return torch.load(os.path.join(cfg["output_dir"], "checkpoints", f"last_checkpoint_{epoch}.pt"), weights_only=True)
+
+
+def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tmp_path, capsys):
+    path, cfg = base(tmp_path)
+    assert main(["train", path]) == 0
+    capsys.readouterr()
+    args = ["train", path, "--set", "train.epochs=2", "--set", "optimizer.lr=0.01", "--set", "data.train_size=64",
+            "--set", "optimizer.kwargs.weight_decay=0.2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "now in effect: data.train_size 128 -> 64, optimizer.lr 0.003 -> 0.01, " \
+                                      "optimizer.kwargs {'weight_decay': 0.05} -> {'weight_decay': 0.2}, " \
+                                      "train.epochs 1 -> 2" in out
+    state = last(cfg, 2)
+    group = state["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.01 and group["weight_decay"] == 0.2
+    # Epoch 1 had 4 iterations of 32, epoch 2 the new loader's 2: the state counts whole epochs of the new length.
+    assert state["trainer"]["epoch_length"] == 2 and state["trainer"]["iteration"] == 4
+    saved = yaml.safe_load(open(os.path.join(cfg["output_dir"], "config.yaml")))
+    assert saved["optimizer"]["lr"] == 0.01 and state["config"]["value"]["optimizer"]["lr"] == 0.01
+
+
+def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
+    path, cfg = base(tmp_path)
+    assert main(["train", path]) == 0
+    before = sorted(os.listdir(os.path.join(cfg["output_dir"], "checkpoints")))
+    config_before = open(os.path.join(cfg["output_dir"], "config.yaml")).read()
+    capsys.readouterr()
+    assert main(["train", path, "--set", "optimizer.name=SGD", "--set", "train.epochs=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optimizer.name AdamW -> SGD cannot change under a resume" in err
+    assert sorted(os.listdir(os.path.join(cfg["output_dir"], "checkpoints"))) == before
+    assert open(os.path.join(cfg["output_dir"], "config.yaml")).read() == config_before
+
+
+def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path, capsys):
+    path, cfg = base(tmp_path, train={"epochs": 2})
+    assert main(["train", path]) == 0
+    capsys.readouterr()
+    assert main(["train", path, "--set", "handlers.checkpoint.resume=never", "--set", "train.epochs=1"]) == 0
+    out = capsys.readouterr().out
+    moved = re.search(r"moved the previous run's files to (\S+)", out).group(1)
+    assert os.path.exists(os.path.join(moved, "checkpoints", "last_checkpoint_2.pt"))
+    assert sorted(f for f in os.listdir(os.path.join(cfg["output_dir"], "checkpoints"))
+                  if f.startswith("last")) == ["last_checkpoint_1.pt"]
+    assert main(["train", path, "--set", "train.epochs=2"]) == 0
+    assert f"resumed from {cfg['output_dir']}/checkpoints/last_checkpoint_1.pt at epoch 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule", ["none", "cosine"])
+def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys, schedule):
+    path, cfg = base(tmp_path, scheduler={"name": schedule})
+    assert main(["train", path]) == 0
+    capsys.readouterr()
+    assert main(["train", path]) == 0
+    out = capsys.readouterr().out
+    assert "already trained 1 epochs" in out
+    hint = re.search(r"(ignite-amp train .*)", out).group(1).split(" (")[0].replace("=N", "=2")
+    assert ("resume=never" in hint) == (schedule == "cosine")
+    assert main(hint.split()[1:]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 2/2" in out and ("epoch 1/2" in out) == (schedule == "cosine")
