@@ -400,6 +400,48 @@ def test_cli_without_cuda_says_it_needs_a_gpu(tmp_path, capsys):
     assert "data.batch_size: the batch-size search needs a GPU" in capsys.readouterr().err
 
 
+def fake_search(objective="largest"):
+    trial, _ = linear_device(2 * GiB, 40 * MiB, 16 * GiB, ms=saturating(64))
+    return search_batch_size(trial, capacity=16 * GiB, margin=0.05, objective=objective)
+
+
+def test_cli_prints_the_table_the_choice_and_why_and_writes(tmp_path, capsys, monkeypatch):
+    import ignite_amp.run
+
+    asked = {}
+
+    def search_from_config(cfg, objective="largest", progress=False):
+        asked.update(objective=objective, progress=progress)
+        return fake_search(objective), "Stand-in GPU", 1
+
+    monkeypatch.setattr(ignite_amp.run, "search_from_config", search_from_config)
+    path = tmp_path / "c.yaml"
+    path.write_text("# mine\ndata: {name: shapes, batch_size: 64}\n")
+    assert main(["find-batch-size", str(path), "--objective", "fastest", "--write"]) == 0
+    out = capsys.readouterr().out
+    expected = fake_search("fastest")
+    assert asked == {"objective": "fastest", "progress": True}
+    assert expected.table in out and "fastest: the smallest batch within 3%" in out
+    assert f"wrote data.batch_size: {expected.batch_size}" in out
+    assert load_config(str(path))["data"]["batch_size"] == expected.batch_size
+    with pytest.raises(SystemExit) as exit_:
+        main(["find-batch-size", str(path), "--objective", "best"])
+    assert exit_.value.code == 2 and "invalid choice: 'best'" in capsys.readouterr().err
+
+
+def test_a_run_with_batch_size_auto_keeps_the_search(quick_cfg, monkeypatch):
+    import ignite_amp.run
+
+    monkeypatch.setattr(ignite_amp.run, "search_for_config", lambda cfg, model, optimizer, device: fake_search())
+    lines = []
+    run = ignite_amp.run.build_run(dict(quick_cfg, data=dict(quick_cfg["data"], batch_size="auto")),
+                                   print_fn=lines.append)
+    assert run.batch_search.batch_size == run.cfg["data"]["batch_size"] == fake_search().batch_size
+    assert run.batch_search.table == fake_search().table
+    assert any("largest fit under 95% of 16.0 GiB" in line for line in lines)
+    assert ignite_amp.run.build_run(quick_cfg, print_fn=lines.append).batch_search is None
+
+
 @pytest.mark.parametrize("text", [
     "# my run\ndata: {name: shapes, batch_size: 64, eval_batch_size: 128}  # keep\nmodel: {name: resnet18}\n",
     "# my run\ndata:\n  name: shapes\n  eval_batch_size: 128\n  batch_size: auto   # searched\nmodel: {name: resnet18}\n",
