@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                   f"ooms {m['ooms']}  bisect {b['trials']:>2} trials -> {b['chosen']:>6}")
     print(f"{args.draws} draws, seed {args.seed}, peak noise sd {args.noise:.1%}, margin {args.margin:.0%}, "
           f"largest fit {args.smallest:g}-{args.largest:g}, objective {args.objective}")
-    print("| strategy | median trials | worst | mean | reached (within 5%) | trials with an OOM | fell back |")
+    print("| strategy | median trials | worst | mean | reached (within 5%) | OOM trials (all draws) | fell back |")
     print("|---|---|---|---|---|---|---|")
     for name, label in (("model", "memory model (start 16)"), ("bisect", "doubling + bisection (start 32)")):
         rows = results[name]

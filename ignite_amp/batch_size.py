@@ -259,6 +259,16 @@ def find_batch_size(
 
     Under data-parallel training every rank searches its own device and every rank keeps the
     smallest answer.
+
+    Example (on a CPU: no memory meter, so doubling up to ``max_size`` and 5% off):
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> make_batch = lambda n: (torch.randn(n, 4), torch.randint(0, 2, (n,)))
+    >>> result = find_batch_size(model, opt, torch.nn.functional.cross_entropy, make_batch, device="cpu",
+    ...                          dtype="float32", max_size=64)
+    >>> result.batch_size, [t.size for t in result.trials], result.strategy
+    (60, [16, 32, 64, 60], 'model, then bisect')
     """
     with TrialRunner(model, optimizer, loss_fn, make_batch, device=device, dtype=dtype, warmup=warmup, steps=steps,
                      verify_steps=verify_steps, eval_batch_size=eval_batch_size, meter=meter, clock=clock,
