@@ -469,10 +469,16 @@ def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.
 
     amp = cfg["amp"]
     world, eval_batch = idist.get_world_size(), cfg["data"]["eval_batch_size"]
-    return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
-                           dtype=amp["dtype"], channels_last=amp["channels_last"], fp32_modules=amp["fp32_modules"],
-                           objective=objective, eval_batch_size=eval_batch // world if eval_batch else None,
-                           progress=print_progress if progress and idist.get_rank() == 0 else None)
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = amp["cudnn_benchmark"]  # the run's convolution algorithms and workspaces
+    try:
+        return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
+                               dtype=amp["dtype"], channels_last=amp["channels_last"],
+                               fp32_modules=amp["fp32_modules"], objective=objective,
+                               eval_batch_size=eval_batch // world if eval_batch else None,
+                               progress=print_progress if progress and idist.get_rank() == 0 else None)
+    finally:
+        torch.backends.cudnn.benchmark = previous
 
 
 def search_from_config(cfg: dict, objective: str = "largest", progress: bool = False):

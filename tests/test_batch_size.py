@@ -439,7 +439,29 @@ def test_a_run_with_batch_size_auto_keeps_the_search(quick_cfg, monkeypatch):
     assert run.batch_search.batch_size == run.cfg["data"]["batch_size"] == fake_search().batch_size
     assert run.batch_search.table == fake_search().table
     assert any("largest fit under 95% of 16.0 GiB" in line for line in lines)
-    assert ignite_amp.run.build_run(quick_cfg, print_fn=lines.append).batch_search is None
+    run.close()
+    run = ignite_amp.run.build_run(quick_cfg, print_fn=lines.append)
+    assert run.batch_search is None
+    run.close()
+
+
+@pytest.mark.parametrize("autotune", [True, False])
+def test_the_search_runs_the_convolution_algorithms_the_run_will(monkeypatch, autotune):
+    """cudnn.benchmark picks other algorithms (and workspaces) than the heuristics: search with the run's setting."""
+    import ignite_amp.run
+
+    seen = {}
+
+    def find_batch_size(*args, **kwargs):
+        seen.update(benchmark=torch.backends.cudnn.benchmark, eval_batch_size=kwargs["eval_batch_size"])
+        return fake_search()
+
+    monkeypatch.setattr(ignite_amp.run, "find_batch_size", find_batch_size)
+    cfg = load_config({"amp": {"cudnn_benchmark": autotune}, "data": {"eval_batch_size": 500}})
+    before = torch.backends.cudnn.benchmark
+    ignite_amp.run.search_for_config(cfg, nn.Linear(2, 2), None, torch.device("cuda"))
+    assert seen == {"benchmark": autotune, "eval_batch_size": 500}
+    assert torch.backends.cudnn.benchmark == before
 
 
 @pytest.mark.parametrize("text", [
