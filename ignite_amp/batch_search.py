@@ -11,9 +11,10 @@ Two strategies:
   sample). Two probes give the line; the search jumps to the largest batch whose predicted
   peak is under ``(1 - margin) * capacity`` and verifies it with real steps; each verification
   adds a far point, which sharpens the line, until the verified size is within ``tolerance`` of
-  the prediction. A first jump the probes cannot pin down goes only as far as measurement
-  ``noise`` allows (never past what surely fits). When three or more peaks miss their best line
-  by more than ``fit_tolerance``, or a jump runs out of memory where the line said it would fit,
+  the prediction. A jump the readings cannot pin down yet goes only as far as their ``noise``
+  surely allows; a jump that runs out of memory bounds the slope from below (its peak passed
+  the capacity) and the next one goes halfway. When three or more peaks miss their best line
+  by more than ``fit_tolerance``, or no size is within ``tolerance`` after ``max_jumps`` jumps,
   the line is not trusted: doubling and bisection take over.
 - ``"bisect"``: what the search did before the memory model (doubling from ``start``, bisection
   between the last fit and the first failure to ``tolerance``, a confirmation); kept for
