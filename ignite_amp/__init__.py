@@ -21,8 +21,8 @@ _EXPORTS = {
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
-_SUBMODULES = ("batch_size", "builders", "cli", "collectives", "compare", "config", "data", "errors", "events",
-               "launcher", "models", "rng", "run", "step")
+_SUBMODULES = ("batch_search", "batch_size", "builders", "cli", "collectives", "compare", "config", "data", "errors",
+               "events", "launcher", "models", "rng", "run", "step")
 
 __all__ = list(_EXPORTS)
 

@@ -1,118 +1,216 @@
-"""Automatic batch-size search: the largest batch the device holds, less a safety margin.
+"""Automatic batch-size search with real steps: the trials, the memory meter and the clock.
 
-:func:`search_batch_size` is the policy (pure: it only calls ``fits(size)``); :func:`find_batch_size`
-runs it with the real AMP step (autocast forward, scaled backward, optimizer step, so the
-optimizer state is allocated) and leaves model, optimizer, scaler and RNG as they were.
+The policy (which sizes to try, which to keep) is :func:`ignite_amp.batch_search.search_batch_size`,
+a pure function. :func:`find_batch_size` gives it real trials: the AMP step (autocast forward,
+scaled backward, optimizer step, so the optimizer state is allocated inside the measurement)
+on the real model, dtype and input shape, an evaluation pass, peak memory read from a
+:class:`MemoryMeter` and step times from a device-synchronized clock. Model, optimizer and RNG
+are left as they were.
 """
 import copy
-import math
+import sys
 import time
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+import traceback
+from typing import Callable, Optional, Tuple, Union
 
+import ignite.distributed as idist
 import torch
+from ignite.utils import apply_to_type
+
+from ignite_amp.batch_search import (GIB, OBJECTIVES, STRATEGIES, TABLE_HEADER, VERIFY_STAGES, BatchSizeResult,
+                                     Trial, format_trial, format_trials, search_batch_size)
 from ignite_amp.collectives import is_distributed, min_across_ranks, unwrap
+from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.rng import get_rng_state, set_rng_state
-from ignite_amp.step import create_amp_trainer, free_memory, is_oom_error
+from ignite_amp.step import create_amp_evaluator, create_amp_trainer, free_memory, is_oom_error
 
-__all__ = ["Trial", "BatchSizeResult", "search_batch_size", "find_batch_size", "format_trials"]
-
-
-class Trial(NamedTuple):
-    size: int
-    fits: bool
-    peak_mb: Optional[float]
-    seconds: float
-    stage: str  # "double", "bisect" or "confirm"
+__all__ = ["Trial", "BatchSizeResult", "MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner",
+           "search_batch_size", "find_batch_size", "format_trials", "print_progress", "OBJECTIVES", "STRATEGIES"]
 
 
-class BatchSizeResult(NamedTuple):
-    batch_size: int
-    trials: List[Trial]
-    largest_fit: int
+class MemoryMeter:
+    """What the search reads from a device: the peak memory of a trial and the capacity.
 
-
-def search_batch_size(fits: Callable[[int, str], Trial], start: int = 32, max_size: int = 8192,
-                      margin: float = 0.1, tolerance: float = 0.03) -> BatchSizeResult:
-    """Double from ``start`` until a size fails or ``max_size``; bisect between the last fit and the
-    first failure until they are within ``tolerance``; take ``margin`` off; confirm (shrinking by
-    ``margin`` again while the confirmation fails).
-
-    ``fits(size, stage)`` runs a trial and returns its :class:`Trial`.
-
-    >>> result = search_batch_size(lambda n, s: Trial(n, n <= 100, None, 0.0, s), start=8, margin=0.1)
-    >>> result.largest_fit, result.batch_size, [t.size for t in result.trials][:6]
-    (100, 90, [8, 16, 32, 64, 128, 96])
+    Subclass it for another device, or for a stand-in in tests.
     """
-    if not (isinstance(start, int) and start >= 1):
-        raise ValueError(f"Argument start should be a positive integer, got {start!r}.")
-    if not (isinstance(max_size, int) and max_size >= start):
-        raise ValueError(f"Argument max_size should be an integer >= start, got {max_size!r}.")
-    if not 0 <= margin < 1:
-        raise ValueError(f"Argument margin should be in [0, 1), got {margin!r}.")
-    trials: List[Trial] = []
 
-    def run(size: int, stage: str) -> bool:
-        trials.append(fits(size, stage))
-        return trials[-1].fits
+    def reset(self) -> None:
+        """Start a new trial: the peak goes back to what is in use now."""
+        raise NotImplementedError
 
-    low, high = 0, None  # largest fit, smallest failure
-    size = start
-    while True:
-        if run(size, "double"):
-            low = size
-            if size >= max_size:
-                break
-            size = min(size * 2, max_size)
-        else:
-            high = size
-            break
-    if low == 0:  # even the start failed: bisect below it
-        low_bound = 0
-        while high - low_bound > 1:
-            mid = (low_bound + high) // 2
-            if run(mid, "bisect"):
-                low_bound = mid
-                break
-            high = mid
-        low = low_bound
-        if low == 0:
-            raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
-    while high is not None and high - low > max(1, math.floor(low * tolerance)):
-        mid = (low + high) // 2
-        if run(mid, "bisect"):
-            low = mid
-        else:
-            high = mid
-    chosen = max(1, math.floor(low * (1 - margin)))
-    while not run(chosen, "confirm"):
-        if chosen == 1:
-            raise torch.OutOfMemoryError("out of memory at batch size 1 while confirming the batch-size search")
-        chosen = max(1, math.floor(chosen * (1 - max(margin, 0.1))))
-    return BatchSizeResult(chosen, trials, low)
+    def peak_bytes(self) -> float:
+        """The most memory held since :meth:`reset`."""
+        raise NotImplementedError
+
+    def capacity_bytes(self) -> float:
+        """The memory this process may hold in all (what its trials are measured against)."""
+        raise NotImplementedError
 
 
-def format_trials(result: BatchSizeResult) -> str:
-    """The trial table as text, one row per trial, then the chosen size."""
-    rows = [f"{'size':>7}  {'result':<6}  {'peak MB':>9}  {'seconds':>7}  stage"]
-    for t in result.trials:
-        peak = "-" if t.peak_mb is None else f"{t.peak_mb:.0f}"
-        rows.append(f"{t.size:>7}  {'fits' if t.fits else 'OOM':<6}  {peak:>9}  {t.seconds:>7.2f}  {t.stage}")
-    rows.append(f"largest fit {result.largest_fit}; chosen batch size {result.batch_size}")
-    return "\n".join(rows)
+class CudaMemoryMeter(MemoryMeter):
+    """CUDA's peak-memory counters.
+
+    The peak is ``max_memory_reserved``: what the caching allocator held, fragmentation
+    included (the allocator runs out of memory when its reserve cannot grow, not when the
+    tensors' sum reaches the card's size). The capacity is what this process can reserve: the
+    free memory plus what it holds already, and no more than a
+    ``torch.cuda.set_per_process_memory_fraction`` cap.
+    """
+
+    def __init__(self, device: Union[str, torch.device]):
+        self.device = torch.device(device)
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> float:
+        return float(torch.cuda.max_memory_reserved(self.device))
+
+    def capacity_bytes(self) -> float:
+        free, total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+        return float(min(usable, total * fraction(self.device))) if fraction else float(usable)
+
+
+def memory_meter(device: torch.device) -> Optional[MemoryMeter]:
+    """The meter for ``device`` (CUDA), or None where torch has no peak-memory counters (CPU)."""
+    return CudaMemoryMeter(device) if torch.device(device).type == "cuda" else None
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """A clock for timing steps: ``time.perf_counter()`` read after the device's queued work is done.
+
+    >>> clock = device_clock(torch.device("cpu"))
+    >>> clock() <= clock()
+    True
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time.perf_counter  # CPU kernels run as they are called
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)  # a host-device sync: only between timed steps
+        return time.perf_counter()
+
+    return clock
+
+
+def print_progress(line: str) -> None:
+    """Progress of a search on stderr, one line at a time (picklable, for spawned ranks)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Weights, optimizer state and RNG, on the CPU: a copy on the device would take the memory measured."""
+
+    def to_cpu(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    opt = optimizer.state_dict()
     return {
-        "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "model": {k: to_cpu(v) for k, v in model.state_dict().items()},
+        "optimizer": {"state": apply_to_type(opt["state"], torch.Tensor, to_cpu),
+                      "param_groups": copy.deepcopy(opt["param_groups"])},
         "rng": get_rng_state(),
+        "training": model.training,
     }
 
 
 def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+    # A copy: the optimizer keeps tensors already on the right device (Adam's CPU "step") and
+    # updates them in place.
+    optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+
+class TrialRunner:
+    """Real trials for the search: ``runner(size, stage) -> Trial``; a context manager that
+    leaves the model and optimizer as they were.
+
+    A trial starts from the model's and optimizer's state as given, runs ``warmup`` + ``steps``
+    real AMP steps on ``make_batch(size)`` (the ``steps`` timed with ``clock``), then an
+    evaluation forward on ``make_batch(eval_batch_size or size)`` with the gradients still held,
+    as at the end of an epoch; a verification (a stage in ``VERIFY_STAGES``) runs
+    ``verify_steps`` more steps after it, so that fragmentation shows in the peak. On leaving,
+    weights, buffers, optimizer state, train/eval mode and RNG states are restored and cached
+    memory is released. Arguments as for :func:`find_batch_size`.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                 make_batch: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
+                 device: Union[str, torch.device] = "auto", dtype: Union[str, torch.dtype] = "auto",
+                 warmup: int = 1, steps: int = 3, verify_steps: int = 5, eval_batch_size: Optional[int] = None,
+                 meter: Optional[MemoryMeter] = None, clock: Optional[Callable[[], float]] = None, **step_kwargs):
+        for name, value, least in (("warmup", warmup, 1), ("steps", steps, 1), ("verify_steps", verify_steps, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Argument {name} should be an integer >= {least}, got {value!r}.")
+        self.model = unwrap(model)  # trials must not communicate: a rank out of memory would leave the others waiting
+        self.optimizer, self.make_batch = optimizer, make_batch
+        self.warmup, self.steps, self.verify_steps, self.eval_batch_size = warmup, steps, verify_steps, eval_batch_size
+        # Memory does not depend on the loss scale; a float16 step skipped for inf/NaN would not allocate
+        # the optimizer state, which the first step must (GradScaler starts at 65536 and often overflows).
+        step_kwargs.setdefault("scaler_kwargs", {"init_scale": 1.0})
+        self.engine = create_amp_trainer(self.model, optimizer, loss_fn, device=device, dtype=dtype, **step_kwargs)
+        self.device = self.engine.amp_step.device
+        forward = {k: v for k, v in step_kwargs.items() if k in ("channels_last", "fp32_modules", "non_blocking")}
+        self.evaluator = create_amp_evaluator(self.model, device=self.device, dtype=self.engine.amp_step.dtype,
+                                              **forward)
+        self.meter = memory_meter(self.device) if meter is None else meter
+        self.clock = device_clock(self.device) if clock is None else clock
+        self.saved = _snapshot(self.model, optimizer)
+        free_memory(self.device)
+        self.capacity = self.meter.capacity_bytes() if self.meter is not None else None
+
+    def __enter__(self) -> "TrialRunner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        _restore(self.model, self.optimizer, self.saved)
+        set_rng_state(self.saved["rng"])
+        self.model.train(self.saved["training"])
+        self.optimizer.zero_grad(set_to_none=True)
+        free_memory(self.device)
+
+    def _train(self, batch, count: int) -> None:
+        engine = self.engine
+        for _ in range(count):
+            engine.state.iteration += 1
+            engine.amp_step(engine, batch)
+
+    def __call__(self, size: int, stage: str) -> Trial:
+        model, optimizer, meter, clock = self.model, self.optimizer, self.meter, self.clock
+        optimizer.zero_grad(set_to_none=True)
+        _restore(model, optimizer, self.saved)  # each trial starts from the same weights and optimizer state
+        free_memory(self.device)  # the one garbage collection of a trial (a third of a second in a large process)
+        if meter is not None:
+            meter.reset()
+        begin = time.perf_counter()
+        ms, error, failed = None, None, False
+        try:
+            batch = self.make_batch(size)
+            self._train(batch, self.warmup)  # the first step allocates the optimizer state
+            t0 = clock()
+            self._train(batch, self.steps)
+            ms = (clock() - t0) * 1000 / self.steps
+            self.evaluator.amp_step(self.evaluator, self.make_batch(self.eval_batch_size or size))
+            if stage in VERIFY_STAGES:
+                self._train(batch, self.verify_steps)
+            clock()
+        except RuntimeError as exc:  # OptimizerOutOfMemoryError too: the next trial restores the optimizer
+            if not (is_oom_error(exc) or isinstance(exc, OptimizerOutOfMemoryError)):
+                raise
+            error, failed = exc, True
+        batch = None
+        if error is not None:  # outside the except block; its frames hold the failed step's tensors
+            traceback.clear_frames(error.__traceback__)
+            error = None
+        peak = meter.peak_bytes() if meter is not None else None
+        optimizer.zero_grad(set_to_none=True)
+        return Trial(size, not failed, peak, time.perf_counter() - begin, stage, None if failed else ms)
 
 
 def find_batch_size(
@@ -122,64 +220,77 @@ def find_batch_size(
     make_batch: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
     device: Union[str, torch.device] = "auto",
     dtype: Union[str, torch.dtype] = "auto",
-    start: int = 32,
-    max_size: int = 8192,
-    margin: float = 0.1,
+    objective: str = "largest",
+    strategy: str = "model",
+    start: int = 16,
+    max_size: int = 65536,
+    margin: float = 0.05,
     tolerance: float = 0.03,
-    steps: int = 2,
-    confirm_steps: int = 3,
+    warmup: int = 1,
+    steps: int = 3,
+    verify_steps: int = 5,
+    eval_batch_size: Optional[int] = None,
+    meter: Optional[MemoryMeter] = None,
+    clock: Optional[Callable[[], float]] = None,
+    progress: Optional[Callable[[str], None]] = None,
     **step_kwargs,
 ) -> BatchSizeResult:
-    """Find the largest batch the device holds for this model, optimizer and dtype, less ``margin``.
+    """Find the batch size to train this model, optimizer and dtype with on ``device``.
 
-    Each trial runs ``steps`` real AMP steps on ``make_batch(size)`` (the confirmation
-    ``confirm_steps``). Model weights and buffers, optimizer state, RNG states are restored
-    afterwards and cached memory is released; the scaler is the trial step's own.
+    Runs :func:`~ignite_amp.batch_search.search_batch_size` with real trials (:class:`TrialRunner`):
+    real AMP steps, timed, an evaluation pass, and a longer verification of the size kept.
+    Model, optimizer, train/eval mode and RNG states are left as they were.
 
     Args:
         make_batch: ``make_batch(n) -> (x, y)`` with the real input shape (on the device, ideally).
-        start, max_size: the doubling's first and largest size.
-        margin: share taken off the largest fit (0.1: 10%).
-        tolerance: bisection stops when the bounds are within this share of the fit.
+        objective: ``"largest"`` fit, or ``"fastest"`` (the smallest batch within 3% of the best samples/s).
+        strategy: ``"model"`` (memory model) or ``"bisect"`` (doubling and bisection).
+        start, max_size: the first and the largest size tried.
+        margin: share of the device memory kept free.
+        tolerance: how close to the best size the search must come (a share).
+        warmup, steps, verify_steps: untimed and timed steps per trial; steps after the
+            evaluation in a verification.
+        eval_batch_size: the evaluation batch (default: the size tried).
+        meter: peak-memory readings (default: CUDA's counters; none on a CPU, where the search
+            falls back to doubling and bisection and takes ``margin`` off the batch size).
+        clock: seconds after the device's queued work is done (default :func:`device_clock`).
+        progress: called with a header, the table's header, then each trial's row as it finishes.
         step_kwargs: more :class:`~ignite_amp.step.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
+
+    Under data-parallel training every rank searches its own device and every rank keeps the
+    smallest answer.
+
+    Example (on a CPU: no memory meter, so doubling up to ``max_size`` and 5% off):
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> make_batch = lambda n: (torch.randn(n, 4), torch.randint(0, 2, (n,)))
+    >>> result = find_batch_size(model, opt, torch.nn.functional.cross_entropy, make_batch, device="cpu",
+    ...                          dtype="float32", max_size=64)
+    >>> result.batch_size, [t.size for t in result.trials], result.strategy
+    (60, [16, 32, 64, 60], 'model, then bisect')
     """
-    model = unwrap(model)  # trials must not communicate: a rank out of memory would leave the others waiting
-    engine = create_amp_trainer(model, optimizer, loss_fn, device=device, dtype=dtype, **step_kwargs)
-    step = engine.amp_step
-    saved = _snapshot(model, optimizer)
-    cuda = step.device.type == "cuda"
+    with TrialRunner(model, optimizer, loss_fn, make_batch, device=device, dtype=dtype, warmup=warmup, steps=steps,
+                     verify_steps=verify_steps, eval_batch_size=eval_batch_size, meter=meter, clock=clock,
+                     **step_kwargs) as runner:
+        capacity = runner.capacity
+        budget = None if capacity is None else (1 - margin) * capacity
+        trial = runner
+        if progress is not None:
+            where = f"{runner.device}" + (f", {capacity / GIB:.1f} GiB usable, {1 - margin:.0%} budget"
+                                          if capacity else "")
+            progress(f"batch-size search on {where} ({objective}, {strategy}):")
+            progress(TABLE_HEADER)
 
-    def fits(size: int, stage: str) -> Trial:
-        free_memory(step.device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(step.device)
-        begin = time.perf_counter()
-        ok = True
-        try:
-            batch = make_batch(size)
-            for i in range(confirm_steps if stage == "confirm" else steps):
-                engine.state.iteration = i + 1
-                step(engine, batch)
-            if cuda:
-                torch.cuda.synchronize(step.device)
-        except RuntimeError as exc:
-            if not is_oom_error(exc):
-                raise
-            ok = False
-        batch = None
-        peak = torch.cuda.max_memory_allocated(step.device) / 2**20 if cuda else None
-        seconds = time.perf_counter() - begin
-        optimizer.zero_grad(set_to_none=True)
-        free_memory(step.device)
-        return Trial(size, ok, peak, seconds, stage)
+            def trial(size: int, stage: str) -> Trial:
+                result = runner(size, stage)
+                progress(format_trial(result, budget))
+                return result
 
-    try:
-        result = search_batch_size(fits, start=start, max_size=max_size, margin=margin, tolerance=tolerance)
-    finally:
-        _restore(model, optimizer, saved)
-        optimizer.zero_grad(set_to_none=True)
-        free_memory(step.device)
+        result = search_batch_size(trial, capacity=capacity, margin=margin, strategy=strategy, objective=objective,
+                                   start=start, max_size=max_size, tolerance=tolerance)
     if is_distributed():  # each rank searched its own device: every rank takes the smallest answer
         result = result._replace(batch_size=min_across_ranks(result.batch_size),
-                                 largest_fit=min_across_ranks(result.largest_fit))
+                                 largest_fit=min_across_ranks(result.largest_fit),
+                                 reason=f"{result.reason}; the smallest of {idist.get_world_size()} processes")
     return result

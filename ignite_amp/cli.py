@@ -43,24 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest relative loss difference from float32 before a mode is flagged (default 0.1)")
     cmp.add_argument("--modes", nargs="+", choices=["float32", "float16", "float16+scaler", "bfloat16"],
                      help="modes to run besides float32 (default: those the device runs fast)")
-    search = sub.add_parser("find-batch-size", help="find the largest batch size the GPU holds (needs CUDA)")
+    search = sub.add_parser("find-batch-size", help="find the batch size to train with on the GPU (needs CUDA)")
     _add_config(search)
     search.add_argument("--write", action="store_true", help="store the chosen size as data.batch_size in CONFIG")
+    search.add_argument("--objective", choices=["largest", "fastest"], default="largest",
+                        help="largest: the largest batch under 95%% of the GPU memory (default); fastest: the "
+                             "smallest batch within 3%% of the best samples/s")
     return parser
 
 
 def _find_batch_size(args: argparse.Namespace) -> int:
-    from ignite_amp.batch_size import format_trials
     from ignite_amp.config import load_config, write_batch_size
     from ignite_amp.launcher import launch
     from ignite_amp.run import search_from_config
 
     cfg = load_config(args.config, args.overrides)
-    result, device_name, world = launch(cfg, search_from_config, cfg)
+    # Progress: one line per trial on stderr as it finishes; then the table on stdout.
+    result, device_name, world = launch(cfg, search_from_config, cfg, args.objective, True)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun, rank 0 reports
     print(f"{cfg['model']['name']} on {device_name}, dtype {cfg['amp']['dtype']}")
-    print(format_trials(result))
+    print(result.table)
     size = result.batch_size * world
     if world > 1:
         print(f"the smallest of {world} processes: {result.batch_size} per process, global batch {size}")

@@ -14,7 +14,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
-from ignite_amp.batch_size import find_batch_size
+from ignite_amp.batch_size import find_batch_size, print_progress
 from ignite_amp.builders import build_optimizer, build_scheduler, config_device, input_shape, seed_everything
 from ignite_amp.collectives import is_distributed
 from ignite_amp.config import flatten_config, load_config, save_config
@@ -288,7 +288,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
         cfg["data"]["batch_size"] = batch_search.batch_size * world
         per_rank = f" per process x {world} processes" if world > 1 else ""
         say(f"batch-size search: largest fit {batch_search.largest_fit}, using {batch_search.batch_size}{per_rank} "
-            f"({len(batch_search.trials)} trials)")
+            f"({len(batch_search.trials)} trials; {batch_search.reason})")
 
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
                                                         cfg["seed"])
@@ -456,8 +456,10 @@ def _check_backoff_mode(cfg: dict) -> None:
 
 
 def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      device: torch.device):
-    """Run :func:`~ignite_amp.batch_size.find_batch_size` for a config's model, dtype and input shape."""
+                      device: torch.device, objective: str = "largest", progress: bool = False):
+    """Run :func:`~ignite_amp.batch_size.find_batch_size` for a config's model, dtype, input shape and
+    evaluation batch; returns its :class:`~ignite_amp.batch_size.BatchSizeResult` (the size per
+    process, the trials, ``.table``). ``progress``: rank 0 prints each trial on stderr."""
     if device.type != "cuda":
         raise ConfigError(f"data.batch_size: the batch-size search needs a GPU, and this run is on {device}")
     shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
@@ -466,18 +468,27 @@ def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.
         return (torch.randn(n, *shape, device=device), torch.randint(0, classes, (n,), device=device))
 
     amp = cfg["amp"]
-    return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
-                           dtype=amp["dtype"], channels_last=amp["channels_last"], fp32_modules=amp["fp32_modules"])
+    world, eval_batch = idist.get_world_size(), cfg["data"]["eval_batch_size"]
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = amp["cudnn_benchmark"]  # the run's convolution algorithms and workspaces
+    try:
+        return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
+                               dtype=amp["dtype"], channels_last=amp["channels_last"],
+                               fp32_modules=amp["fp32_modules"], objective=objective,
+                               eval_batch_size=eval_batch // world if eval_batch else None,
+                               progress=print_progress if progress and idist.get_rank() == 0 else None)
+    finally:
+        torch.backends.cudnn.benchmark = previous
 
 
-def search_from_config(cfg: dict):
+def search_from_config(cfg: dict, objective: str = "largest", progress: bool = False):
     """``ignite-amp find-batch-size``: ``(result, device name, processes)``; the size is per process."""
     device = config_device(cfg)
     if device.type != "cuda":
         raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
     seed_everything(cfg["seed"])
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
-    result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device)
+    result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device, objective, progress)
     return result, torch.cuda.get_device_name(device), idist.get_world_size()
 
 

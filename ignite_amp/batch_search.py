@@ -1,0 +1,416 @@
+"""The batch-size search policy: which sizes to try and which one to keep.
+
+Pure: it only calls ``trial(size, stage) -> Trial`` (a few real steps at that size, reporting
+whether it ran out of memory, its peak memory and its time per step), so it is tested and
+benchmarked without a device. :func:`ignite_amp.batch_size.find_batch_size` supplies real trials.
+
+Two strategies:
+
+- ``"model"`` (the default): peak memory is close to a line in the batch size,
+  ``peak = a + b * batch`` (weights, gradients, optimizer state and workspace; activations per
+  sample). Two probes give the line; the search jumps to the largest batch whose predicted
+  peak is under ``(1 - margin) * capacity`` and verifies it with real steps; each verification
+  adds a far point, which sharpens the line, until the verified size is within ``tolerance`` of
+  the prediction. A jump the readings cannot pin down yet goes only as far as their ``noise``
+  surely allows; a jump that runs out of memory bounds the slope from below (its peak passed
+  the capacity) and the next one goes halfway. When three or more peaks miss their best line
+  by more than ``fit_tolerance``, or no size is within ``tolerance`` after ``max_jumps`` jumps,
+  the line is not trusted: doubling and bisection take over.
+- ``"bisect"``: what the search did before the memory model (doubling from ``start``, bisection
+  between the last fit and the first failure to ``tolerance``, a confirmation); kept for
+  comparison and as the fallback.
+
+A trial *fits* when it ran without running out of memory and its peak is within the budget
+(``(1 - margin) * capacity``; without a capacity, any size that runs fits and the margin is
+taken off the largest fit's batch size instead, as the search always did).
+
+Objectives: ``"largest"`` keeps the largest verified fit; ``"fastest"`` then also times sizes
+halving down from it and keeps the smallest batch within ``speed_tolerance`` of the best
+samples/s seen.
+"""
+import math
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+__all__ = ["Trial", "BatchSizeResult", "search_batch_size", "fit_line", "format_trials", "format_trial",
+           "STRATEGIES", "OBJECTIVES", "VERIFY_STAGES"]
+
+STRATEGIES = ("model", "bisect")
+OBJECTIVES = ("largest", "fastest")
+# Stages whose trial also runs the longer verification (evaluation pass, steps after it).
+VERIFY_STAGES = ("jump", "verify", "confirm")
+GIB = 2.0 ** 30
+
+
+class Trial(NamedTuple):
+    """One trial: ``steps`` real training steps (and an evaluation pass) at one batch size."""
+
+    size: int
+    fits: bool  # ran without running out of memory (the budget is the policy's business)
+    peak_bytes: Optional[float]  # peak device memory of the trial; None without a meter
+    seconds: float  # wall time of the whole trial
+    stage: str  # probe, jump, verify, speed; double, bisect, confirm
+    ms_per_step: Optional[float] = None  # timed steps after warmup, device-synchronized
+
+    @property
+    def samples_per_s(self) -> Optional[float]:
+        if not self.fits or not self.ms_per_step:
+            return None
+        return self.size * 1000.0 / self.ms_per_step
+
+
+class BatchSizeResult(NamedTuple):
+    """What the search found: the size to train with, every trial, and why that size."""
+
+    batch_size: int
+    trials: List[Trial]
+    largest_fit: int
+    reason: str = ""
+    objective: str = "largest"
+    strategy: str = "bisect"  # what ran: "model", "bisect", or "model, then bisect"
+    capacity_bytes: Optional[float] = None
+    margin: float = 0.05
+
+    @property
+    def budget_bytes(self) -> Optional[float]:
+        return None if self.capacity_bytes is None else (1 - self.margin) * self.capacity_bytes
+
+    @property
+    def table(self) -> str:
+        """:func:`format_trials` of this result: what the CLI prints and a run logs as text."""
+        return format_trials(self)
+
+
+class _Search:
+    """Trials so far and the bounds they give: ``lo`` the largest fit, ``hi`` the smallest failure."""
+
+    def __init__(self, trial: Callable[[int, str], Trial], capacity: Optional[float], margin: float,
+                 max_size: int):
+        self.trial, self.capacity, self.max_size = trial, capacity, max_size
+        self.budget = None if capacity is None else (1 - margin) * capacity
+        self.trials: List[Trial] = []
+        self.outcome: Dict[int, bool] = {}  # size -> fits (the latest trial at that size)
+        self.points: Dict[int, float] = {}  # size -> peak, of trials that ran (no out-of-memory error)
+        self.verified: set = set()
+
+    def fits(self, t: Trial) -> bool:
+        return t.fits and (self.budget is None or t.peak_bytes is None or t.peak_bytes <= self.budget)
+
+    def run(self, size: int, stage: str) -> bool:
+        t = self.trial(size, stage)
+        if not isinstance(t, Trial):
+            raise TypeError(f"Argument trial should return a Trial, got {type(t).__name__}.")
+        self.trials.append(t)
+        ok = self.fits(t)
+        self.outcome[size] = ok
+        if t.fits and t.peak_bytes is not None:
+            self.points[size] = float(t.peak_bytes)
+        if ok and stage in VERIFY_STAGES:
+            self.verified.add(size)
+        elif not ok:
+            self.verified.discard(size)
+        return ok
+
+    @property
+    def hi(self) -> Optional[int]:
+        failed = [s for s, ok in self.outcome.items() if not ok]
+        return min(failed) if failed else None
+
+    @property
+    def lo(self) -> int:
+        hi = self.hi
+        fitted = [s for s, ok in self.outcome.items() if ok and (hi is None or s < hi)]
+        return max(fitted, default=0)
+
+
+class _Untrusted(Exception):
+    """The memory model cannot be trusted here: fall back to doubling and bisection."""
+
+
+def fit_line(points: Dict[int, float]) -> Tuple[float, float, float]:
+    """Least-squares line through ``{size: peak}``: ``(a, b, misfit)``, misfit the largest
+    distance of a point from the line as a share of the largest peak (the scale that matters
+    near the budget; a small probe's few bytes of jitter do not make a bend).
+
+    >>> a, b, misfit = fit_line({16: 1100.0, 64: 1400.0, 512: 4200.0})
+    >>> round(a), round(b, 2), misfit < 0.01
+    (1000, 6.25, True)
+    """
+    if len(points) < 2:
+        raise ValueError(f"Argument points should hold at least 2 sizes, got {len(points)}.")
+    xs, ys = list(points), list(points.values())
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    scale = max(max(abs(y) for y in ys), 1e-12)
+    misfit = max(abs(y - (a + b * x)) for x, y in zip(xs, ys)) / scale
+    return a, b, misfit
+
+
+def _check(start: int, max_size: int, margin: float, tolerance: float, strategy: str, objective: str,
+           capacity: Optional[float]) -> None:
+    if not (isinstance(start, int) and start >= 1):
+        raise ValueError(f"Argument start should be a positive integer, got {start!r}.")
+    if not (isinstance(max_size, int) and max_size >= start):
+        raise ValueError(f"Argument max_size should be an integer >= start, got {max_size!r}.")
+    if not 0 <= margin < 1:
+        raise ValueError(f"Argument margin should be in [0, 1), got {margin!r}.")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"Argument tolerance should be in (0, 1), got {tolerance!r}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Argument strategy should be one of {', '.join(STRATEGIES)}, got {strategy!r}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"Argument objective should be one of {', '.join(OBJECTIVES)}, got {objective!r}.")
+    if capacity is not None and not capacity > 0:
+        raise ValueError(f"Argument capacity should be a positive number of bytes or None, got {capacity!r}.")
+
+
+def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[float] = None, margin: float = 0.05,
+                      strategy: str = "model", objective: str = "largest", start: int = 16, max_size: int = 65536,
+                      tolerance: float = 0.03, noise: float = 0.02, fit_tolerance: float = 0.05,
+                      speed_tolerance: float = 0.03, max_jumps: int = 6) -> BatchSizeResult:
+    """Find the batch size to train with, calling ``trial(size, stage)`` for each real trial.
+
+    Args:
+        trial: runs real steps at ``size`` and returns a :class:`Trial`; ``stage`` in
+            :data:`VERIFY_STAGES` asks for the longer verification.
+        capacity: device memory in bytes the trials may use (None: no meter, no budget).
+        margin: share of ``capacity`` kept free (without a capacity: share of the batch size).
+        strategy: ``"model"`` (memory model) or ``"bisect"`` (doubling and bisection).
+        objective: ``"largest"`` or ``"fastest"`` (smallest batch within ``speed_tolerance`` of
+            the best samples/s seen).
+        start: first size tried; max_size: the largest size tried.
+        tolerance: stop when the size kept is within this share of the best the search can tell.
+        noise: how far (a share) a peak reading may stray from the line; bounds the first jumps.
+        fit_tolerance: a peak further than this share from the best line means "not a line".
+        max_jumps: jumps before the memory model gives way to bisection.
+
+    Example (a 16 GiB device; 2 GiB for the model, 40 MiB per sample):
+
+    >>> GiB, MiB = 2**30, 2**20
+    >>> def trial(n, stage):
+    ...     peak = 2 * GiB + 40 * MiB * n
+    ...     return Trial(n, peak <= 16 * GiB, peak, 0.0, stage)
+    >>> result = search_batch_size(trial, capacity=16 * GiB, margin=0.05)
+    >>> result.batch_size, [(t.size, t.stage) for t in result.trials]
+    (334, [(16, 'probe'), (83, 'probe'), (320, 'jump'), (334, 'jump')])
+    >>> print(result.reason)
+    largest fit under 95% of 16.0 GiB
+    """
+    _check(start, max_size, margin, tolerance, strategy, objective, capacity)
+    budget = None if capacity is None else (1 - margin) * capacity
+    search = _Search(trial, capacity, margin, max_size)
+    used = strategy
+    note = ""
+    if strategy == "model":
+        try:
+            _model_search(search, start, tolerance, noise, fit_tolerance, max_jumps)
+        except _Untrusted as why:
+            used, note = "model, then bisect", f" (memory model: {why}; doubling and bisection took over)"
+    if used != "model":
+        batch_margin = margin if budget is None else 0.0
+        _bisect_search(search, start, tolerance, batch_margin)
+    largest = search.lo
+    chosen = _kept(search)
+    if budget is None:
+        reason = f"largest fit less {margin:.0%}"
+    else:
+        reason = f"largest fit under {1 - margin:.0%} of {capacity / GIB:.1f} GiB"
+    if objective == "fastest":
+        chosen, reason = _fastest(search, chosen, speed_tolerance)
+    return BatchSizeResult(chosen, search.trials, largest, reason + note, objective, used, capacity, margin)
+
+
+def _kept(search: _Search) -> int:
+    """The largest verified fit below every failure."""
+    hi = search.hi
+    kept = [s for s in search.verified if hi is None or s < hi]
+    if not kept:
+        raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
+    return max(kept)
+
+
+def _model_search(search: _Search, start: int, tolerance: float, noise: float, fit_tolerance: float,
+                  max_jumps: int) -> None:
+    budget, max_size = search.budget, search.max_size
+    if budget is None:
+        raise _Untrusted("no capacity to aim at")
+    # 1. A first probe that fits.
+    size = _first_fit(search, start, "probe")
+    if size >= max_size:
+        search.run(size, "verify")
+        return
+    if size not in search.points:
+        raise _Untrusted("no peak-memory readings")
+    # 2. A second probe as far out as surely fits even if all memory grew with the batch
+    #    (peak = b * batch, the steepest line through the first point), at least twice the first.
+    grow = 0.9 * budget / search.points[size]
+    second = min(max(math.floor(size * grow), 2 * size), 256 * size, max_size)
+    if search.hi is not None:
+        second = min(second, search.hi - 1)
+    if second > size:
+        search.run(second, "probe")
+    # 3. Jump to the line's prediction, verify, refit; stop when the verified size is within tolerance.
+    failed = False  # the last trial ran out of memory: no point to learn from, only a bound
+    jumps = 0
+    while True:
+        if search.lo == 0:  # a verification failed below every other fit: start again below it
+            _first_fit(search, search.hi - 1, "jump")
+        lo, hi, points = search.lo, search.hi, search.points
+        ceiling = min(max_size, hi - 1 if hi is not None else max_size, _upper_bound(search, noise))
+        predicted = math.inf
+        if len(points) >= 2:
+            a, b, misfit = fit_line(points)
+            if len(points) >= 3 and misfit > fit_tolerance:
+                raise _Untrusted(f"the peaks are {misfit:.1%} off a line")
+            if b > 0:  # aimed half the readings' noise under the budget
+                predicted = (budget * (1 - noise / 2) - a) / b
+        if lo >= ceiling or lo >= (1 - tolerance) * min(predicted, ceiling):
+            if lo in search.verified:
+                return
+            target, stage = lo, "verify"  # close enough, but so far only probed
+        else:
+            if failed or len(points) < 2:  # halfway to the ceiling
+                target = (lo + ceiling + 1) / 2
+            elif max(points) >= predicted / 2:  # a short extrapolation: trust the line
+                target = predicted
+            else:  # a long one: no further than the readings' noise surely allows
+                target = min(predicted, _lower_bound(search, noise))
+            if hi is not None:  # below a failure by the tolerance: a fit there ends the search
+                target = min(target, hi * (1 - tolerance))
+            target, stage = max(lo + 1, math.floor(min(target, ceiling))), "jump"
+        if jumps == max_jumps:
+            raise _Untrusted(f"no size within {tolerance:.0%} of the prediction after {max_jumps} jumps")
+        jumps += 1
+        before = len(search.points)
+        failed = not search.run(target, stage) and len(search.points) == before
+
+
+def _first_fit(search: _Search, size: int, stage: str) -> int:
+    """Try ``size``, then smaller ones until one fits: scaled down by the peak when the trial ran
+    (over the budget), halved when it ran out of memory."""
+    while not search.run(size, stage):
+        if size == 1:
+            raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
+        peak = search.points.get(size)
+        size = max(1, min(size - 1, math.floor(size * 0.9 * search.budget / peak) if peak else size // 2))
+    return size
+
+
+def _upper_bound(search: _Search, noise: float) -> float:
+    """The largest size that could fit the budget given an out-of-memory failure at ``h``: the
+    peak rose from a reading ``m`` at ``p < h`` past the capacity, so the slope is at least
+    ``(capacity - m) / (h - p)``."""
+    capacity, budget = search.capacity, search.budget
+    bound = math.inf
+    for h, ok in search.outcome.items():
+        if ok or h in search.points:
+            continue
+        for p, m in search.points.items():
+            rise = capacity - m * (1 + noise)
+            if p < h and rise > 0:
+                bound = min(bound, p + (budget - m * (1 - noise)) * (h - p) / rise)
+    return bound
+
+
+def _lower_bound(search: _Search, noise: float) -> float:
+    """The largest size that surely fits the budget whatever the readings' ``noise``: the steepest
+    line through the two outermost readings (each moved by ``noise``), and ``peak = b * batch``."""
+    budget, points = search.budget, search.points
+    bound = max((s * budget * (1 - noise) / m for s, m in points.items() if m <= budget), default=0.0)
+    small, large = min(points), max(points)
+    if large > small:
+        m_small, m_large = points[small] * (1 - noise), points[large] * (1 + noise)
+        steep = (m_large - m_small) / (large - small)
+        if steep > 0:
+            bound = max(bound, large + (budget - m_large) / steep)
+    return bound
+
+
+def _bisect_search(search: _Search, start: int, tolerance: float, batch_margin: float) -> None:
+    """Doubling from ``start`` (until a failure is known), bisection to ``tolerance``, the margin
+    off the batch size, and a confirmation (shrinking by 10% while it fails)."""
+    max_size = search.max_size
+    if search.hi is None and search.lo < max_size:
+        size = min(2 * search.lo if search.lo else start, max_size)  # a fallback doubles from the largest fit
+        while search.run(size, "double") and size < max_size:
+            size = min(size * 2, max_size)
+    if search.lo == 0:  # even the first size failed: look below it
+        low, high = 0, search.hi
+        while high - low > 1:
+            mid = (low + high) // 2
+            if search.run(mid, "bisect"):
+                break
+            high = mid
+        if search.lo == 0:
+            raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
+    while search.hi is not None and search.hi - search.lo > max(1, math.floor(search.lo * tolerance)):
+        search.run((search.lo + search.hi) // 2, "bisect")
+    chosen = max(1, math.floor(search.lo * (1 - batch_margin)))
+    if chosen in search.verified:
+        return
+    while not search.run(chosen, "confirm"):
+        if chosen == 1:
+            raise torch.OutOfMemoryError("out of memory at batch size 1 while confirming the batch-size search")
+        chosen = max(1, math.floor(chosen * (1 - max(batch_margin, 0.1))))
+
+
+def _fastest(search: _Search, largest: int, speed_tolerance: float) -> Tuple[int, str]:
+    """Time sizes halving down from ``largest`` while they stay within ``speed_tolerance`` of the
+    best samples/s seen; keep the smallest that does."""
+
+    def speeds() -> Dict[int, float]:
+        seen: Dict[int, float] = {}
+        for t in search.trials:
+            if t.size <= largest and search.fits(t) and t.samples_per_s is not None:
+                seen[t.size] = max(seen.get(t.size, 0.0), t.samples_per_s)
+        return seen
+
+    seen = speeds()
+    if not seen:
+        return largest, "largest fit (no step times to pick the fastest)"
+    size = largest // 2
+    while size >= 1 and size not in seen:
+        best = max(seen.values())
+        search.run(size, "speed")
+        seen = speeds()
+        below = [s for s in seen if s < size]
+        if seen.get(size, 0.0) < (1 - speed_tolerance) * best or (below and size // 2 <= max(below)):
+            break  # slower already, or the next size down was timed already
+        size //= 2
+    best_size = max(seen, key=seen.get)
+    best = seen[best_size]
+    chosen = min(s for s, v in seen.items() if v >= (1 - speed_tolerance) * best)
+    return chosen, (f"fastest: the smallest batch within {speed_tolerance:.0%} of the best samples/s "
+                    f"({best:.0f} at batch {best_size})")
+
+
+def _mib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def format_trial(t: Trial, budget: Optional[float] = None) -> str:
+    """One row of the trial table (what the CLI prints as each trial finishes)."""
+    result = "OOM" if not t.fits else ("over" if budget is not None and t.peak_bytes is not None
+                                       and t.peak_bytes > budget else "fits")
+    ms = "-" if t.ms_per_step is None or not t.fits else f"{t.ms_per_step:.{2 if t.ms_per_step < 10 else 1}f}"
+    sps = "-" if t.samples_per_s is None else f"{t.samples_per_s:.0f}"
+    return f"{t.size:>7}  {result:<6}  {_mib(t.peak_bytes):>9}  {ms:>9}  {sps:>9}  {t.seconds:>7.2f}  {t.stage}"
+
+
+TABLE_HEADER = f"{'batch':>7}  {'result':<6}  {'peak MiB':>9}  {'ms/step':>9}  {'samples/s':>9}  {'seconds':>7}  stage"
+
+
+def format_trials(result: BatchSizeResult) -> str:
+    """The trial table as text, one row per trial, then the chosen size and why.
+
+    "over": the trial ran but its peak is above the budget ((1 - margin) x capacity).
+    """
+    rows = [TABLE_HEADER] + [format_trial(t, result.budget_bytes) for t in result.trials]
+    seconds = sum(t.seconds for t in result.trials)
+    rows.append(f"{len(result.trials)} trials, {seconds:.1f} s ({result.strategy}); largest fit "
+                f"{result.largest_fit}; chosen batch size {result.batch_size}: {result.reason}")
+    return "\n".join(rows)
