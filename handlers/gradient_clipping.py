@@ -56,8 +56,7 @@ class GradientClipping:
         self.last_norm: Optional[torch.Tensor] = None
 
     def __call__(self, engine: Engine) -> None:
-        params = self.parameters if self.parameters is not None else self.step.model.parameters()
-        params = [p for p in params if p.grad is not None]
+        params = self._params
         if not params:
             return
         if self.clip_value is not None:
@@ -65,12 +64,15 @@ class GradientClipping:
             return
         norm = self.step.grad_norm if self._shares_norm else None
         if norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], self.norm_type)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], self.norm_type,
+                                                 foreach=True)
         self.last_norm = norm
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
 
     def attach(self, engine: Engine) -> None:
         self.step = amp_step_of(engine)
+        # Parameters without a gradient at a step are skipped by the clipping functions themselves.
+        self._params = self.parameters if self.parameters is not None else list(self.step.model.parameters())
         # The step's grad_norm is the L2 norm of every model gradient: the one this clipping needs.
         self._shares_norm = self.parameters is None and self.norm_type == 2.0
         if self._shares_norm:

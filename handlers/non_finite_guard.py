@@ -1,4 +1,5 @@
 """Stop a run whose loss or gradients go non-finite, naming the iteration, before anything saves."""
+import math
 from typing import Optional
 
 import torch
@@ -75,7 +76,12 @@ class NonFiniteGuard:
 
     def _check_loss(self, engine: Engine) -> None:
         self._flush(engine)
-        bad = ~torch.isfinite(engine.state.output["loss"])
+        loss = engine.state.output["loss"]
+        if loss.device.type == "cpu":  # no pipeline to protect: reading it costs no wait
+            if not math.isfinite(loss.item()):
+                self._raise(engine.state.iteration)
+            return
+        bad = ~torch.isfinite(loss)
         if bad.device.type == "cuda":
             if self._host is None:  # made once: pinned memory is expensive to allocate
                 self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
@@ -84,7 +90,7 @@ class NonFiniteGuard:
             self._host.copy_(bad, non_blocking=True)
             self._event.record(torch.cuda.current_stream(bad.device))
             self._pending_iteration = engine.state.iteration
-        elif bool(bad):  # no pipeline to protect: check now
+        elif bool(bad):  # another device: check now
             self._raise(engine.state.iteration)
 
     def _flush(self, engine: Engine) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 from ignite.base.mixins import Serializable
-from ignite.engine import Engine, Events
+from ignite.engine import Engine, Events, EventsList
 from ignite.engine import _prepare_batch as ignite_prepare_batch
 from ignite.utils import apply_to_type
 from torch import nn
@@ -413,6 +413,7 @@ class AmpStep(_RetryingStep, Serializable):
         super().__init__(model, device, dtype, micro_batches, non_blocking, channels_last, compile,
                          fp32_modules, prepare_batch)
         self._optimizer = optimizer
+        self._params = list(self._model.parameters())  # a list: walking the module tree per step costs
         self.loss_fn = loss_fn
         self._accumulation_steps = accumulation_steps
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -527,9 +528,9 @@ class AmpStep(_RetryingStep, Serializable):
             skip = bool(found_inf(scaler, self._optimizer).item())
         if not skip:
             if self._track_norm:
-                grads = [p.grad for p in self._model.parameters() if p.grad is not None]
-                self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-            engine.fire_event(AmpEvents.GRADS_READY)
+                grads = [p.grad for p in self._params if p.grad is not None]
+                self._grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+            _fire(engine, AmpEvents.GRADS_READY)
             try:
                 self._optimizer.step()
             except RuntimeError as exc:
@@ -540,7 +541,7 @@ class AmpStep(_RetryingStep, Serializable):
                     f"at iteration {engine.state.iteration}: the update may be half applied, so the batch is not "
                     f"retried (smaller micro-batches would not shrink the optimizer's memory)") from exc
         scaler.update()
-        engine.fire_event(AmpEvents.STEP_SKIPPED if skip else AmpEvents.OPTIMIZER_STEPPED)
+        _fire(engine, AmpEvents.STEP_SKIPPED if skip else AmpEvents.OPTIMIZER_STEPPED)
 
     def _recover(self, engine: Engine) -> None:
         if not self._stepping(engine)[0]:
@@ -638,9 +639,42 @@ def _no_buffer_sync_in_forward(ddp: DistributedDataParallel) -> None:
         ddp.broadcast_buffers = False
 
 
+class AmpEngine(Engine):
+    """An Ignite ``Engine`` that knows which :class:`AmpEvents` have handlers, so the step fires only those.
+
+    ``Engine.fire_event`` costs about 15 us of host time even when nothing listens (it checks
+    the event against every registered one); twice per iteration that is a visible share of a
+    small model's step. :meth:`fire_amp_event` skips events no handler was ever added to.
+    """
+
+    def __init__(self, process_function: Callable):
+        super().__init__(process_function)
+        # Filters count iterations: AmpEvents.GRADS_READY(every=10) fires on every 10th iteration that steps.
+        self.register_events(*AmpEvents, event_to_attr={event: "iteration" for event in AmpEvents})
+        self._listened: set = set()  # names of AmpEvents with a handler (never shrinks: always safe)
+
+    def add_event_handler(self, event_name: Any, handler: Callable, *args: Any, **kwargs: Any):
+        handle = super().add_event_handler(event_name, handler, *args, **kwargs)
+        for event in (event_name if isinstance(event_name, EventsList) else (event_name,)):
+            self._listened.add(getattr(event, "name", event))  # a filtered event keeps its name
+        return handle
+
+    def fire_amp_event(self, event: AmpEvents) -> None:
+        """Run the handlers of ``event`` (registered by this engine), if it has any."""
+        if event.name in self._listened:
+            self._fire_event(event)
+
+
+def _fire(engine: Engine, event: AmpEvents) -> None:
+    fire = getattr(engine, "fire_amp_event", None)
+    if fire is not None:
+        fire(event)
+    else:  # the step run by a plain Engine (e.g. Engine(AmpStep(...))) that registered AmpEvents itself
+        engine.fire_event(event)
+
+
 def _engine(step: _RetryingStep) -> Engine:
-    engine = Engine(step)
-    engine.register_events(*AmpEvents)
+    engine = AmpEngine(step)
     engine.amp_step = step
     return engine
 
