@@ -1,9 +1,12 @@
 """Random-number-generator state: Python's and torch's (CPU, and CUDA once it is initialised)."""
+import logging
 import random
 
 import torch
 
 __all__ = ["get_rng_state", "set_rng_state"]
+
+logger = logging.getLogger("ignite_amp")
 
 
 def get_rng_state() -> dict:
@@ -15,9 +18,20 @@ def get_rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`get_rng_state` returned (also after a round trip through a checkpoint)."""
+    """Restore what :func:`get_rng_state` returned (also after a round trip through a checkpoint).
+
+    CUDA states are restored for the devices this machine has: a checkpoint from a machine with
+    more GPUs restores the first ones and says so in one line; on a machine without CUDA they
+    are left out.
+    """
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda") or []
+    if saved and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        for index, cuda_state in enumerate(saved[:count]):
+            torch.cuda.set_rng_state(cuda_state, index)
+        if len(saved) > count:
+            logger.warning("the checkpoint holds the CUDA random states of %d GPUs and this machine has %d: "
+                           "restored those of cuda:0 to cuda:%d", len(saved), count, count - 1)

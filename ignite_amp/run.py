@@ -28,7 +28,7 @@ from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.resume import check_resume
 from ignite_amp.rundir import LogFile, RunLock, check_writable, free_bytes, move_previous_run
-from ignite_amp.step import create_amp_evaluator, create_amp_trainer, is_oom_error
+from ignite_amp.step import create_amp_evaluator, create_amp_trainer, describe_device, is_oom_error
 
 __all__ = ["train_from_config", "build_run", "Run", "search_from_config", "safe_print"]
 
@@ -99,7 +99,8 @@ class Run:
                            f"more: {self._more_epochs_hint(state.epoch)}")
             else:
                 step, world = self.trainer.amp_step, idist.get_world_size()
-                where = f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1 else str(step.device)
+                where = (f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1
+                         else describe_device(step.device))
                 self.print(f"training {cfg['name']} on {where} with {str(step.dtype)[6:]} autocast; "
                            f"output in {self.output_dir}")
                 try:

@@ -54,6 +54,7 @@ __all__ = [
     "amp_step_of",
     "resolve_device",
     "resolve_dtype",
+    "describe_device",
     "is_oom_error",
     "split_batch",
     "batch_size_of",
@@ -89,6 +90,15 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
     if backend is None or not backend.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but {device.type} is not available here")
     return device
+
+
+def describe_device(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu``: the device with its index and, for a GPU, its model."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return str(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def cpu_has_native_bf16() -> bool:

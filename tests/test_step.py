@@ -523,3 +523,25 @@ def test_amp_events_nobody_listens_to_are_not_dispatched_and_late_handlers_still
         AmpEvents.GRADS_READY(every=2), lambda e2: seen.append(e2.state.iteration)))
     trainer.run(id_batches(64, 8), max_epochs=1)
     assert seen == [4, 6, 8]  # added during the run, with a filter: fires from the next step on
+
+
+def test_a_gpu_is_described_by_its_index_and_model(monkeypatch):
+    from ignite_amp.step import describe_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"Fake GPU {index}")
+    assert describe_device(torch.device("cuda")) == "cuda:0 (Fake GPU 0)"  # torchrun x1 prints this
+    assert describe_device("cuda:1") == "cuda:1 (Fake GPU 1)" and describe_device("cpu") == "cpu"
+
+
+def test_cuda_random_states_of_more_gpus_than_here_restore_what_fits(monkeypatch, caplog):
+    from ignite_amp.rng import get_rng_state, set_rng_state
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, index: restored.append((index, state)))
+    state = dict(get_rng_state(), cuda=[torch.tensor([7], dtype=torch.uint8), torch.tensor([8], dtype=torch.uint8)])
+    set_rng_state(state)
+    assert [(i, s.item()) for i, s in restored] == [(0, 7)]
+    assert "CUDA random states of 2 GPUs and this machine has 1" in caplog.text
