@@ -271,7 +271,8 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
         stored = _stored_config(state, resume_path)
         if cfg["data"]["batch_size"] == "auto" and isinstance(stored["data"]["batch_size"], int):
             cfg["data"]["batch_size"] = stored["data"]["batch_size"]  # the resumed run's search result
-            say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, found by the search of the resumed run")
+            say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, the batch size of the resumed run "
+                f"(no new search)")
         changes = check_resume(stored, cfg, resume_path)
     if main:
         check_writable(checkpoint_dir(cfg), "output_dir")

@@ -136,3 +136,14 @@ def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys,
     assert main(hint.split()[1:]) == 0
     out = capsys.readouterr().out
     assert "epoch 2/2" in out and ("epoch 1/2" in out) == (schedule == "cosine")
+
+
+def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_path, capsys):
+    path, cfg = base(tmp_path)
+    assert main(["train", path]) == 0
+    capsys.readouterr()
+    # Here a search would refuse to run (no GPU); a resume takes the size the checkpoint ran with.
+    assert main(["train", path, "--set", "data.batch_size=auto", "--set", "train.epochs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "data.batch_size: auto: using 32, the batch size of the resumed run (no new search)" in out
+    assert last(cfg, 2)["config"]["value"]["data"]["batch_size"] == 32
