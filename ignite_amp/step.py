@@ -14,6 +14,10 @@
         scaler.update()
         fire OPTIMIZER_STEPPED or STEP_SKIPPED
 
+While a ``torch.profiler`` records, the forward (with the loss), the backward and the optimizer
+part (unscale, ``GRADS_READY`` handlers, step, update) are labelled ``ignite_amp.forward``,
+``ignite_amp.backward`` and ``ignite_amp.optimizer`` (:func:`phase_label`); otherwise they cost nothing.
+
 An out-of-memory error in the forward or backward (or in a ``GRADS_READY`` handler) is
 caught, the memory freed outside the ``except`` block, and ``OUT_OF_MEMORY`` fired; a handler
 that raises ``micro_batches`` makes the step retry the same batch, otherwise the original error
@@ -60,6 +64,7 @@ __all__ = [
     "batch_size_of",
     "free_memory",
     "found_inf",
+    "phase_label",
 ]
 
 logger = logging.getLogger("ignite_amp")
@@ -210,6 +215,23 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
                            "(or torch changed GradScaler's internals)")
     values = list(flags.values())
     return values[0] if len(values) == 1 else torch.stack([v.to(values[0].device) for v in values]).sum()
+
+
+_NO_LABEL = contextlib.nullcontext()
+
+
+def _no_label(name: str) -> contextlib.nullcontext:
+    return _NO_LABEL
+
+
+def phase_label() -> Callable[[str], Any]:
+    """``torch.profiler.record_function`` while a profiler records, else a no-op label.
+
+    A ``record_function`` range costs microseconds even with no profiler running; the check
+    (``torch.autograd._profiler_enabled``, what torch's own fast paths read) costs about 0.1 us.
+    ``tests/test_step.py`` fails loudly if a torch upgrade changes it.
+    """
+    return torch.profiler.record_function if torch.autograd._profiler_enabled() else _no_label
 
 
 def _fp32_forward(forward: Callable, device_type: str, *args: Any, **kwargs: Any) -> Any:
@@ -490,13 +512,15 @@ class AmpStep(_RetryingStep, Serializable):
         if first:
             self._optimizer.zero_grad(set_to_none=True)
         self._grad_norm = None
+        label = phase_label()
         if chunks == 1:
             x, y = self._inputs(batch)
             with self._no_sync(defer or not stepping):
-                with self.autocast():
+                with label("ignite_amp.forward"), self.autocast():
                     loss = self.loss_fn(self.forward(x), y)
                 _check_scalar(loss)
-                self._scaler.scale(loss / cycle if cycle != 1 else loss).backward()
+                with label("ignite_amp.backward"):
+                    self._scaler.scale(loss / cycle if cycle != 1 else loss).backward()
             total = loss.detach()
         else:
             total = None
@@ -506,12 +530,13 @@ class AmpStep(_RetryingStep, Serializable):
                 # DDP all-reduces the gradients in the backward of the last chunk of a stepping
                 # iteration only: once per optimizer step. Deferred: after all ranks agreed.
                 with self._no_sync(defer or not (stepping and i == len(parts) - 1)):
-                    with self.autocast():
+                    with label("ignite_amp.forward"), self.autocast():
                         loss = self.loss_fn(self.forward(x), y)
                     _check_scalar(loss)
                     # Each chunk's share of the full batch's mean loss, and of the accumulation cycle.
                     share = batch_size_of(chunk) / n
-                    self._scaler.scale(loss * (share / cycle)).backward()
+                    with label("ignite_amp.backward"):
+                        self._scaler.scale(loss * (share / cycle)).backward()
                 part = loss.detach() * share
                 total = part if total is None else total + part
         output = {"loss": total.float(), "batch_size": n}
@@ -529,6 +554,10 @@ class AmpStep(_RetryingStep, Serializable):
         return self.ddp.no_sync() if skip and self.ddp is not None else contextlib.nullcontext()
 
     def _optimizer_step(self, engine: Engine) -> None:
+        with phase_label()("ignite_amp.optimizer"):
+            self._unscale_and_step(engine)
+
+    def _unscale_and_step(self, engine: Engine) -> None:
         scaler = self._scaler
         skip = False
         if scaler.is_enabled():

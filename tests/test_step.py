@@ -308,6 +308,23 @@ def test_found_inf_reads_the_flag_unscale_recorded():
         scaler.update()
 
 
+def test_phases_are_labelled_only_while_a_profiler_records():
+    """phase_label reads torch.autograd._profiler_enabled: fails loudly if a torch upgrade changes it."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ignite_amp.step import phase_label
+
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+    assert phase_label() is not record_function
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert phase_label() is record_function
+        trainer.run(id_batches(16, 8))
+    assert phase_label() is not record_function
+    counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("ignite_amp.")}
+    assert counts == {"ignite_amp.forward": 2, "ignite_amp.backward": 2, "ignite_amp.optimizer": 2}
+
+
 def test_float16_step_reads_the_inf_flag_once(monkeypatch):
     """One host sync per float16 step: GradScaler.step (which reads the flag again) is not called."""
     import ignite_amp.step as step_module
