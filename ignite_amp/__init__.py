@@ -6,7 +6,7 @@ The names below are imported on first use (PEP 562), so ``import ignite_amp`` an
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from ignite_amp.version import __version__
 
 _EXPORTS = {
     "AmpEvents": "ignite_amp.events",
@@ -22,7 +22,7 @@ _EXPORTS = {
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
 _SUBMODULES = ("batch_search", "batch_size", "builders", "cli", "collectives", "compare", "config", "data", "errors",
-               "events", "launcher", "models", "rng", "run", "step")
+               "events", "facts", "launcher", "models", "rng", "run", "step")
 
 __all__ = list(_EXPORTS)
 
