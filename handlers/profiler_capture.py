@@ -1,34 +1,92 @@
-"""torch.profiler capture of a few training steps, for TensorBoard and as a text table."""
+"""torch.profiler capture of a few training steps: a Chrome trace, an operator table and a step breakdown."""
 import os
-from typing import Optional
+from typing import Dict, Iterable, List, Optional
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-__all__ = ["ProfilerCapture"]
+__all__ = ["ProfilerCapture", "step_breakdown", "format_breakdown"]
+
+# Ranges a profiled iteration is split into: torch labels the DataLoader's __next__, the AMP
+# step labels its phases (ignite_amp.step.phase_label) while a profiler records.
+PHASES = (("data wait", "enumerate(DataLoader)"), ("forward", "ignite_amp.forward"),
+          ("backward", "ignite_amp.backward"), ("optimizer", "ignite_amp.optimizer"))
+
+
+def step_breakdown(events: Iterable) -> Dict[str, float]:
+    """Mean milliseconds per iteration of each phase, from profiler events (``profiler.events()``).
+
+    An iteration is a ``ProfilerStep`` range that ran a forward; ``other`` is the rest of it
+    (handlers, zero_grad, an evaluation at an epoch's end). Host wall time: on a GPU a phase that
+    does not wait for the device shows the time to launch its kernels. ``iterations`` holds the count.
+    """
+    events = list(events)
+    steps = [e.time_range for e in events if e.name.startswith("ProfilerStep")]
+    spans: Dict[str, List] = {name: [e.time_range for e in events if e.name.startswith(prefix)]
+                              for name, prefix in PHASES}
+    counted = [s for s in steps if any(s.start <= f.start < s.end for f in spans["forward"])]
+    totals = {name: 0.0 for name, _ in PHASES}
+    for step in counted:
+        for name, ranges in spans.items():
+            totals[name] += sum(r.elapsed_us() for r in ranges if step.start <= r.start < step.end)
+    n = max(len(counted), 1)
+    result = {name: total / n / 1e3 for name, total in totals.items()}
+    result["total"] = sum(s.elapsed_us() for s in counted) / n / 1e3
+    result["other"] = max(result["total"] - sum(result[name] for name, _ in PHASES), 0.0)
+    result["iterations"] = len(counted)
+    return result
+
+
+def format_breakdown(breakdown: Dict[str, float]) -> str:
+    """A markdown table: phase, ms per iteration, share of the iteration."""
+    total = breakdown["total"] or 1.0
+    rows = [f"| {name} | {breakdown[name]:.2f} | {breakdown[name] / total:.0%} |"
+            for name in [p for p, _ in PHASES] + ["other", "total"]]
+    return (f"Mean host wall time per iteration over {breakdown['iterations']} profiled iterations\n\n"
+            "| phase | ms | share |\n|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
 class ProfilerCapture:
     """Profile a window of iterations with ``torch.profiler`` (``schedule(wait, warmup, active, repeat)``).
 
-    CPU activity always, CUDA activity when the trainer runs on a GPU. Traces are written with
-    ``tensorboard_trace_handler`` under ``logdir`` (TensorBoard's profiler plugin reads them);
-    a table of the top operators (by device time on GPU, CPU time on CPU) is saved beside them
-    as ``profiler_top_ops.txt`` and logged as TensorBoard text. Rank 0 only. A run that ends
-    inside the window still stops the profiler and writes what it has.
+    CPU activity always, CUDA activity when the trainer runs on a GPU. For each window it writes,
+    in ``logdir`` (``N-M``: the window's iterations):
+
+    - ``trace_iterations_N-M.json``: a Chrome trace; open it in https://ui.perfetto.dev (works
+      offline once loaded, the file stays local) or ``chrome://tracing``;
+    - ``profile_iterations_N-M.txt``: the per-iteration time breakdown (data wait, forward,
+      backward, optimizer, other) and the top operators (by device time on GPU, CPU time on CPU);
+    - the same two tables as TensorBoard text (``profiler/step_breakdown``, ``profiler/top_ops``):
+      ``logdir`` is its own TensorBoard run.
+
+    Rank 0 only. A run that ends inside the window still stops the profiler and writes what it
+    has. On a CPU run the profiler library's log lines (Kineto's "gpuGetDeviceCount failed"
+    on a machine without a GPU driver) are silenced with ``KINETO_LOG_LEVEL=6`` unless that
+    variable is set; Kineto reads it once, when the first profiler of the process starts.
 
     The profiler is started and stopped with its explicit ``start()``/``stop()`` API when the
     run starts and completes (or is terminated), and stepped after each iteration.
 
     Args:
-        logdir: TensorBoard directory of the run.
+        logdir: directory for the traces, tables and TensorBoard text (``output_dir/profiler``).
         wait, warmup, active, repeat: ``torch.profiler.schedule`` arguments.
         record_shapes, profile_memory, with_stack: ``torch.profiler.profile`` options (off: they cost).
         row_limit: rows in the operator table.
-    """
 
-    TABLE = "profiler_top_ops.txt"
+    Example:
+        >>> import os, tempfile, torch
+        >>> from ignite_amp import create_amp_trainer
+        >>> from ignite_amp.handlers import ProfilerCapture
+        >>> model = torch.nn.Linear(4, 2)
+        >>> trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                              torch.nn.functional.cross_entropy, device="cpu")
+        >>> capture = ProfilerCapture(tempfile.mkdtemp(), wait=1, warmup=1, active=2)
+        >>> capture.attach(trainer)
+        >>> _ = trainer.run([(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 6)
+        >>> sorted(os.path.basename(f) for f in capture.files)
+        ['profile_iterations_3-4.txt', 'trace_iterations_3-4.json']
+    """
 
     def __init__(self, logdir: str, wait: int = 5, warmup: int = 2, active: int = 5, repeat: int = 1,
                  record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,
@@ -43,6 +101,8 @@ class ProfilerCapture:
         self.row_limit = row_limit
         self.profiler: Optional[torch.profiler.profile] = None
         self.traces = 0
+        self.files: List[str] = []
+        self.breakdown: Optional[Dict[str, float]] = None
 
     def attach(self, engine: Engine) -> None:
         if idist.get_rank() != 0:
@@ -59,8 +119,11 @@ class ProfilerCapture:
 
         device = getattr(getattr(engine, "amp_step", None), "device", torch.device("cpu"))
         self.on_cuda = device.type == "cuda"
+        if not self.on_cuda:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
         os.makedirs(self.logdir, exist_ok=True)
+        self.iteration = engine.state.iteration  # the profiler's step 0: a resumed run does not start at 0
         self.profiler = profile(activities=activities, on_trace_ready=self._ready, **self.options,
                                 schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
                                                   repeat=self.repeat))
@@ -75,16 +138,31 @@ class ProfilerCapture:
             profiler, self.profiler = self.profiler, None
             profiler.stop()
 
+    def _window(self, step_num: int) -> str:
+        """``N-M``: the training iterations of the window that ended at the profiler's ``step_num``."""
+        cycle = self.wait + self.warmup + self.active
+        first = (step_num - 1) // cycle * cycle + self.wait + self.warmup + 1
+        return f"{self.iteration + first}-{self.iteration + step_num}"
+
     def _ready(self, profiler: torch.profiler.profile) -> None:
-        from torch.profiler import tensorboard_trace_handler
+        from tensorboard.plugins.text.summary_v2 import text_pb
         from torch.utils.tensorboard import SummaryWriter
 
-        tensorboard_trace_handler(self.logdir)(profiler)
+        window = self._window(profiler.step_num)
+        trace = os.path.join(self.logdir, f"trace_iterations_{window}.json")
+        profiler.export_chrome_trace(trace)
+        self.breakdown = step_breakdown(profiler.events())
+        breakdown = format_breakdown(self.breakdown)
         sort_by = "self_cuda_time_total" if self.on_cuda else "self_cpu_time_total"
-        table = profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit)
-        with open(os.path.join(self.logdir, self.TABLE), "w", encoding="utf-8") as f:
-            f.write(table)
+        ops = profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit)
+        table = os.path.join(self.logdir, f"profile_iterations_{window}.txt")
+        with open(table, "w", encoding="utf-8") as f:
+            f.write(f"{breakdown}\nTop operators\n{ops}\n")
         with SummaryWriter(self.logdir) as writer:
+            step = self.iteration + profiler.step_num
+            writer.file_writer.add_summary(text_pb("profiler/step_breakdown", f"Iterations {window}. {breakdown}"),
+                                           step)
             # Markdown code block: keep the table's columns aligned in TensorBoard's text tab.
-            writer.add_text("profiler/top_ops", "```\n" + table + "\n```", global_step=profiler.step_num)
+            writer.file_writer.add_summary(text_pb("profiler/top_ops", "```\n" + ops + "\n```"), step)
+        self.files += [trace, table]
         self.traces += 1
