@@ -108,8 +108,9 @@ def _train(args: argparse.Namespace) -> int:
     if result["best_checkpoint"]:
         safe_print(f"best checkpoint: {result['best_checkpoint']}")
     if result["tensorboard_dir"]:
-        tb = result["tensorboard_dir"]
-        safe_print(f"TensorBoard logs: {tb}  (open with: tensorboard --logdir {tb})")
+        tb = os.path.normpath(result["tensorboard_dir"])
+        safe_print(f"TensorBoard logs: {tb}  (open with: tensorboard --logdir {os.path.dirname(tb) or '.'}; "
+                   f"the run is named {os.path.basename(tb)})")
     return 0
 
 

@@ -17,10 +17,11 @@ from ignite.metrics import Accuracy, Loss
 from ignite_amp.batch_size import find_batch_size, print_progress
 from ignite_amp.builders import build_optimizer, build_scheduler, config_device, input_shape, seed_everything
 from ignite_amp.collectives import is_distributed
-from ignite_amp.config import flatten_config, load_config, save_config
+from ignite_amp.config import load_config, save_config
 from ignite_amp.data import build_loaders
 from ignite_amp.errors import CheckpointError, ConfigError
 from ignite_amp.events import AmpEvents
+from ignite_amp.facts import config_facts
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  TensorBoardMetrics)
 from ignite_amp.handlers.best_checkpoint import load_checkpoint
@@ -72,6 +73,7 @@ class Run:
         self.resumed_from: Optional[str] = None
         self.command = "ignite-amp train CONFIG"
         self.batch_search = None  # the batch-size search's result when data.batch_size was auto
+        self.facts: dict = {}  # what the config resolved to, for TensorBoard's run facts
 
     def print(self, line: str) -> None:
         self._print(line)
@@ -84,6 +86,10 @@ class Run:
     @property
     def tensorboard_dir(self) -> str:
         return tensorboard_dir(self.cfg)
+
+    @property
+    def profiler_dir(self) -> str:
+        return profiler_dir(self.cfg)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -138,7 +144,12 @@ class Run:
 
 
 def tensorboard_dir(cfg: dict) -> str:
-    return os.path.join(cfg["output_dir"], "tensorboard")
+    # The event files sit in output_dir itself: `tensorboard --logdir runs` names the run after it.
+    return cfg["output_dir"]
+
+
+def profiler_dir(cfg: dict) -> str:
+    return os.path.join(tensorboard_dir(cfg), "profiler")
 
 
 def checkpoint_dir(cfg: dict) -> str:
@@ -264,6 +275,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
         print_fn(line)
         files.log.line(line)
 
+    searched = cfg["data"]["batch_size"] == "auto"  # for the run facts (a resume replaces "auto" below)
     resume_path, state = _choose_resume(cfg, main, say)
     files.open_log()
     changes = []
@@ -279,6 +291,8 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
         handlers = cfg["handlers"]
         if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
             check_writable(tensorboard_dir(cfg), "output_dir")
+        if handlers["profiler"]["enabled"]:
+            check_writable(profiler_dir(cfg), "output_dir")
     seed_everything(cfg["seed"])
     _check_backoff_mode(cfg)
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
@@ -337,6 +351,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
               files)
     run.command, run.batch_search = command, batch_search
+    run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
     if cfg["handlers"]["non_finite"]["enabled"]:  # first: its epoch-end check runs before evaluation and saving
         NonFiniteGuard(cfg["handlers"]["non_finite"]["max_consecutive"]).attach(trainer)
     _EpochSummary(run).attach(trainer)
@@ -506,17 +521,19 @@ def _attach_handlers(run: Run) -> None:
     clip = cfg["clipping"]
     if clip["max_norm"] is not None and clip["clip_value"] is not None:
         raise ConfigError("handlers.clipping: set max_norm or clip_value, not both")
+    clipping = None
     if clip["max_norm"] is not None or clip["clip_value"] is not None:
-        GradientClipping(max_norm=clip["max_norm"], norm_type=clip["norm_type"],
-                         clip_value=clip["clip_value"]).attach(trainer)
+        clipping = GradientClipping(max_norm=clip["max_norm"], norm_type=clip["norm_type"],
+                                    clip_value=clip["clip_value"])
+        clipping.attach(trainer)
     if cfg["tensorboard"]["enabled"]:
-        tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"],
-                                hparams=flatten_config(run.cfg))
+        tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"], facts=run.facts,
+                                clipping=clipping)
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
     prof = cfg["profiler"]
     if prof["enabled"]:
-        profiler = ProfilerCapture(run.tensorboard_dir, wait=prof["wait"], warmup=prof["warmup"],
+        profiler = ProfilerCapture(run.profiler_dir, wait=prof["wait"], warmup=prof["warmup"],
                                    active=prof["active"], repeat=prof["repeat"])
         profiler.attach(trainer)
         run.closers.append(profiler.stop)

@@ -30,6 +30,9 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["train"]["epochs"] == 2 and saved["output_dir"] == str(out)
     assert "Traceback" not in proc.stderr
+    # The event files sit in output_dir: `tensorboard --logdir <its parent>` names the run "qs".
+    assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
+    assert f"open with: tensorboard --logdir {tmp_path}; the run is named qs" in proc.stdout
 
 
 def test_train_from_config_learns_shapes(quick_cfg):

@@ -97,13 +97,15 @@ def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
     def listing(run):
         return sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs)
 
+    def tensorboard(f):  # event files in output_dir itself, the profiler's under profiler/
+        return os.path.basename(f).startswith("events.out.tfevents") or f.startswith("profiler" + os.sep)
+
     files = listing(tmp_path / "two")
-    assert [f for f in files if not f.startswith("tensorboard")] == \
-        [f for f in listing(tmp_path / "one") if not f.startswith("tensorboard")]
-    logs = [f for f in files if f.startswith("tensorboard")]
-    pids = {re.search(r"(?:\.|_)(\d+)\.(?:\d+$|\d+\.pt\.trace)", f).group(1) for f in logs if "profiler_top" not in f}
-    assert len(pids) == 1, logs
-    assert sum(f.endswith(".pt.trace.json") for f in logs) == 1
+    assert [f for f in files if not tensorboard(f)] == [f for f in listing(tmp_path / "one") if not tensorboard(f)]
+    logs = [f for f in files if tensorboard(f)]
+    pids = {re.search(r"\.(\d+)\.\d+$", f).group(1) for f in logs if "events.out.tfevents" in f}
+    assert len(pids) == 1 and len(logs) == 4, logs  # two event files, one trace, one table
+    assert sum(os.path.basename(f).startswith("trace_iterations_") for f in logs) == 1
 
 
 def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_path):
