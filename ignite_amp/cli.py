@@ -4,6 +4,8 @@ Every failure ends in one line on stderr: a user error (bad config, missing data
 output, a run directory in use) exits 2; a run stopped for a stated reason (non-finite loss,
 out of memory at the floor, disk full) exits 1; an unexpected error exits 1 and points at the
 traceback in the run's ``train.log``. ``--debug`` also prints the traceback.
+A bare ``ignite-amp`` prints the help (its commands) on stderr and exits 2. Only the command
+functions import torch: ``--help`` and ``--version`` answer without it.
 """
 import argparse
 import errno
@@ -13,6 +15,8 @@ import re
 import sys
 import traceback
 from typing import List, Optional, Tuple
+
+from ignite_amp.version import __version__
 
 __all__ = ["main"]
 
@@ -31,7 +35,8 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ignite-amp", description="Mixed-precision training with PyTorch Ignite.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"ignite-amp {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     train = sub.add_parser("train", help="train what a config describes")
     _add_config(train)
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -150,7 +155,11 @@ def describe(exc: BaseException) -> Tuple[int, str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
     from ignite_amp.rundir import terminal_log_handler
 
     handler = terminal_log_handler()

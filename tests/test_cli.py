@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import CONFIGS, ROOT
@@ -62,3 +63,34 @@ def test_unwritable_output_dir_fails_before_training(quick_cfg, capsys, tmp_path
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ignite-amp: error: output_dir: cannot write to") and err.count("\n") == 1
+
+
+def test_help_and_version_do_not_import_torch():
+    """`python -m ignite_amp --help` and `--version` answer without importing torch (or Ignite)."""
+    code = ("import runpy, sys\n"
+            "for argv in (['--help'], ['--version']):\n"
+            "    sys.argv = ['ignite-amp', *argv]\n"
+            "    try:\n"
+            "        runpy.run_module('ignite_amp', run_name='__main__', alter_sys=True)\n"
+            "    except SystemExit as exc:\n"
+            "        assert exc.code == 0, exc.code\n"
+            "print('heavy:', sorted(m for m in ('torch', 'ignite', 'tensorboard') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: ignite-amp" in proc.stdout and "find-batch-size" in proc.stdout
+    assert "ignite-amp 0.1.0" in proc.stdout
+    assert proc.stdout.rstrip().endswith("heavy: []"), proc.stdout
+
+
+def test_version(capsys):
+    from ignite_amp import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"ignite-amp {__version__}\n"
+
+
+def test_bare_command_prints_the_usage_with_its_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ignite-amp") and all(c in err for c in ("train", "compare", "find-batch-size"))
