@@ -1,0 +1,112 @@
+"""A real TensorBoard over a run made here: what its HTTP data API serves is what the README's
+"Which TensorBoard tab shows what" promises (the run's name, the dashboard, the run facts, the tags)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from ignite_amp import train_from_config
+from ignite_amp.handlers.tensorboard_metrics import LAYOUT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 0))
+        except OSError as exc:
+            pytest.skip(f"no port can bind on 127.0.0.1 ({exc})")
+        return s.getsockname()[1]
+
+
+def fetch(base: str, path: str, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def served(quick_cfg, tmp_path):
+    """A one-epoch CPU run with the profiler on, under tmp/runs/quick, served by TensorBoard."""
+    runs = tmp_path / "runs"
+    cfg = dict(quick_cfg, name="quick", output_dir=str(runs / "quick"), train={"epochs": 1},
+               data=dict(quick_cfg["data"], train_size=128, val_size=32),
+               handlers={"tensorboard": {"log_every": 2}, "clipping": {"max_norm": 1.0},
+                         "profiler": {"enabled": True, "wait": 0, "warmup": 1, "active": 2}})
+    result = train_from_config(cfg, print_fn=lambda *a: None)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(runs), "--host", "127.0.0.1",
+                             "--port", str(port), "--reload_interval", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline, runs_seen = time.monotonic() + 30, []
+        while time.monotonic() < deadline:  # TensorBoard loads the event files asynchronously
+            if proc.poll() is not None:
+                pytest.fail(f"tensorboard exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                runs_seen = fetch(base, "/data/runs")
+            except OSError:
+                runs_seen = []
+            if "quick" in runs_seen and "quick/profiler" in runs_seen:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"tensorboard did not show the runs within 30 s (saw {runs_seen})")
+        yield base, result
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its data server too
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served):
+    base, result = served
+    # The run is named after output_dir; the profiler's text is its own run beside it.
+    assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler"]
+
+    tags = set(fetch(base, "/data/plugin/scalars/tags")["quick"])
+    assert {"train/loss", "train/grad_norm", "train/clip_max_norm", "train/clip_fraction", "train/lr",
+            "perf/samples_per_sec", "perf/data_wait_fraction", "perf/step_time_ms", "memory/rss_mb", "oom/events",
+            "val/accuracy", "val/loss", "val/best_accuracy", "val/best_loss"} == tags
+    # bfloat16: no GradScaler, so no amp/ tags; constant batch values live in the facts; no hparam/* dots.
+
+    layout = fetch(base, "/data/plugin/custom_scalars/layout")
+    assert [c["title"] for c in layout["category"]] == list(LAYOUT)
+    first = layout["category"][0]
+    assert [c["title"] for c in first["chart"]] == list(LAYOUT["AMP health"])
+    assert first["chart"][0]["multiline"]["tag"] == ["train/loss", "val/loss"]
+
+    assert fetch(base, "/data/plugin/text/tags") == {"quick": ["run/facts"],
+                                                     "quick/profiler": ["profiler/step_breakdown", "profiler/top_ops"]}
+    facts = fetch(base, "/data/plugin/text/text?run=quick&tag=run/facts")[0]["text"]
+    assert "bfloat16 autocast, no GradScaler, on cpu" in facts and "1 process, batch 32" in facts
+    assert "<td>grad_scaler</td>\n<td>false</td>" in facts and "<td>batch_size_search</td>" in facts
+    breakdown = fetch(base, "/data/plugin/text/text?run=quick/profiler&tag=profiler/step_breakdown")[0]["text"]
+    assert "Iterations 2-3." in breakdown and "<td>backward</td>" in breakdown
+
+    experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
+    types = {h["name"]: h["type"] for h in experiment["hparamInfos"]}
+    metrics = [m["name"]["tag"] for m in experiment["metricInfos"]]
+    assert metrics == ["val/accuracy", "val/best_accuracy", "val/loss", "val/best_loss", "perf/samples_per_sec"]
+    assert len(types) + len(metrics) <= 25
+    assert types["grad_scaler"] == "DATA_TYPE_BOOL" and types["dtype"] == "DATA_TYPE_STRING"
+    assert types["torch"] == "DATA_TYPE_STRING" and types["batch_size"] == "DATA_TYPE_FLOAT64"
+    groups = fetch(base, "/data/plugin/hparams/session_groups", {
+        "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                                  "STATUS_RUNNING"],
+        "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
+    (group,) = groups
+    assert group["name"] == "quick" and group["sessions"][0]["status"] == "STATUS_SUCCESS"
+    assert group["hparams"]["grad_scaler"] is False and group["hparams"]["dtype"] == "bfloat16"
+    values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
+    assert values["val/accuracy"] == pytest.approx(result["final"]["val_accuracy"])
