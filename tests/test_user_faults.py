@@ -90,16 +90,18 @@ def test_each_user_fault_is_one_line(tmp_path, capsys, what, change, code, messa
     assert "epoch 1/" not in captured.out  # found before training, not after an epoch
 
 
-def test_an_unwritable_tensorboard_dir_is_found_before_training_not_after_an_epoch(tmp_path, capsys):
+def test_an_unwritable_profiler_dir_is_found_before_training_not_after_an_epoch(tmp_path, capsys):
+    # TensorBoard's event files sit in output_dir itself (checked first); the profiler writes under it.
     cfg = config(tmp_path)
     path = write(tmp_path, cfg)
     assert main(["train", path]) == 0  # TensorBoard off: a checkpoint to resume
-    (tmp_path / "run" / "tensorboard").write_text("")  # now something is in its way
+    (tmp_path / "run" / "profiler").write_text("")  # now something is in its way
     capsys.readouterr()
-    assert main(["train", path, "--set", "train.epochs=2", "--set", "handlers.tensorboard.enabled=true"]) == 2
+    assert main(["train", path, "--set", "train.epochs=2", "--set", "handlers.tensorboard.enabled=true",
+                 "--set", "handlers.profiler.enabled=true"]) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "output_dir: cannot write to" in captured.err
-    assert "run/tensorboard (" in captured.err and "epoch 2/2" not in captured.out
+    assert "run/profiler (" in captured.err and "epoch 2/2" not in captured.out
 
 
 def test_duplicate_yaml_keys_name_the_key_and_the_lines(tmp_path, capsys):
