@@ -143,6 +143,8 @@ class TensorBoardMetrics:
         clipping: the run's ``GradientClipping`` by norm, for the clip threshold and the fraction of
             optimizer steps where clipping bound (its ``last_norm`` above ``max_norm``, counted at the log).
         hparam_metrics: validation metrics shown as HParams columns (final and best).
+        texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
+            batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
 
     Example:
         >>> import tempfile, torch
@@ -162,7 +164,8 @@ class TensorBoardMetrics:
     """
 
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,
-                 clipping: Optional[GradientClipping] = None, hparam_metrics: Sequence[str] = ("accuracy", "loss")):
+                 clipping: Optional[GradientClipping] = None, hparam_metrics: Sequence[str] = ("accuracy", "loss"),
+                 texts: Optional[Dict[str, str]] = None):
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"Argument log_every should be a positive integer, got {log_every!r}.")
         if facts is not None:
@@ -176,6 +179,10 @@ class TensorBoardMetrics:
             raise TypeError(f"Argument clipping should be a GradientClipping, got {type(clipping).__name__}.")
         if isinstance(hparam_metrics, str) or not all(isinstance(m, str) for m in hparam_metrics):
             raise TypeError(f"Argument hparam_metrics should be a sequence of metric names, got {hparam_metrics!r}.")
+        if texts is not None and not (isinstance(texts, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in texts.items())):
+            raise TypeError(f"Argument texts should map tags to strings, got {texts!r}.")
+        self.texts = dict(texts or {})
         self.logdir, self.log_every = str(logdir), log_every
         self.facts = dict(facts or {})
         self.clipping = clipping
@@ -238,6 +245,8 @@ class TensorBoardMetrics:
         from tensorboard.plugins.text.summary_v2 import text_pb
 
         writer.file_writer.add_summary(text_pb(FACTS_TAG, format_facts(facts)), iteration)
+        for tag, text in self.texts.items():  # preformatted: markdown keeps indented lines as they are
+            writer.file_writer.add_summary(text_pb(tag, "    " + text.replace("\n", "\n    ")), iteration)
         metrics = {}
         if self.evaluator is not None:
             for name in self.hparam_metrics:

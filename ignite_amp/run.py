@@ -527,8 +527,9 @@ def _attach_handlers(run: Run) -> None:
                                     clip_value=clip["clip_value"])
         clipping.attach(trainer)
     if cfg["tensorboard"]["enabled"]:
+        texts = {"run/batch_size_search": run.batch_search.table} if run.batch_search is not None else None
         tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"], facts=run.facts,
-                                clipping=clipping)
+                                clipping=clipping, texts=texts)
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
     prof = cfg["profiler"]

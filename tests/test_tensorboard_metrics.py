@@ -283,7 +283,21 @@ def test_readme_lists_every_tag():
     ({"facts": {"lr": [0.1]}}, TypeError, "facts should map names to bool, int, float, str or None"),
     ({"clipping": 1.0}, TypeError, "clipping should be a GradientClipping"),
     ({"hparam_metrics": "accuracy"}, TypeError, "hparam_metrics should be a sequence of metric names"),
+    ({"texts": {"a": 1}}, TypeError, "texts should map tags to strings"),
 ])
 def test_bad_arguments(tmp_path, kwargs, error, message):
     with pytest.raises(error, match=message):
         TensorBoardMetrics(str(tmp_path), **kwargs)
+
+
+def test_extra_texts_are_written_preformatted_at_the_start(tmp_path):
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+    table = "   size  result\n     32  fits"
+    tb = TensorBoardMetrics(str(tmp_path), texts={"run/batch_size_search": table})
+    tb.attach(trainer)
+    trainer.run(id_batches(16, 8), max_epochs=1)
+    tb.close()
+    acc = read(tmp_path)
+    text = acc.Tensors("run/batch_size_search")[0].tensor_proto.string_val[0].decode()
+    assert text == "       size  result\n         32  fits"
