@@ -288,6 +288,7 @@ class _RetryingStep:
         self.channels_last = channels_last
         self.prepare_batch = prepare_batch
         self._model = model.to(self._device)
+        self._module = unwrap(self._model)
         if channels_last:
             self._model.to(memory_format=torch.channels_last)
         keep_in_fp32(self._model, fp32_modules, self._device.type)
@@ -506,9 +507,11 @@ class AmpStep(_RetryingStep, Serializable):
         n = self._batch_size
         chunks = min(self._micro_batches, n)
         first, stepping, cycle = self._stepping(engine)
-        model = self._model
-        if not model.training:
-            model.train()
+        # The module's flag, not a DDP wrapper's: the evaluator runs (and .eval()s) the unwrapped module.
+        # Checked rather than set each step: train() walks every submodule, and a submodule the user
+        # froze in eval mode stays so.
+        if not self._module.training:
+            self._model.train()
         if first:
             self._optimizer.zero_grad(set_to_none=True)
         self._grad_norm = None
@@ -618,9 +621,8 @@ class EvalStep(_RetryingStep):
     """
 
     def _run(self, engine: Engine, batch: Any, defer: bool = False) -> Any:
-        model = self._model
-        if model.training:
-            model.eval()
+        if self._module.training:
+            self._model.eval()
         chunks = min(self._micro_batches, self._batch_size)
         with torch.no_grad():
             if chunks == 1:

@@ -562,3 +562,23 @@ def test_cuda_random_states_of_more_gpus_than_here_restore_what_fits(monkeypatch
     set_rng_state(state)
     assert [(i, s.item()) for i, s in restored] == [(0, 7)]
     assert "CUDA random states of 2 GPUs and this machine has 1" in caplog.text
+
+
+def test_after_evaluating_the_unwrapped_module_a_ddp_trainer_trains_it_in_train_mode(tmp_path):
+    """The evaluator .eval()s the module inside DDP; the next training step must set it back."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+        ddp = DistributedDataParallel(model)
+        trainer = create_amp_trainer(ddp, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+        evaluator = create_amp_evaluator(ddp, device="cpu")
+        modes = []
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: modes.append(model[1].training))
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: evaluator.run(id_batches(8, 8)))
+        trainer.run(id_batches(24, 8), max_epochs=1)
+        assert modes == [True, True, True] and not model.training  # evaluated last
+    finally:
+        dist.destroy_process_group()
