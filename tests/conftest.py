@@ -11,6 +11,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that starts a process group must end it: Ignite caches the group it saw, and every later
+    test would then call collectives on a destroyed group (CI failed that way)."""
+    yield
+    import ignite.distributed as idist
+    import torch.distributed as dist
+
+    leaked = idist.model_name() != "serial" or (dist.is_available() and dist.is_initialized())
+    if leaked:
+        idist.finalize()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not leaked, "the test left a process group (or Ignite's cached one) behind"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

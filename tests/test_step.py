@@ -1,6 +1,7 @@
 import doctest
 
 import pytest
+import ignite.distributed as idist
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
@@ -580,5 +581,7 @@ def test_after_evaluating_the_unwrapped_module_a_ddp_trainer_trains_it_in_train_
         trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: evaluator.run(id_batches(8, 8)))
         trainer.run(id_batches(24, 8), max_epochs=1)
         assert modes == [True, True, True] and not model.training  # evaluated last
-    finally:
-        dist.destroy_process_group()
+    finally:  # idist caches the group it saw; finalize resets it to serial for the tests that follow
+        idist.finalize()
+        if dist.is_initialized():
+            dist.destroy_process_group()
