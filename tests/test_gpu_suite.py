@@ -1,0 +1,158 @@
+"""benchmarks/gpu_suite.py cannot rot before a GPU shows up: its smoke mode runs here, on CPU."""
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import ignite
+import pytest
+import torch
+
+from conftest import ROOT
+
+SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
+SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
+            "g_data_path"]
+HEADER = ("device", "driver", "cuda", "torch", "ignite", "date")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--out", str(out)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "gpu_suite.json", encoding="utf-8") as f:
+        report = json.load(f)
+    return report, (out / "gpu_suite.md").read_text(encoding="utf-8")
+
+
+def rows(section: dict, index: int = 0) -> list:
+    return section["tables"][index]["rows"]
+
+
+def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_a_reason(smoke):
+    report, _ = smoke
+    header = report["header"]
+    assert all(isinstance(header[key], str) and header[key] for key in HEADER), header
+    assert header["torch"] == torch.__version__ and header["ignite"] == ignite.__version__
+    datetime.datetime.strptime(header["date"], "%Y-%m-%d %H:%M UTC")
+    assert report["mode"] == "smoke" and list(report["sections"]) == SECTIONS
+    for key, section in report["sections"].items():
+        assert section["status"] in ("measured", "skipped"), (key, section["status"], section.get("reason"))
+        if section["status"] == "skipped":
+            assert section["reason"].startswith("needs CUDA"), (key, section["reason"])
+        assert section["tables"] and all(table["rows"] for table in section["tables"]), key
+        assert section["targets"], key
+        # On CPU no GPU target can pass or miss.
+        assert {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}, (key, section["targets"])
+        assert section["seconds"] <= section["budget_s"]
+
+
+def test_the_gpu_budgets_add_up_to_nine_minutes_at_most(smoke):
+    report, _ = smoke
+    budgets = report["gpu_budgets_s"]
+    assert list(budgets) == SECTIONS
+    assert sum(b["budget_s"] for b in budgets.values()) + report["startup_allowance_s"] <= 9 * 60
+    assert all(0 < b["expected_h100_s"] <= b["budget_s"] for b in budgets.values())
+
+
+def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
+    report, _ = smoke
+    s = report["sections"]
+    counts = s["a_gpu_tests"]["data"]["counts"]
+    assert counts["passed"] == counts["failed"] == counts["error"] == 0 and counts["skipped"] >= 1
+    assert len(rows(s["a_gpu_tests"])) == counts["skipped"]
+
+    assert {r["dtype"] for r in rows(s["b_overhead"])} == {"bfloat16", "float16"}
+    assert all(r["ms_per_iter"] > 0 for r in rows(s["b_overhead"]))
+
+    amp = {r["variant"]: r for r in rows(s["c_amp_vs_fp32"])}
+    assert len(amp) == 8 and amp["float32, TF32 off"]["cudnn_tf32"] is False
+    assert amp["float32, TF32 on"]["cudnn_tf32"] is True
+    assert amp["bfloat16, channels_last, torch.compile"]["status"].startswith("skipped: needs CUDA")
+    assert all(r["images_per_s"] > 0 for name, r in amp.items() if "compile" not in name)
+
+    oom = {r["what"]: r["value"] for r in rows(s["d_batch_size"], 0)}
+    assert oom["backoff events"] >= 1 and oom["samples trained (forward passes kept)"] == oom["epoch size"]
+    assert oom["iterations completed"] == 6 and oom["micro-batches after"] == 2
+    trials = rows(s["d_batch_size"], 1)
+    assert any(t["fits"] is False for t in trials)  # the stand-in raises torch.OutOfMemoryError above 100
+    assert 90 <= s["d_batch_size"]["data"]["search"]["largest_fit"] <= 100
+
+    assert [r["dtype"] for r in rows(s["e_numerics"])] == ["float32", "float16", "bfloat16"]
+    assert all(0 <= r["val_accuracy"] <= 1 for r in rows(s["e_numerics"]))
+
+    phases = rows(s["f_host_syncs"])
+    assert len(phases) == 4 and sum(r["iterations"] or 0 for r in phases) == 8
+
+    loaders = rows(s["g_data_path"])
+    assert all(r["status"].startswith("skipped: needs CUDA") for r in loaders if r["pin_memory"])
+    assert all(r["samples_per_s"] > 0 for r in loaders if not r["pin_memory"])
+
+
+def test_smoke_markdown_has_the_header_and_one_part_per_section(smoke):
+    report, md = smoke
+    header = report["header"]
+    assert md.startswith("# ignite-amp GPU suite")
+    assert "| device | driver | CUDA | torch | Ignite | date |" in md
+    assert f"| {header['device']} | {header['driver']} | {header['cuda']} | {header['torch']} | {header['ignite']} | " \
+           f"{header['date']} |" in md
+    for section in report["sections"].values():
+        assert f"## {section['title']}" in md
+        assert f"**{section['status']}" in md
+    targets = sum(len(s["targets"]) for s in report["sections"].values())
+    assert md.count("| NOT MEASURED |") == targets
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (killed, waiting for a parent that may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import gpu_suite
+
+    return gpu_suite
+
+
+def test_a_section_past_its_budget_is_stopped_with_its_subprocesses_and_keeps_what_it_recorded(suite, tmp_path):
+    def slow(ctx):
+        child = subprocess.Popen(["sleep", "120"])
+        ctx.result["data"]["pid"] = child.pid
+        ctx.table("rows", ["i"])
+        ctx.row(i=1)
+        time.sleep(120)
+        ctx.row(i=2)
+
+    begin = time.monotonic()
+    result = suite.run_section(suite.Section("z_slow", "z. slow", slow, 2, 1), smoke=True, cuda=False, budget_s=2,
+                               workdir=str(tmp_path))
+    assert time.monotonic() - begin < 30
+    assert result["status"] == "over budget" and "budget of 2 s" in result["reason"]
+    assert result["tables"][0]["rows"] == [{"i": 1}]
+    time.sleep(0.2)
+    assert not alive(result["data"]["pid"])  # the section's own subprocess went with it
+
+
+def test_a_section_that_raises_or_dies_is_reported_failed(suite, tmp_path):
+    def raises(ctx):
+        raise RuntimeError("boom")
+
+    def dies(ctx):
+        ctx.note("about to die")
+        os._exit(3)
+
+    result = suite.run_section(suite.Section("z_raises", "z.", raises, 20, 1), True, False, 20, str(tmp_path))
+    assert result["status"] == "failed" and result["reason"] == "RuntimeError: boom" and "boom" in result["traceback"]
+    result = suite.run_section(suite.Section("z_dies", "z.", dies, 20, 1), True, False, 20, str(tmp_path))
+    assert result["status"] == "failed" and "exit code 3" in result["reason"]
+    assert result["notes"] == ["about to die"]
