@@ -204,7 +204,6 @@ class TensorBoardMetrics:
         self.clip_norms: List[torch.Tensor] = []  # the clipping's pre-clip norms: compared at the log, not per step
         self.iters = self.steps = self.samples = self.largest_batch = 0
         self.data_wait = 0.0
-        self._stepped = False
         self.window_start = time.perf_counter()
 
     def attach(self, trainer: Engine, evaluator: Optional[Engine] = None,
@@ -219,7 +218,6 @@ class TensorBoardMetrics:
         trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
         trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
-        trainer.add_event_handler(AmpEvents.GRADS_READY, self._grads_ready)
         trainer.add_event_handler(AmpEvents.STEP_SKIPPED, self._step_skipped)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
         trainer.add_event_handler(Events.COMPLETED, self._completed)
@@ -263,24 +261,20 @@ class TensorBoardMetrics:
     def _batch_completed(self, engine: Engine) -> None:
         self.data_wait += time.perf_counter() - self._fetch_start
 
-    def _grads_ready(self, engine: Engine) -> None:
-        self._stepped = True
-        norm = self.step.grad_norm
-        if norm is None:
-            return
-        self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
-        self.steps += 1
-
     def _step_skipped(self, engine: Engine) -> None:
         self.skipped += 1
 
     def _iteration_completed(self, engine: Engine) -> None:
-        if self._stepped and self.clipping is not None:  # every GRADS_READY handler has run: this step's norm
-            norm = self.clipping.last_norm
-            if norm is not None and norm is not self._last_clip_norm:
-                self.clip_norms.append(norm)
-                self._last_clip_norm = norm
-        self._stepped = False
+        # The step's pre-clip norm stays readable until its next iteration starts; None when this
+        # iteration did not step (accumulating, or the scaler skipped).
+        norm = self.step.grad_norm
+        if norm is not None:
+            self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
+            self.steps += 1
+            clip_norm = self.clipping.last_norm if self.clipping is not None else None
+            if clip_norm is not None and clip_norm is not self._last_clip_norm:
+                self.clip_norms.append(clip_norm)
+                self._last_clip_norm = clip_norm
         out = engine.state.output
         self.loss_sum = out["loss"] if self.loss_sum is None else self.loss_sum + out["loss"]
         self.iters += 1
