@@ -27,6 +27,19 @@ def no_process_group_left_behind():
     assert not leaked, "the test left a process group (or Ignite's cached one) behind"
 
 
+def tiny_config(tmp_path, **over) -> dict:
+    """A CPU run of a few seconds for end-to-end CLI tests; ``over`` updates sections key by key."""
+    cfg = {"name": "u", "device": "cpu", "output_dir": str(tmp_path / "run"),
+           "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 64, "val_size": 32,
+                    "image_size": 16},
+           "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 10, "kwargs": {"width": 8}},
+           "optimizer": {"name": "AdamW", "lr": 3e-3}, "train": {"epochs": 1},
+           "handlers": {"tensorboard": {"enabled": False}}}
+    for key, value in over.items():
+        cfg[key] = dict(cfg[key], **value) if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+    return cfg
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -5,6 +5,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import tiny_config
 from ignite_amp.cli import main
 from ignite_amp.config import load_config
 from ignite_amp.errors import CheckpointError
@@ -60,13 +61,7 @@ def test_a_stored_config_from_an_older_schema_compares_at_the_defaults():
 # --- end to end: the CLI resumes, refuses, or starts over, saying so in one line --------------
 
 def base(tmp_path, **over):
-    cfg = {"name": "r", "device": "cpu", "output_dir": str(tmp_path / "run"),
-           "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 128, "val_size": 32,
-                    "image_size": 16},
-           "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 10, "kwargs": {"width": 8}},
-           "optimizer": {"name": "AdamW", "lr": 3e-3}, "train": {"epochs": 1},
-           "handlers": {"tensorboard": {"enabled": False}}}
-    cfg.update(over)
+    cfg = tiny_config(tmp_path, data={"train_size": 128}, **over)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path), cfg

@@ -10,20 +10,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, tiny_config as config
 from ignite_amp.cli import main
 
 
-def config(tmp_path, **over):
-    cfg = {"name": "u", "device": "cpu", "output_dir": str(tmp_path / "run"),
-           "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 64, "val_size": 32,
-                    "image_size": 16},
-           "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 10, "kwargs": {"width": 8}},
-           "optimizer": {"name": "AdamW", "lr": 3e-3}, "train": {"epochs": 1},
-           "handlers": {"tensorboard": {"enabled": False}}}
-    for key, value in over.items():
-        cfg[key] = dict(cfg[key], **value) if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
-    return cfg
 
 
 def write(tmp_path, cfg, name="c.yaml"):
