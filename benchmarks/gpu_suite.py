@@ -77,7 +77,7 @@ class Context:
 
     def __init__(self, key: str, title: str, smoke: bool, cuda: bool, budget_s: float, path: str, workdir: str):
         self.smoke, self.cuda = smoke, cuda
-        self.device = torch.device("cuda" if cuda else "cpu")
+        self.device = torch.device("cuda:0" if cuda else "cpu")  # an index: the memory fraction calls need one
         self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.path, self.workdir = path, workdir
@@ -173,6 +173,12 @@ def gpu_tests(ctx: Context) -> None:
     if cut:
         ctx.result.update(status="over budget", reason="pytest ran past the section's budget: the tests that "
                                                        "finished are counted")
+    elif not cases or exit_code not in (0, 1):  # 1: tests failed; anything else: pytest itself did not run them
+        last = (output.strip().splitlines() or [""])[-1][:300]
+        ctx.result.update(status="failed", reason=f"pytest exited {exit_code} with {len(cases)} tests run: {last}")
+    elif counts.get("skipped", 0) == len(cases):
+        detail = cases[0]["detail"] or "no reason given"
+        ctx.result.update(status="skipped", reason=f"{NEEDS_CUDA}: every GPU test was skipped ({detail})")
 
 
 def _files_with_gpu_tests() -> list:

@@ -56,8 +56,13 @@ def main(argv=None) -> int:
             rng.shuffle(order)
             this = {}
             for n in order:
-                this[n] = runner(n, "probe").samples_per_s
-                speeds[n].append(this[n])
+                speed = runner(n, "probe").samples_per_s  # None: the size ran out of memory
+                if speed is not None:
+                    this[n] = speed
+                    speeds[n].append(speed)
+            if not this:
+                print(f"every size ran out of memory on {device}: try smaller --sizes", file=sys.stderr)
+                return 2
             best = max(this.values())
             picks.append(min(n for n, v in this.items() if v >= (1 - args.speed_tolerance) * best))
     print(f"{cfg['model']['name']} {shape}, {dtype} on {device} ({torch.get_num_threads()} threads), "
@@ -66,11 +71,14 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for n in args.sizes:
         values = speeds[n]
+        if not values:
+            print(f"| {n} | out of memory | | | |")
+            continue
         median = statistics.median(values)
         print(f"| {n} | {n * 1000 / median:.1f} | {median:.0f} | {min(values):.0f}-{max(values):.0f} | "
               f"{(max(values) - min(values)) / median:.0%} |")
     print(f"fastest (smallest within {args.speed_tolerance:.0%} of the best) per repeat: {picks}; "
-          f"largest: {max(args.sizes)}")
+          f"largest that ran: {max(n for n in args.sizes if speeds[n])}")
     return 0
 
 

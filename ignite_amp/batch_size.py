@@ -58,7 +58,9 @@ class CudaMemoryMeter(MemoryMeter):
     """
 
     def __init__(self, device: Union[str, torch.device]):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        # The memory fraction calls refuse "cuda" without an index.
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

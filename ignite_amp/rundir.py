@@ -75,10 +75,18 @@ def check_writable(path: str, key: str = "output_dir") -> None:
 
 
 def _previous_artifacts(output_dir: str) -> List[str]:
+    """The run files in ``output_dir``, if an earlier run got as far as writing one of its results
+    (config.yaml, a checkpoint, an event file, a trace); else none. A start that failed its checks
+    leaves only train.log and empty directories: that is not a run to move aside."""
     found = []
     for pattern in RUN_ARTIFACTS:
         found.extend(glob.glob(os.path.join(glob.escape(output_dir), pattern)))
-    return sorted(found)
+    results = [p for p in found if os.path.basename(p) != LOG_NAME and (not os.path.isdir(p) or _holds_a_file(p))]
+    return sorted(found) if results else []
+
+
+def _holds_a_file(folder: str) -> bool:
+    return any(files for _, _, files in os.walk(folder))
 
 
 def move_previous_run(output_dir: str) -> Optional[str]:

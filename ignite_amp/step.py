@@ -75,11 +75,12 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
     """``"auto"`` (or None) is CUDA when available, else CPU; anything else goes to ``torch.device``.
 
-    A device that is not there (no CUDA, ``cuda:1`` on a one-GPU machine, no MPS/XPU) is a
-    ValueError naming it.
+    A CUDA device always gets its index (``cuda`` -> ``cuda:<current>``): some CUDA calls (the
+    per-process memory fraction) refuse a device without one. A device that is not there (no CUDA,
+    ``cuda:1`` on a one-GPU machine, no MPS/XPU) is a ValueError naming it.
     """
     if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cpu":
         return device
@@ -90,7 +91,7 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {str(device)!r} was asked for but this machine has {count} CUDA "
                              f"device{'s' if count != 1 else ''} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
-        return device
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     backend = getattr(torch.backends, device.type, None) if device.type == "mps" else getattr(torch, device.type, None)
     if backend is None or not backend.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but {device.type} is not available here")

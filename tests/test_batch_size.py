@@ -535,7 +535,7 @@ def test_gpu_search_is_within_10_percent_of_the_largest_fit_and_trains():
 
     from ignite_amp import create_amp_trainer
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction needs an index
     model = resnet18(num_classes=10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -568,7 +568,7 @@ def test_gpu_backoff_recovers_from_real_ooms():
     from ignite_amp.handlers import OOMBackoff
     from ignite_amp import create_amp_trainer
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction needs an index
     model = resnet18(num_classes=10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -599,7 +599,7 @@ def test_gpu_resnet50_search_in_5_trials_and_30_s_then_an_epoch(tmp_path):
 
     from ignite_amp.run import build_run
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction needs an index
     model = resnet50(num_classes=1000).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 

@@ -156,3 +156,14 @@ def test_a_section_that_raises_or_dies_is_reported_failed(suite, tmp_path):
     result = suite.run_section(suite.Section("z_dies", "z.", dies, 20, 1), True, False, 20, str(tmp_path))
     assert result["status"] == "failed" and "exit code 3" in result["reason"]
     assert result["notes"] == ["about to die"]
+
+
+def test_gpu_tests_that_pytest_could_not_run_are_a_failed_section_not_a_measurement(suite, tmp_path, monkeypatch):
+    broken = tmp_path / "site" / "pytest"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('pytest is broken here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    result = suite.run_section(suite.Section("a_gpu_tests", "a.", suite.gpu_tests, 60, 1), True, False, 60,
+                               str(tmp_path))
+    assert result["status"] == "failed" and "with 0 tests run" in result["reason"], result
+    assert "pytest is broken here" in result["reason"]

@@ -118,6 +118,17 @@ def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path
     assert f"resumed from {cfg['output_dir']}/checkpoints/last_checkpoint_1.pt at epoch 1" in capsys.readouterr().out
 
 
+def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_path, capsys):
+    path, cfg = base(tmp_path)
+    bad = ["--set", "data.name=cifar10", "--set", f"data.root={tmp_path / 'none'}"]
+    assert main(["train", path, *bad]) == 2
+    assert main(["train", path]) == 0
+    assert "moved the previous run" not in capsys.readouterr().out
+    assert not [p for p in os.listdir(tmp_path) if ".replaced-" in p]
+    log = open(os.path.join(cfg["output_dir"], "train.log")).read()
+    assert "building the run failed: ConfigError: data.root" in log and "epoch 1/1" in log  # its details, then the run
+
+
 @pytest.mark.parametrize("schedule", ["none", "cosine"])
 def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys, schedule):
     path, cfg = base(tmp_path, scheduler={"name": schedule})

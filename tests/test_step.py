@@ -368,6 +368,20 @@ def test_devices_that_are_not_there_are_named(monkeypatch):
         resolve_device("mps")
 
 
+def test_a_cuda_device_always_carries_its_index(monkeypatch):
+    """torch.cuda.{get,set}_per_process_memory_fraction refuse torch.device("cuda"): the search's
+    capacity read crashed on every single-GPU run with device auto."""
+    from ignite_amp.batch_size import CudaMemoryMeter
+    from ignite_amp.step import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda:1")
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    assert CudaMemoryMeter("cuda").device == torch.device("cuda:1")
+
+
 def test_out_of_memory_inside_the_optimizer_step_is_not_retried():
     from ignite_amp.errors import OptimizerOutOfMemoryError
 
