@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -108,8 +109,29 @@ def _call(fn: Callable, args: tuple) -> Any:
         gc.collect()
 
 
-def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, args: tuple) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to kill this process when its parent dies (``PR_SET_PDEATHSIG``).
+
+    A spawned rank whose launcher was killed (``kill -9``, an out-of-memory killer) would
+    otherwise train on as an orphan, hold the run's lock and write its checkpoints: "rerun the
+    same command" would then be refused. Elsewhere than Linux this does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request: nothing will send the signal
+        os._exit(1)
+
+
+def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, parent: int, args: tuple) -> None:
     """Body of a spawned process: run ``fn``, leave its result or its error for the parent."""
+    _die_with_parent(parent)
     logging.getLogger().addHandler(terminal_log_handler(log_level))
     sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
@@ -192,7 +214,7 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         try:
             with cpu_only(device.type == "cpu"), \
                     idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=_free_port()) as parallel:
-                parallel.run(_spawned, fn, outbox, logging.getLogger().getEffectiveLevel(), args)
+                parallel.run(_spawned, fn, outbox, logging.getLogger().getEffectiveLevel(), os.getpid(), args)
         except ProcessException:
             pass  # a rank failed (and torch stopped the others): its error is in the outbox
         return _collect(outbox, nproc)

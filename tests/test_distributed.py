@@ -2,8 +2,10 @@
 import copy
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -287,3 +289,49 @@ def test_cpu_only_hides_the_gpus_from_cpu_ranks_and_then_restores(monkeypatch):
     with cpu_only():
         pass
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # a torchrun rank is this process: it stays on the CPU
+
+
+def test_spawned_ranks_die_with_a_killed_launcher(tmp_path):
+    """kill -9 of the launching process must not leave its ranks training (holding the lock, writing).
+
+    Started as a shell script's background job (``ignite-amp train ... &``), SIGINT is ignored, and
+    torch's own parent-death signal, SIGINT, then does nothing."""
+    (tmp_path / "orphans.py").write_text(
+        "import os, sys, time\n"
+        "import ignite.distributed as idist\n"
+        "from ignite_amp.launcher import launch\n"
+        "def work(folder):\n"
+        "    open(os.path.join(folder, f'rank{idist.get_rank()}.pid'), 'w').write(str(os.getpid()))\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    launch({'device': 'cpu', 'distributed': {'nproc_per_node': 2, 'backend': 'gloo'}}, work, sys.argv[1])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "orphans.py"), str(tmp_path)], env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        assert len(pids) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        launcher.kill()
+        for p in tmp_path.glob("rank*.pid"):
+            try:
+                os.kill(int(p.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has died
+    except FileNotFoundError:
+        return False
