@@ -1,5 +1,5 @@
 import sys
 
-from ignite_amp.cli import main
+from ignite_amp.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

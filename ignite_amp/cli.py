@@ -12,7 +12,9 @@ import errno
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from typing import List, Optional, Tuple
 
@@ -165,13 +167,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     handler = terminal_log_handler()
     logging.getLogger().addHandler(handler)
     _state.clear()
+    signals = threading.current_thread() is threading.main_thread()
+    if signals:  # a scheduler's SIGTERM stops the run like Ctrl-C does: one line, the checkpoints kept
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
+                    signal.SIGINT: signal.getsignal(signal.SIGINT)}
     try:
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if signals:  # a second Ctrl-C while this one is handled: no traceback
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if getattr(args, "debug", False):
             traceback.print_exc()
-        print("ignite-amp: interrupted: run the same command to resume from the last checkpoint", file=sys.stderr)
-        return 130
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        log = _state.get("log")
+        if log and os.path.exists(log):
+            with open(log, "a") as f:
+                f.write(f"ignite-amp: {what}\n")
+        print(f"ignite-amp: {what}: run the same command to resume from the last checkpoint", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:
         if getattr(args, "debug", False):
             traceback.print_exc()
@@ -180,7 +193,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
     finally:
         logging.getLogger().removeHandler(handler)
+        if signals and not _exiting:  # the console command keeps ignoring a late Ctrl-C until it exits
+            for number, before in previous.items():
+                signal.signal(number, before)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so it unwinds like Ctrl-C."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+_exiting = False
+
+
+def entry() -> int:
+    """The ``ignite-amp`` console command: :func:`main`, then exit."""
+    global _exiting
+    _exiting = True
+    return main()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

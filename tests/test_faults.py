@@ -29,7 +29,8 @@ def write(tmp_path, cfg, name="c.yaml"):
     return str(path)
 
 
-def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_command(quick_cfg, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_signal_after_the_first_checkpoint_resumes_with_the_same_command(quick_cfg, tmp_path, signum):
     cfg = dict(quick_cfg, train={"epochs": 4}, data=dict(quick_cfg["data"], train_size=512))
     path = write(tmp_path, cfg)
     ckpts = os.path.join(cfg["output_dir"], "checkpoints")
@@ -37,9 +38,14 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_command(quick_
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.isdir(ckpts) and any(f.startswith("last_") for f in os.listdir(ckpts))):
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=60)
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:  # a scheduler's SIGTERM: one line, like Ctrl-C, and the same code a plain SIGTERM gives
+        assert proc.returncode == 143 and err.strip().splitlines() == [
+            "ignite-amp: terminated (SIGTERM): run the same command to resume from the last checkpoint"], err
+        assert "ignite-amp: terminated" in open(os.path.join(cfg["output_dir"], "train.log")).read()
     done = max(int(f.split("_")[-1].split(".")[0]) for f in os.listdir(ckpts) if f.startswith("last_"))
     assert 1 <= done < 4
 
