@@ -97,6 +97,17 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_command(args: argparse.Namespace) -> str:
+    """This command, quoted for a shell, without the settings the hints set themselves."""
+    import shlex
+
+    words = ["ignite-amp", "train", args.config]
+    for override in args.overrides:
+        if override.partition("=")[0].strip() not in ("train.epochs", "handlers.checkpoint.resume"):
+            words += ["--set", override]
+    return " ".join(shlex.quote(word) for word in words)
+
+
 def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config
     from ignite_amp.run import train_from_config
@@ -106,7 +117,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     _state["log"] = os.path.join(cfg["output_dir"], "train.log")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    result = train_from_config(cfg, progress=progress, command=f"ignite-amp train {args.config}")
+    result = train_from_config(cfg, progress=progress, command=_train_command(args))
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun, rank 0 reports
     final = result["final"]

@@ -1,6 +1,7 @@
 """Resume says what it keeps: what may change between a checkpoint's config and the new one."""
 import os
 import re
+import shlex
 import pytest
 import torch
 import yaml
@@ -132,16 +133,19 @@ def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_
 @pytest.mark.parametrize("schedule", ["none", "cosine"])
 def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys, schedule):
     path, cfg = base(tmp_path, scheduler={"name": schedule})
-    assert main(["train", path]) == 0
+    elsewhere = ["--set", f"output_dir={tmp_path / 'my run'}", "--set", "train.epochs=1"]  # the hint keeps --set
+    assert main(["train", path, *elsewhere]) == 0
     capsys.readouterr()
-    assert main(["train", path]) == 0
+    assert main(["train", path, *elsewhere]) == 0
     out = capsys.readouterr().out
     assert "already trained 1 epochs" in out
     hint = re.search(r"(ignite-amp train .*)", out).group(1).split(" (")[0].replace("=N", "=2")
     assert ("resume=never" in hint) == (schedule == "cosine")
-    assert main(hint.split()[1:]) == 0
+    assert main(shlex.split(hint)[1:]) == 0
     out = capsys.readouterr().out
     assert "epoch 2/2" in out and ("epoch 1/2" in out) == (schedule == "cosine")
+    assert os.path.exists(tmp_path / "my run" / "checkpoints" / "last_checkpoint_2.pt")
+    assert not os.path.exists(cfg["output_dir"])
 
 
 def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_path, capsys):
