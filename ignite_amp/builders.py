@@ -11,9 +11,10 @@ from ignite.utils import manual_seed
 
 from ignite_amp.collectives import is_distributed
 from ignite_amp.errors import ConfigError
-from ignite_amp.step import resolve_device
+from ignite_amp.step import is_oom_error, resolve_device
 
-__all__ = ["config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape"]
+__all__ = ["config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
+           "check_classes", "check_model_runs"]
 
 
 def seed_everything(seed: int) -> None:
@@ -72,3 +73,37 @@ def input_shape(data: dict) -> tuple:
         return (3, 32, 32)
     size = data["image_size"] or (224 if data["name"] == "imagefolder" else 32)
     return (3, size, size)
+
+
+def check_classes(cfg: dict, n_classes: int) -> None:
+    """The data set's class count must be the model's head width."""
+    if n_classes != cfg["model"]["num_classes"]:
+        raise ConfigError(f"model.num_classes: {cfg['model']['num_classes']} but data set "
+                          f"{cfg['data']['name']} has {n_classes} classes")
+
+
+def check_model_runs(cfg: dict, step) -> None:
+    """Run the model once on two blank images of the config's shape: a shape the model cannot take,
+    or a head of the wrong width, is a one-line error now rather than a traceback mid-epoch."""
+    model, shape = step.model, (2, *input_shape(cfg["data"]))
+    x = torch.zeros(shape, device=step.device)
+    if cfg["amp"]["channels_last"]:
+        x = x.contiguous(memory_format=torch.channels_last)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), step.autocast():
+            out = model(x)
+    except RuntimeError as exc:
+        if is_oom_error(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise ConfigError(f"model.name: {cfg['model']['name']} cannot run on {shape[1]}x{shape[2]}x{shape[3]} images "
+                          f"({first}); check data.image_size and model.kwargs") from None
+    finally:
+        model.train(was_training)
+    classes = cfg["model"]["num_classes"]
+    if not torch.is_tensor(out) or out.dim() != 2 or out.shape[1] != classes:
+        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise ConfigError(f"model.name: {cfg['model']['name']} returns {got} for a batch of 2, not (2, {classes}) "
+                          f"logits for model.num_classes {classes}")

@@ -89,11 +89,13 @@ def _compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps: expected a positive integer, got {args.steps}")
     if not args.tolerance > 0:
         raise ConfigError(f"--tolerance: expected a positive number, got {args.tolerance}")
+    from ignite_amp.run import safe_print
+
     cfg = load_config(args.config, args.overrides)
-    results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes)
-    print(format_table(results))
-    print(f"per-mode TensorBoard runs: {cfg['output_dir']}/compare  "
-          f"(open with: tensorboard --logdir {cfg['output_dir']}/compare)")
+    results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
+    safe_print(format_table(results))  # `ignite-amp compare ... | head` is not an error
+    safe_print(f"per-mode TensorBoard runs: {cfg['output_dir']}/compare  "
+               f"(open with: tensorboard --logdir {cfg['output_dir']}/compare)")
     return 0
 
 

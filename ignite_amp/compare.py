@@ -14,9 +14,10 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 from ignite.engine import Events
 
-from ignite_amp.builders import build_optimizer, config_device, seed_everything
+from ignite_amp.builders import build_optimizer, check_classes, check_model_runs, config_device, seed_everything
 from ignite_amp.config import load_config
 from ignite_amp.data import build_loaders
+from ignite_amp.errors import ConfigError
 from ignite_amp.events import AmpEvents
 from ignite_amp.models import build_model
 from ignite_amp.rundir import check_writable
@@ -95,7 +96,9 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     device = config_device(cfg)
     check_writable(os.path.join(cfg["output_dir"], "compare"))  # before minutes of training, not after
     seed_everything(cfg["seed"])
-    loader, _, _ = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device, cfg["seed"])
+    loader, _, n_classes = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device,
+                                         cfg["seed"])
+    check_classes(cfg, n_classes)
     batches, it = [], iter(loader)
     while len(batches) < steps:
         try:
@@ -122,12 +125,16 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
             model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
             model.load_state_dict(initial)
             amp = cfg["amp"]
-            return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model),
-                                      torch.nn.functional.cross_entropy, device=device, dtype=dtype,
-                                      scaler=use_scaler, channels_last=amp["channels_last"],
-                                      fp32_modules=amp["fp32_modules"])
+            try:
+                return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model),
+                                          torch.nn.functional.cross_entropy, device=device, dtype=dtype,
+                                          scaler=use_scaler, channels_last=amp["channels_last"],
+                                          fp32_modules=amp["fp32_modules"])
+            except ValueError as exc:
+                raise ConfigError(f"amp: {exc}") from None
 
         trainer = make_trainer()
+        check_model_runs(cfg, trainer.amp_step)  # a shape or head the model cannot take: one line, now
         losses, times, skipped = [], [], [0]
         trainer.add_event_handler(Events.ITERATION_STARTED, lambda _: (_sync(device), times.append(time.perf_counter())))
 

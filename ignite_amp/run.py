@@ -15,7 +15,8 @@ from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
 from ignite_amp.batch_size import find_batch_size, print_progress
-from ignite_amp.builders import build_optimizer, build_scheduler, config_device, input_shape, seed_everything
+from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs, config_device,
+                                 input_shape, seed_everything)
 from ignite_amp.collectives import is_distributed
 from ignite_amp.config import load_config, save_config
 from ignite_amp.data import build_loaders
@@ -29,7 +30,7 @@ from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.resume import check_resume
 from ignite_amp.rundir import LogFile, RunLock, check_writable, free_bytes, move_previous_run
-from ignite_amp.step import create_amp_evaluator, create_amp_trainer, describe_device, is_oom_error
+from ignite_amp.step import create_amp_evaluator, create_amp_trainer, describe_device
 
 __all__ = ["train_from_config", "build_run", "Run", "search_from_config", "safe_print"]
 
@@ -308,9 +309,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
 
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
                                                         cfg["seed"])
-    if n_classes != cfg["model"]["num_classes"]:
-        raise ConfigError(f"model.num_classes: {cfg['model']['num_classes']} but data set "
-                          f"{cfg['data']['name']} has {n_classes} classes")
+    check_classes(cfg, n_classes)
     amp = cfg["amp"]
     loss_fn = torch.nn.functional.cross_entropy
     step_kwargs = dict(device=device, dtype=amp["dtype"], channels_last=amp["channels_last"],
@@ -328,7 +327,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
         evaluator = create_amp_evaluator(model, metrics, **step_kwargs)
     except ValueError as exc:
         raise ConfigError(f"amp: {exc}") from None
-    _try_forward(cfg, trainer.amp_step)
+    check_model_runs(cfg, trainer.amp_step)
     if device.type == "cuda" and amp["cudnn_benchmark"]:
         previous = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
@@ -420,33 +419,6 @@ def _resume(run: Run, path: str, state: dict, changes: list, epoch_length: int) 
     kept = "weights, optimizer, scaler, " + ("schedule, " if run.scheduler is not None else "") + "RNG and data order"
     changed = f"; now in effect: {', '.join(map(str, changes))}" if changes else ""
     run.print(f"resumed from {path} at epoch {trainer.state.epoch} (keeps {kept}{changed})")
-
-
-def _try_forward(cfg: dict, step) -> None:
-    """Run the model once on two blank images of the config's shape: a shape the model cannot take,
-    or a head of the wrong width, is a one-line error now rather than a traceback mid-epoch."""
-    model, shape = step.model, (2, *input_shape(cfg["data"]))
-    x = torch.zeros(shape, device=step.device)
-    if cfg["amp"]["channels_last"]:
-        x = x.contiguous(memory_format=torch.channels_last)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), step.autocast():
-            out = model(x)
-    except RuntimeError as exc:
-        if is_oom_error(exc):
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise ConfigError(f"model.name: {cfg['model']['name']} cannot run on {shape[1]}x{shape[2]}x{shape[3]} images "
-                          f"({first}); check data.image_size and model.kwargs") from None
-    finally:
-        model.train(was_training)
-    classes = cfg["model"]["num_classes"]
-    if not torch.is_tensor(out) or out.dim() != 2 or out.shape[1] != classes:
-        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-        raise ConfigError(f"model.name: {cfg['model']['name']} returns {got} for a batch of 2, not (2, {classes}) "
-                          f"logits for model.num_classes {classes}")
 
 
 def _warn_if_disk_is_short(cfg: dict, model: torch.nn.Module) -> None:

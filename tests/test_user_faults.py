@@ -201,6 +201,27 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     assert os.path.exists(os.path.join(cfg["output_dir"], "checkpoints", "last_checkpoint_3.pt"))
 
 
+@pytest.mark.parametrize("change, line", [
+    ({"model": {"num_classes": 5}}, "model.num_classes: 5 but data set shapes has 10 classes"),
+    ({"amp": {"fp32_modules": ["zz"]}}, "amp: fp32_modules: the model has no submodule 'zz'"),
+    ({"data": {"image_size": 8}}, "model.name: ignite_amp.models:small_cnn cannot run on 3x8x8 images"),
+], ids=["classes", "fp32_modules", "image size"])
+def test_compare_refuses_what_train_refuses_in_one_line(tmp_path, capsys, change, line):
+    assert main(["compare", write(tmp_path, config(tmp_path, **change)), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line in err, err
+
+
+def test_a_closed_stdout_does_not_fail_compare(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", "compare", write(tmp_path, config(tmp_path)),
+                             "--steps", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()  # like `| head -1`
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(300) == 0, err
+    assert first.startswith("comparing on CPU") and "Traceback" not in err and "BrokenPipe" not in err
+
+
 def digests(folder):
     return {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest() for f in os.listdir(folder)}
 
