@@ -3,7 +3,8 @@
 Pure functions, tested without a run. Three kinds of key:
 
 - fixed: the run would not be the same run (model, optimizer class, data set and image size,
-  accumulation, the schedule, the metric the best checkpoints are ranked by);
+  accumulation, the schedule, the metric the best checkpoints are ranked by, the seed: it orders
+  the data and makes the synthetic data sets);
 - fixed under a schedule: a cosine or one-cycle schedule was made for a number of steps and a
   peak learning rate, so the epochs, the epoch length (batch size, train size) and the
   optimizer's settings cannot change under it; without a schedule they can;
@@ -18,7 +19,7 @@ from ignite_amp.errors import CheckpointError
 __all__ = ["Change", "config_changes", "check_resume", "FIXED", "FIXED_UNDER_SCHEDULE"]
 
 FIXED = ("model", "optimizer.name", "data.name", "data.image_size", "amp.accumulation_steps", "scheduler",
-         "handlers.checkpoint.metric")
+         "handlers.checkpoint.metric", "seed")
 FIXED_UNDER_SCHEDULE = ("train.epochs", "train.epoch_length", "data.batch_size", "data.train_size", "optimizer.lr",
                         "optimizer.kwargs")
 NOT_A_CHANGE = ("handlers.checkpoint.resume", "output_dir", "name")

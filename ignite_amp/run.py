@@ -406,14 +406,16 @@ def _resume(run: Run, path: str, state: dict, changes: list, epoch_length: int) 
     trainer.state.epoch_length = epoch_length
     trainer.state.iteration = trainer.state.epoch * epoch_length
     keys = {c.key for c in changes}
-    opt = cfg["optimizer"]
-    for group in run.optimizer.param_groups:  # the optimizer's state brought back its old settings
+    # The optimizer's state brought back its old settings; the new config's are the defaults of the
+    # optimizer built from it (a kwarg the config no longer sets is back at the optimizer's default).
+    defaults = run.optimizer.defaults
+    for group in run.optimizer.param_groups:
         if "optimizer.lr" in keys:
-            group["lr"] = opt["lr"]
+            group["lr"] = defaults["lr"]
         if "optimizer.kwargs" in keys:
-            for name, value in opt["kwargs"].items():
-                if name in group:
-                    group[name] = tuple(value) if isinstance(group[name], tuple) else value
+            for name, value in defaults.items():
+                if name not in ("params", "lr") and name in group:
+                    group[name] = value
     if "amp.micro_batches" in keys:
         trainer.amp_step.micro_batches = cfg["amp"]["micro_batches"]
     kept = "weights, optimizer, scaler, " + ("schedule, " if run.scheduler is not None else "") + "RNG and data order"

@@ -24,6 +24,7 @@ def cfg_with(**overrides):
     ("data.image_size", 64, "data.image_size null -> 64"), ("amp.accumulation_steps", 4, "amp.accumulation_steps 1 -> 4"),
     ("scheduler.name", "cosine", "scheduler.name none -> cosine"),
     ("handlers.checkpoint.metric", "loss", "handlers.checkpoint.metric accuracy -> loss"),
+    ("seed", 5, "seed 0 -> 5"),
 ])
 def test_keys_that_never_change_under_a_resume(key, value, shown):
     with pytest.raises(CheckpointError, match=rf"^cannot resume ck.pt: {re.escape(shown)} cannot change under a resume"):
@@ -90,6 +91,11 @@ def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tm
     assert state["trainer"]["epoch_length"] == 2 and state["trainer"]["iteration"] == 4
     saved = yaml.safe_load(open(os.path.join(cfg["output_dir"], "config.yaml")))
     assert saved["optimizer"]["lr"] == 0.01 and state["config"]["value"]["optimizer"]["lr"] == 0.01
+    # A kwarg the config no longer sets is back at the optimizer's default, as in a fresh run.
+    assert main(["train", path, "--set", "train.epochs=3", "--set", "optimizer.kwargs={}"]) == 0
+    assert "optimizer.kwargs {'weight_decay': 0.2} -> {}" in capsys.readouterr().out
+    assert last(cfg, 3)["optimizer"]["param_groups"][0]["weight_decay"] == torch.optim.AdamW([torch.zeros(1)]).defaults[
+        "weight_decay"]
 
 
 def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
