@@ -57,14 +57,24 @@ def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,
     """A cosine or one-cycle schedule over ``total_steps`` optimizer steps, or None."""
     from torch.optim import lr_scheduler
 
-    try:
+    def make(opt: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
         if sched["name"] == "cosine":
-            return lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps, **sched["kwargs"])
-        if sched["name"] == "onecycle":
-            return lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps, **sched["kwargs"])
-    except (TypeError, ValueError) as exc:
+            return lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps, **sched["kwargs"])
+        return lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total_steps, **sched["kwargs"])
+
+    if sched["name"] not in ("cosine", "onecycle"):
+        return None
+    try:
+        # A kwarg of the wrong type (eta_min: "abc") fails only when the schedule computes a step:
+        # step a throwaway copy now rather than fail in the first iteration.
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr, momentum=0.9)
+        probe_schedule = make(probe)
+        for _ in range(min(2, total_steps - 1)):
+            probe.step()
+            probe_schedule.step()
+        return make(optimizer)
+    except Exception as exc:  # torch raises TypeError, ValueError, ZeroDivisionError... for bad arguments
         raise ConfigError(f"scheduler.kwargs: {sched['name']} refused its arguments ({exc})") from None
-    return None
 
 
 def input_shape(data: dict) -> tuple:

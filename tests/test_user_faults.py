@@ -46,6 +46,8 @@ CASES = [
     ("absent mps", {"device": "mps"}, 2, "device: device 'mps' was asked for but mps is not available"),
     ("absent cuda:1", {"device": "cuda:1"}, 2, "device: device 'cuda:1' was asked for but"),
     ("seed overflow", {"seed": 2**40}, 2, "seed: expected an integer from 0 to 4294967295"),
+    ("schedule kwarg of the wrong type", {"scheduler": {"name": "cosine", "kwargs": {"eta_min": "abc"}}}, 2,
+     "scheduler.kwargs: cosine refused its arguments (unsupported operand"),
     ("image too small for the model", {"data": {"image_size": 8}}, 2,
      "model.name: ignite_amp.models:small_cnn cannot run on 3x8x8 images"),
     ("wrong head width", {"model": {"name": "conftest:three_outputs", "num_classes": 10, "kwargs": {}}}, 2,
