@@ -162,7 +162,9 @@ def describe(exc: BaseException) -> Tuple[int, str]:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return 1, (f"ignite-amp: stopped: no space left on device ({exc.filename or 'writing the run'}); "
                    f"the last checkpoint is kept: free space and run the same command to resume")
-    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
+                                                   errno.ENOTDIR):
+        # EISDIR/ENOTDIR: a directory where the run keeps a file (.lock, config.yaml), or the reverse
         return 2, f"ignite-amp: error: cannot write {exc.filename or ''}: {exc.strerror}"
     log = _state.get("log")
     where = f"the traceback is in {log}" if log and os.path.exists(log) else "run it again with --debug"

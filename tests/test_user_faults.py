@@ -203,6 +203,15 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     assert os.path.exists(os.path.join(cfg["output_dir"], "checkpoints", "last_checkpoint_3.pt"))
 
 
+@pytest.mark.parametrize("name", [".lock", "config.yaml"])
+def test_a_directory_where_the_run_keeps_a_file_is_one_line(tmp_path, capsys, name):
+    cfg = config(tmp_path)
+    os.makedirs(os.path.join(cfg["output_dir"], name))
+    assert main(["train", write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write {os.path.join(cfg['output_dir'], name)}" in err, err
+
+
 @pytest.mark.parametrize("change, line", [
     ({"model": {"num_classes": 5}}, "model.num_classes: 5 but data set shapes has 10 classes"),
     ({"amp": {"fp32_modules": ["zz"]}}, "amp: fp32_modules: the model has no submodule 'zz'"),
