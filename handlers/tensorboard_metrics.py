@@ -199,10 +199,12 @@ class TensorBoardMetrics:
         self._reset()
 
     def _reset(self) -> None:
-        self.loss_sum: Optional[torch.Tensor] = None
-        self.norm_sum: Optional[torch.Tensor] = None
+        # The window's values, kept as the step made them: no kernel or allocation per iteration,
+        # one stack and one host read at the log.
+        self.losses: List[torch.Tensor] = []
+        self.norms: List[torch.Tensor] = []
         self.clip_norms: List[torch.Tensor] = []  # the clipping's pre-clip norms: compared at the log, not per step
-        self.iters = self.steps = self.samples = self.largest_batch = 0
+        self.samples = self.largest_batch = 0
         self.data_wait = 0.0
         self.window_start = time.perf_counter()
 
@@ -269,15 +271,13 @@ class TensorBoardMetrics:
         # iteration did not step (accumulating, or the scaler skipped).
         norm = self.step.grad_norm
         if norm is not None:
-            self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
-            self.steps += 1
+            self.norms.append(norm)
             clip_norm = self.clipping.last_norm if self.clipping is not None else None
             if clip_norm is not None and clip_norm is not self._last_clip_norm:
                 self.clip_norms.append(clip_norm)
                 self._last_clip_norm = clip_norm
         out = engine.state.output
-        self.loss_sum = out["loss"] if self.loss_sum is None else self.loss_sum + out["loss"]
-        self.iters += 1
+        self.losses.append(out["loss"])
         self.samples += out["batch_size"]
         self.largest_batch = max(self.largest_batch, out["batch_size"])
         if engine.state.iteration % self.log_every == 0 and self.tb is not None:
@@ -285,10 +285,10 @@ class TensorBoardMetrics:
 
     def _log(self, engine: Engine) -> None:
         step, writer, amp = engine.state.iteration, self.tb.writer, self.step
-        device = self.loss_sum.device
-        reads = {"train/loss": self.loss_sum / self.iters}
-        if self.norm_sum is not None:
-            reads["train/grad_norm"] = self.norm_sum / self.steps
+        device = self.losses[0].device
+        reads = {"train/loss": torch.stack(self.losses).mean()}
+        if self.norms:
+            reads["train/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
         clip = self.clipping
         if self.clip_norms:
             bound = torch.stack([n.to(device) for n in self.clip_norms]) > clip.max_norm
@@ -312,7 +312,7 @@ class TensorBoardMetrics:
             writer.add_scalar("amp/skipped_steps", self.skipped, step)
         writer.add_scalar("perf/samples_per_sec", self.samples / elapsed, step)
         writer.add_scalar("perf/data_wait_fraction", min(self.data_wait / elapsed, 1.0), step)
-        writer.add_scalar("perf/step_time_ms", elapsed / self.iters * 1e3, step)
+        writer.add_scalar("perf/step_time_ms", elapsed / len(self.losses) * 1e3, step)
         if amp.device.type == "cuda":
             writer.add_scalar("memory/allocated_mb", torch.cuda.memory_allocated(amp.device) / 2**20, step)
             writer.add_scalar("memory/max_allocated_mb", torch.cuda.max_memory_allocated(amp.device) / 2**20, step)
