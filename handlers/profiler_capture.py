@@ -4,6 +4,7 @@ from typing import Dict, Iterable, List, Optional
 
 import ignite.distributed as idist
 import torch
+from torch.autograd import DeviceType
 from ignite.engine import Engine, Events
 
 __all__ = ["ProfilerCapture", "step_breakdown", "format_breakdown"]
@@ -21,7 +22,9 @@ def step_breakdown(events: Iterable) -> Dict[str, float]:
     (handlers, zero_grad, an evaluation at an epoch's end). Host wall time: on a GPU a phase that
     does not wait for the device shows the time to launch its kernels. ``iterations`` holds the count.
     """
-    events = list(events)
+    # Host events only: with CUDA activity the profiler also lists a device-side mirror of each
+    # record_function range (ProfilerStep#N, the phases), which would count every iteration twice.
+    events = [e for e in events if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU]
     steps = [e.time_range for e in events if e.name.startswith("ProfilerStep")]
     spans: Dict[str, List] = {name: [e.time_range for e in events if e.name.startswith(prefix)]
                               for name, prefix in PHASES}

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 from ignite.engine import Events
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.functional import cross_entropy
@@ -90,9 +91,9 @@ def test_stop_after_an_exception(tmp_path):
     assert read_trace(tmp_path)["traceEvents"]
 
 
-def span(name, start, end):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end,
-                                                                 elapsed_us=lambda: end - start))
+def span(name, start, end, device_type=DeviceType.CPU):
+    return SimpleNamespace(name=name, device_type=device_type,
+                           time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
 
 
 def test_step_breakdown_counts_iterations_that_ran_a_step():
@@ -102,6 +103,9 @@ def test_step_breakdown_counts_iterations_that_ran_a_step():
               span("ProfilerStep#4", 10_000, 16_000), span("ignite_amp.forward", 10_000, 12_000),
               span("ignite_amp.backward", 12_000, 14_000), span("ignite_amp.optimizer", 14_000, 15_000),
               span("ProfilerStep#5", 16_000, 30_000)]  # after the last iteration: no step, not counted
+    # On a GPU the profiler mirrors each range on the device: host time only, each iteration once.
+    events += [span("ProfilerStep#3", 500, 12_000, DeviceType.CUDA), span("ignite_amp.forward", 1_500, 9_000,
+                                                                            DeviceType.CUDA)]
     result = step_breakdown(events)
     assert result == {"data wait": 0.5, "forward": 2.5, "backward": 3.0, "optimizer": 1.0, "total": 8.0,
                       "other": 1.0, "iterations": 2}
