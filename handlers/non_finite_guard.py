@@ -1,6 +1,8 @@
 """Stop a run whose loss or gradients go non-finite, naming the iteration, before anything saves."""
 import math
-from typing import Optional
+from collections import deque
+from types import SimpleNamespace
+from typing import Deque, List, Tuple
 
 import torch
 from ignite.engine import Engine, Events
@@ -19,8 +21,10 @@ class NonFiniteGuard:
       ``max_consecutive`` skipped steps in a row (``AmpEvents.STEP_SKIPPED``; no extra sync),
       or at the end of an epoch in which every step was skipped.
     - bfloat16 / float32 (no scaler to skip the step): the run stops at the first non-finite
-      loss. On CUDA the check is lagged by one iteration (a non-blocking copy to pinned host
-      memory, read once the next iteration is queued) so it never stalls the device pipeline.
+      loss. On CUDA the check never waits for the device: each iteration's flag is copied
+      (non-blocking) to a small ring of pinned host buffers and read once its CUDA event reports
+      the copy done (``query()``, no sync), usually an iteration or two later. Only when all
+      ``RING`` buffers are still in flight does the guard wait for the oldest.
 
     The lagged check is flushed at ``EPOCH_COMPLETED`` and ``COMPLETED``: attach the guard before
     the handlers that evaluate and checkpoint at the epoch's end (``train_from_config`` does), so
@@ -31,6 +35,8 @@ class NonFiniteGuard:
         max_consecutive: skipped float16 steps in a row that stop the run.
     """
 
+    RING = 8  # flags in flight before the guard waits for the oldest (the device would be 8 iterations behind)
+
     def __init__(self, max_consecutive: int = 20):
         if not isinstance(max_consecutive, int) or isinstance(max_consecutive, bool) or max_consecutive < 1:
             raise ValueError(f"Argument max_consecutive should be a positive integer, got {max_consecutive!r}.")
@@ -38,9 +44,9 @@ class NonFiniteGuard:
         self.consecutive = 0
         self.stepped_in_epoch = 0
         self.skipped_in_epoch = 0
-        self._pending_iteration: Optional[int] = None
-        self._host: Optional[torch.Tensor] = None
-        self._event: Optional[torch.cuda.Event] = None
+        self._pending: Deque[Tuple[int, SimpleNamespace]] = deque()  # (iteration, slot), oldest first
+        self._free: List[SimpleNamespace] = []  # slots (a pinned flag and an event), made once each
+        self._slots = 0
 
     def attach(self, engine: Engine) -> None:
         self.step = amp_step_of(engine)
@@ -75,31 +81,44 @@ class NonFiniteGuard:
                 f"non-finite gradients (loss scale now {self.step.scaler.get_scale():g}): stopping")
 
     def _check_loss(self, engine: Engine) -> None:
-        self._flush(engine)
         loss = engine.state.output["loss"]
         if loss.device.type == "cpu":  # no pipeline to protect: reading it costs no wait
             if not math.isfinite(loss.item()):
                 self._raise(engine.state.iteration)
             return
         bad = ~torch.isfinite(loss)
-        if bad.device.type == "cuda":
-            if self._host is None:  # made once: pinned memory is expensive to allocate
-                self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
-                self._event = torch.cuda.Event()
-            # The copy runs on the current stream of the loss's device: record the event there.
-            self._host.copy_(bad, non_blocking=True)
-            self._event.record(torch.cuda.current_stream(bad.device))
-            self._pending_iteration = engine.state.iteration
-        elif bool(bad):  # another device: check now
-            self._raise(engine.state.iteration)
+        if bad.device.type != "cuda":  # another device: check now
+            if bool(bad):
+                self._raise(engine.state.iteration)
+            return
+        self._poll(block=False)
+        if not self._free and self._slots == self.RING:  # all in flight: wait for the oldest
+            self._poll(block=True, only_one=True)
+        slot = self._free.pop() if self._free else self._new_slot()
+        # The copy runs on the current stream of the loss's device: record the event there.
+        slot.host.copy_(bad, non_blocking=True)
+        slot.event.record(torch.cuda.current_stream(bad.device))
+        self._pending.append((engine.state.iteration, slot))
+
+    def _new_slot(self) -> SimpleNamespace:
+        self._slots += 1  # pinned memory is expensive to allocate: at most RING, reused
+        return SimpleNamespace(host=torch.empty((), dtype=torch.bool, pin_memory=True), event=torch.cuda.Event())
+
+    def _poll(self, block: bool, only_one: bool = False) -> None:
+        """Read the flags whose copies are done (all of them, waiting, when ``block``), oldest first."""
+        while self._pending and (block or self._pending[0][1].event.query()):
+            iteration, slot = self._pending.popleft()
+            if block:
+                slot.event.synchronize()
+            self._free.append(slot)
+            if bool(slot.host):
+                self._pending.clear()
+                self._raise(iteration)
+            if only_one:
+                return
 
     def _flush(self, engine: Engine) -> None:
-        if self._pending_iteration is None:
-            return
-        iteration, self._pending_iteration = self._pending_iteration, None
-        self._event.synchronize()
-        if bool(self._host):
-            self._raise(iteration)
+        self._poll(block=True)
 
     def _raise(self, iteration: int) -> None:
         raise NonFiniteError(f"non-finite loss at iteration {iteration} in {str(self.step.dtype)[6:]} "

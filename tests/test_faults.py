@@ -131,6 +131,41 @@ def test_non_finite_guard_arguments():
         NonFiniteGuard(0)
 
 
+class FakeEvent:
+    """A CUDA event stand-in: ``done`` says whether the device has reached it."""
+
+    def __init__(self, done=False):
+        self.done, self.waited = done, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = self.done = True
+
+
+def test_the_guard_reads_cuda_flags_without_waiting_and_in_order():
+    """The CUDA path's bookkeeping on CPU stand-ins: a flag is read once its event is done, never by
+    waiting, except at a flush or when every buffer of the ring is in flight."""
+    from types import SimpleNamespace
+
+    guard = NonFiniteGuard()
+    guard.step = SimpleNamespace(dtype=torch.bfloat16)
+    slot = lambda bad, done: SimpleNamespace(host=torch.tensor(bad), event=FakeEvent(done))  # noqa: E731
+    guard._pending.extend([(1, slot(False, True)), (2, slot(True, False)), (3, slot(True, True))])
+    guard._poll(block=False)  # 1 read; 2 not done yet: 3 waits behind it, nothing waited on
+    assert [i for i, _ in guard._pending] == [2, 3] and not guard._pending[0][1].event.waited
+    with pytest.raises(NonFiniteError, match="non-finite loss at iteration 2 in bfloat16"):
+        guard._flush(None)  # an epoch's end waits for every flag: the first bad one is named
+    assert not guard._pending and len(guard._free) == 2
+
+    guard = NonFiniteGuard()
+    guard._slots = guard.RING
+    guard._pending.extend((i, slot(False, False)) for i in range(guard.RING))
+    guard._poll(block=True, only_one=True)  # the ring is full: wait for the oldest only
+    assert len(guard._pending) == guard.RING - 1 and len(guard._free) == 1
+
+
 def test_unwritable_output_dir_is_one_line_before_training(quick_cfg, tmp_path, capsys):
     if os.geteuid() == 0:  # root writes anywhere: use a path under a regular file instead
         blocker = tmp_path / "blocker"
