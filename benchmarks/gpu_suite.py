@@ -23,6 +23,7 @@ what needs CUDA is skipped and the JSON says so per section ("skipped", reason "
 the skipped sections still run their code on a CPU stand-in, so it cannot rot unnoticed.
 """
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -155,11 +156,21 @@ def gpu_tests(ctx: Context) -> None:
         command += _files_with_gpu_tests()
     ctx.result["data"]["command"] = " ".join(["python"] + command[1:])
     cut = False
+    # Its own session: at the budget the whole group gets SIGTERM, torchrun's agent included, which
+    # stops its workers (they run in sessions of their own); SIGKILL if that takes over 10 s.
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=max(ctx.left() - 3, 1))
-        output, exit_code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output, exit_code, cut = _text(exc.stdout) + _text(exc.stderr), None, True
+        stdout, stderr = proc.communicate(timeout=max(ctx.left() - 3, 1))
+        output, exit_code = stdout + stderr, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        output, exit_code, cut = _text(stdout) + _text(stderr), None, True
     cases = _junit_cases(junit) if not cut and os.path.exists(junit) else _verbose_cases(output)
     counts = Counter(case["outcome"] for case in cases)
     summary = {k: counts.get(k, 0) for k in ("passed", "failed", "error", "skipped")}
@@ -615,7 +626,9 @@ def host_syncs(ctx: Context) -> None:
         if "synchroniz" in str(message).lower():
             syncs.append((phase["now"], f"{_short(filename)}:{lineno}"))
 
-    with warnings.catch_warnings():
+    # The debug mode warns at copies and stream syncs only; a host wait on an event or a device
+    # (NonFiniteGuard's flush, a device clock) is counted by wrapping those calls.
+    with warnings.catch_warnings(), _counting_waits(lambda site: syncs.append((phase["now"], site))):
         warnings.simplefilter("always")
         warnings.showwarning = show
         if ctx.cuda:
@@ -652,6 +665,30 @@ def host_syncs(ctx: Context) -> None:
     if not ctx.cuda:
         ctx.skip(f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode counts CUDA synchronizations only. The epoch ran on "
                  f"CPU without counting, to keep the section's code checked")
+
+
+@contextlib.contextmanager
+def _counting_waits(record: Callable[[str], None]):
+    """Call ``record("<call> at file:line")`` at each torch.cuda.synchronize, Event.synchronize and
+    Stream.synchronize made inside."""
+    targets = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
+
+    def counted(fn: Callable, label: str) -> Callable:
+        def wait(*args, **kwargs):
+            caller = sys._getframe(1)
+            record(f"{label} at {_short(caller.f_code.co_filename)}:{caller.f_lineno}")
+            return fn(*args, **kwargs)
+        return wait
+
+    try:
+        for owner, name, fn in originals:
+            label = f"{getattr(owner, '__name__', 'cuda')}.{name}" if owner is not torch.cuda else "cuda.synchronize"
+            setattr(owner, name, counted(fn, label))
+        yield
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
 
 
 def _short(path: str) -> str:

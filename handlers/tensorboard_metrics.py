@@ -233,6 +233,8 @@ class TensorBoardMetrics:
     def _started(self, engine: Engine) -> None:
         """Dashboard layout, run facts (text and HParams), resolved now: after a resume, too."""
         self._reset()
+        if self.step.device.type == "cuda":  # the first window's peak is the training's, not a search's before it
+            torch.cuda.reset_peak_memory_stats(self.step.device)
         if self.tb is None:
             return
         writer, iteration = self.tb.writer, engine.state.iteration

@@ -167,3 +167,36 @@ def test_gpu_tests_that_pytest_could_not_run_are_a_failed_section_not_a_measurem
                                str(tmp_path))
     assert result["status"] == "failed" and "with 0 tests run" in result["reason"], result
     assert "pytest is broken here" in result["reason"]
+
+
+def test_host_syncs_counts_waits_the_debug_mode_cannot_see(suite, monkeypatch):
+    """set_sync_debug_mode warns at copies and stream syncs, not at Event.synchronize (NonFiniteGuard's
+    flush) or torch.cuda.synchronize: section f wraps those and names the caller."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("device"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: calls.append("event"))
+    seen = []
+    with suite._counting_waits(seen.append):
+        torch.cuda.synchronize()
+        torch.cuda.Event.synchronize(None)
+    torch.cuda.synchronize()  # restored: not counted
+    assert calls == ["device", "event", "device"]
+    assert [s.split(" at ")[0] for s in seen] == ["cuda.synchronize", "Event.synchronize"]
+    assert all(s.split(" at ")[1].startswith("tests/test_gpu_suite.py:") for s in seen), seen
+
+
+def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_path, monkeypatch):
+    slow = tmp_path / "site" / "pytest"
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text(  # a test run that starts a process of its own, then hangs
+        "import subprocess, sys, time\n"
+        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(subprocess.Popen(['sleep', '120']).pid))\n"
+        "time.sleep(120)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    begin = time.monotonic()
+    result = suite.run_section(suite.Section("a_gpu_tests", "a.", suite.gpu_tests, 8, 1), True, False, 8,
+                               str(tmp_path))
+    assert time.monotonic() - begin < 30
+    assert result["status"] == "over budget" and "pytest ran past the section's budget" in result["reason"], result
+    time.sleep(0.2)
+    assert not alive(int((tmp_path / "child.pid").read_text()))
