@@ -632,7 +632,8 @@ def test_gpu_resnet50_search_in_5_trials_and_30_s_then_an_epoch(tmp_path):
     run = build_run({"name": "r50", "device": "cuda", "output_dir": str(tmp_path / "run"),
                      "amp": {"dtype": "bfloat16"}, "model": {"name": "resnet50", "num_classes": 1000},
                      "optimizer": {"name": "SGD", "lr": 0.1, "kwargs": {"momentum": 0.9}},
-                     "data": {"name": "fake", "image_size": 224, "batch_size": "auto", "num_workers": 8,
+                     # 4 workers: batches of ~1,500 images are ~0.9 GB each in /dev/shm (2 in flight per worker)
+                     "data": {"name": "fake", "image_size": 224, "batch_size": "auto", "num_workers": 4,
                               "train_size": 16384, "val_size": 2048},
                      "train": {"epochs": 1}, "handlers": {"oom_backoff": {"enabled": False}}},
                     print_fn=print)
