@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
@@ -261,12 +262,19 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
     if not main:
         print_fn, progress = _silent, False
     files = _RunFiles(cfg, main)
-    try:
-        run = _build(cfg, device, main, files, progress, print_fn, command)
-    except BaseException as exc:
-        files.log.traceback(f"building the run failed: {exc.__class__.__name__}: {exc}")
-        files.close()
-        raise
+    # Warnings raised while building (torch's, say, about a zero-width layer) are held: shown if the
+    # run builds, kept in train.log only if it fails, so a user error stays one line.
+    with warnings.catch_warnings(record=True) as held:
+        try:
+            run = _build(cfg, device, main, files, progress, print_fn, command)
+        except BaseException as exc:
+            for w in held:
+                files.log.line(f"warning: {w.filename}:{w.lineno}: {w.category.__name__}: {w.message}")
+            files.log.traceback(f"building the run failed: {exc.__class__.__name__}: {exc}")
+            files.close()
+            raise
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return run
 
 

@@ -178,6 +178,14 @@ def oom_on_rank(num_classes: int = 10, limit: int = 8, rank: int = 1, norm: bool
     return OOMOnRank(num_classes, limit, rank, norm)
 
 
+def warns_when_built(num_classes: int = 10, heads: int = None) -> nn.Module:
+    """A model whose construction warns; ``heads`` sets the head's width (default num_classes)."""
+    import warnings
+
+    warnings.warn("built with a made-up concern", UserWarning)
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, heads or num_classes))
+
+
 def three_outputs(num_classes: int = 10) -> nn.Module:
     """A model whose head has 3 outputs whatever num_classes says."""
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3))

@@ -203,6 +203,18 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     assert os.path.exists(os.path.join(cfg["output_dir"], "checkpoints", "last_checkpoint_3.pt"))
 
 
+def test_warnings_of_a_build_that_fails_go_to_the_log_not_before_the_one_line(tmp_path, capsys):
+    model = {"name": "conftest:warns_when_built", "num_classes": 10, "kwargs": {"heads": 3}}
+    cfg = config(tmp_path, model=model)
+    assert main(["train", write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "returns (2, 3)" in err and "made-up concern" not in err
+    assert "UserWarning: built with a made-up concern" in open(os.path.join(cfg["output_dir"], "train.log")).read()
+    cfg = config(tmp_path, model=dict(model, kwargs={}))  # it builds: the warning is shown as usual
+    with pytest.warns(UserWarning, match="made-up concern"):
+        assert main(["train", write(tmp_path, cfg)]) == 0
+
+
 @pytest.mark.parametrize("name", [".lock", "config.yaml"])
 def test_a_directory_where_the_run_keeps_a_file_is_one_line(tmp_path, capsys, name):
     cfg = config(tmp_path)
