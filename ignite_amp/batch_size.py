@@ -22,7 +22,7 @@ from ignite_amp.batch_search import (GIB, OBJECTIVES, STRATEGIES, TABLE_HEADER, 
 from ignite_amp.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.rng import get_rng_state, set_rng_state
-from ignite_amp.step import create_amp_evaluator, create_amp_trainer, free_memory, is_oom_error
+from ignite_amp.step import create_amp_evaluator, create_amp_trainer, free_memory, is_oom_error, resolve_device
 
 __all__ = ["Trial", "BatchSizeResult", "MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner",
            "search_batch_size", "find_batch_size", "format_trials", "print_progress", "OBJECTIVES", "STRATEGIES"]
@@ -58,9 +58,7 @@ class CudaMemoryMeter(MemoryMeter):
     """
 
     def __init__(self, device: Union[str, torch.device]):
-        device = torch.device(device)
-        # The memory fraction calls refuse "cuda" without an index.
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)  # with its index: the memory fraction calls refuse "cuda" without one
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -91,20 +91,26 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {str(device)!r} was asked for but this machine has {count} CUDA "
                              f"device{'s' if count != 1 else ''} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        return _indexed(device)
     backend = getattr(torch.backends, device.type, None) if device.type == "mps" else getattr(torch, device.type, None)
     if backend is None or not backend.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but {device.type} is not available here")
     return device
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index (``cuda`` -> ``cuda:<current>``); other devices as they are."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def describe_device(device: torch.device) -> str:
     """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu``: the device with its index and, for a GPU, its model."""
-    device = torch.device(device)
+    device = _indexed(torch.device(device))
     if device.type != "cuda":
         return str(device)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return f"{device} ({torch.cuda.get_device_name(device.index)})"
 
 
 def cpu_has_native_bf16() -> bool:
