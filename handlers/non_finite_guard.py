@@ -46,7 +46,6 @@ class NonFiniteGuard:
         self.skipped_in_epoch = 0
         self._pending: Deque[Tuple[int, SimpleNamespace]] = deque()  # (iteration, slot), oldest first
         self._free: List[SimpleNamespace] = []  # slots (a pinned flag and an event), made once each
-        self._slots = 0
 
     def attach(self, engine: Engine) -> None:
         self.step = amp_step_of(engine)
@@ -92,7 +91,7 @@ class NonFiniteGuard:
                 self._raise(engine.state.iteration)
             return
         self._poll(block=False)
-        if not self._free and self._slots == self.RING:  # all in flight: wait for the oldest
+        if not self._free and len(self._pending) == self.RING:  # every slot in flight: wait for the oldest
             self._poll(block=True, only_one=True)
         slot = self._free.pop() if self._free else self._new_slot()
         # The copy runs on the current stream of the loss's device: record the event there.
@@ -101,7 +100,7 @@ class NonFiniteGuard:
         self._pending.append((engine.state.iteration, slot))
 
     def _new_slot(self) -> SimpleNamespace:
-        self._slots += 1  # pinned memory is expensive to allocate: at most RING, reused
+        # Pinned memory is expensive to allocate: at most RING slots, reused (each is free or pending).
         return SimpleNamespace(host=torch.empty((), dtype=torch.bool, pin_memory=True), event=torch.cuda.Event())
 
     def _poll(self, block: bool, only_one: bool = False) -> None:

@@ -160,7 +160,6 @@ def test_the_guard_reads_cuda_flags_without_waiting_and_in_order():
     assert not guard._pending and len(guard._free) == 2
 
     guard = NonFiniteGuard()
-    guard._slots = guard.RING
     guard._pending.extend((i, slot(False, False)) for i in range(guard.RING))
     guard._poll(block=True, only_one=True)  # the ring is full: wait for the oldest only
     assert len(guard._pending) == guard.RING - 1 and len(guard._free) == 1
