@@ -62,7 +62,7 @@ from ignite_amp.events import AmpEvents
 from ignite_amp.handlers import OOMBackoff
 from ignite_amp.models import build_model, small_cnn
 from ignite_amp.run import build_run, train_from_config
-from ignite_amp.step import free_memory
+from ignite_amp.device import free_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_BUDGET_S = 540          # the whole suite on one H100: 9 minutes

@@ -34,7 +34,7 @@ from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.models import build_model
-from ignite_amp.step import resolve_device, resolve_dtype
+from ignite_amp.device import resolve_device, resolve_dtype
 
 
 def sync(device: torch.device) -> None:

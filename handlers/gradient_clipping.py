@@ -5,7 +5,7 @@ import torch
 from ignite.engine import Engine
 
 from ignite_amp.events import AmpEvents
-from ignite_amp.step import amp_step_of
+from ignite_amp.engine import amp_step_of
 
 __all__ = ["GradientClipping"]
 

@@ -9,7 +9,8 @@ from ignite.engine import Engine, Events
 
 from ignite_amp.errors import NonFiniteError
 from ignite_amp.events import AmpEvents
-from ignite_amp.step import amp_step_of
+from ignite_amp.device import dtype_name
+from ignite_amp.engine import amp_step_of
 
 __all__ = ["NonFiniteGuard", "NonFiniteError"]
 
@@ -80,7 +81,7 @@ class NonFiniteGuard:
                 f"non-finite gradients (loss scale now {self.step.scaler.get_scale():g}): stopping")
 
     def _check_loss(self, engine: Engine) -> None:
-        loss = engine.state.output["loss"]
+        loss = self.step.loss
         if loss.device.type == "cpu":  # no pipeline to protect: reading it costs no wait
             if not math.isfinite(loss.item()):
                 self._raise(engine.state.iteration)
@@ -120,5 +121,5 @@ class NonFiniteGuard:
         self._poll(block=True)
 
     def _raise(self, iteration: int) -> None:
-        raise NonFiniteError(f"non-finite loss at iteration {iteration} in {str(self.step.dtype)[6:]} "
+        raise NonFiniteError(f"non-finite loss at iteration {iteration} in {dtype_name(self.step.dtype)} "
                              f"(no loss scaler to skip the step): stopping")

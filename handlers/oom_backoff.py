@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader
 
 from ignite_amp.errors import BatchSizeFloorError
 from ignite_amp.events import AmpEvents
-from ignite_amp.step import AmpStep, amp_step_of
+from ignite_amp.engine import amp_step_of
+from ignite_amp.step import AmpStep
 
 __all__ = ["OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
 

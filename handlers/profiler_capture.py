@@ -7,12 +7,13 @@ import torch
 from torch.autograd import DeviceType
 from ignite.engine import Engine, Events
 
+from ignite_amp.phases import PHASES as STEP_PHASES
+
 __all__ = ["ProfilerCapture", "step_breakdown", "format_breakdown"]
 
 # Ranges a profiled iteration is split into: torch labels the DataLoader's __next__, the AMP
-# step labels its phases (ignite_amp.step.phase_label) while a profiler records.
-PHASES = (("data wait", "enumerate(DataLoader)"), ("forward", "ignite_amp.forward"),
-          ("backward", "ignite_amp.backward"), ("optimizer", "ignite_amp.optimizer"))
+# step labels its phases (ignite_amp.phases) while a profiler records.
+PHASES = (("data wait", "enumerate(DataLoader)"), *STEP_PHASES.items())
 
 
 def step_breakdown(events: Iterable) -> Dict[str, float]:

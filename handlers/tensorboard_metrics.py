@@ -11,7 +11,9 @@ from ignite.handlers import TensorboardLogger
 from ignite_amp.events import AmpEvents
 from ignite_amp.facts import format_facts, step_facts
 from ignite_amp.handlers.gradient_clipping import GradientClipping
-from ignite_amp.step import amp_step_of
+from ignite_amp.engine import amp_step_of
+from ignite_amp.metric_modes import better, metric_mode
+from ignite_amp.scaler import scale_tensor
 
 __all__ = ["TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG"]
 
@@ -34,7 +36,7 @@ TAGS = {
     "batch/micro_batches": "chunks each batch is split into, logged when it changes (raised by OOM backoff)",
     "oom/events": "out-of-memory errors caught since the start",
     "val/<metric>": "validation metrics after each evaluation (x axis: training iteration)",
-    "val/best_<metric>": "best validation value so far (max; min for a loss)",
+    "val/best_<metric>": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
 }
 
 FACTS_TAG = "run/facts"
@@ -71,16 +73,6 @@ def _rss_mb() -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def scale_tensor(scaler: torch.amp.GradScaler) -> Optional[torch.Tensor]:
-    """The GradScaler's scale as a device tensor (no sync), None before its first use.
-
-    ``get_scale()`` reads it with a host sync of its own; ``GradScaler`` keeps the tensor behind
-    a private accessor, used only here (``tests/test_tensorboard_metrics.py`` fails loudly if a
-    torch upgrade changes it).
-    """
-    return scaler._get_scale_async()
 
 
 def hparams_summaries(facts: Dict[str, Any], metrics: Dict[str, str]) -> list:
@@ -145,6 +137,8 @@ class TensorBoardMetrics:
         hparam_metrics: validation metrics shown as HParams columns (final and best).
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
+        modes: metric name -> ``"min"`` or ``"max"`` for ``val/best_*``, as given to ``BestCheckpoint``;
+            other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
 
     Example:
         >>> import tempfile, torch
@@ -152,7 +146,7 @@ class TensorBoardMetrics:
         >>> from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
         >>> model = torch.nn.Linear(4, 2)
         >>> trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-        ...                              torch.nn.functional.cross_entropy, device="cpu")
+        ...                              torch.nn.functional.cross_entropy, device="cpu", dtype="bfloat16")
         >>> clip = GradientClipping(max_norm=1.0)
         >>> clip.attach(trainer)
         >>> tb = TensorBoardMetrics(tempfile.mkdtemp(), log_every=2, facts={"batch_size": 8}, clipping=clip)
@@ -165,7 +159,7 @@ class TensorBoardMetrics:
 
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,
                  clipping: Optional[GradientClipping] = None, hparam_metrics: Sequence[str] = ("accuracy", "loss"),
-                 texts: Optional[Dict[str, str]] = None):
+                 texts: Optional[Dict[str, str]] = None, modes: Optional[Dict[str, str]] = None):
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"Argument log_every should be a positive integer, got {log_every!r}.")
         if facts is not None:
@@ -182,6 +176,7 @@ class TensorBoardMetrics:
         if texts is not None and not (isinstance(texts, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in texts.items())):
             raise TypeError(f"Argument texts should map tags to strings, got {texts!r}.")
+        self.modes = {name: metric_mode(name, mode) for name, mode in (modes or {}).items()}
         self.texts = dict(texts or {})
         self.logdir, self.log_every = str(logdir), log_every
         self.facts = dict(facts or {})
@@ -278,10 +273,10 @@ class TensorBoardMetrics:
             if clip_norm is not None and clip_norm is not self._last_clip_norm:
                 self.clip_norms.append(clip_norm)
                 self._last_clip_norm = clip_norm
-        out = engine.state.output
-        self.losses.append(out["loss"])
-        self.samples += out["batch_size"]
-        self.largest_batch = max(self.largest_batch, out["batch_size"])
+        step = self.step
+        self.losses.append(step.loss)
+        self.samples += step.batch_size
+        self.largest_batch = max(self.largest_batch, step.batch_size)
         if engine.state.iteration % self.log_every == 0 and self.tb is not None:
             self._log(engine)
 
@@ -338,8 +333,8 @@ class TensorBoardMetrics:
                 continue
             value = float(value)
             self.final[name] = value
-            better = min if "loss" in name.lower() else max
-            self.best[name] = better(self.best.get(name, value), value)
+            pick = better(self.modes.get(name) or metric_mode(name))
+            self.best[name] = pick(self.best.get(name, value), value)
             if self.tb is not None:
                 self.tb.writer.add_scalar(f"val/best_{name}", self.best[name], self.trainer.state.iteration)
         if self.tb is not None:

@@ -11,9 +11,9 @@ from ignite_amp.version import __version__
 _EXPORTS = {
     "AmpEvents": "ignite_amp.events",
     "AmpStep": "ignite_amp.step",
-    "EvalStep": "ignite_amp.step",
-    "create_amp_trainer": "ignite_amp.step",
-    "create_amp_evaluator": "ignite_amp.step",
+    "EvalStep": "ignite_amp.eval_step",
+    "create_amp_trainer": "ignite_amp.engine",
+    "create_amp_evaluator": "ignite_amp.engine",
     "ConfigError": "ignite_amp.errors",
     "load_config": "ignite_amp.config",
     "train_from_config": "ignite_amp.run",
@@ -21,8 +21,9 @@ _EXPORTS = {
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
-_SUBMODULES = ("batch_search", "batch_size", "builders", "cli", "collectives", "compare", "config", "data", "errors",
-               "events", "facts", "launcher", "models", "rng", "run", "step")
+_SUBMODULES = ("batch_search", "batch_size", "batching", "builders", "cli", "collectives", "compare", "config",
+               "contracts", "data", "device", "engine", "errors", "eval_step", "events", "facts", "launcher",
+               "metric_modes", "models", "phases", "rng", "run", "scaler", "step", "step_base")
 
 __all__ = list(_EXPORTS)
 

@@ -22,7 +22,8 @@ from ignite_amp.batch_search import (GIB, OBJECTIVES, STRATEGIES, TABLE_HEADER, 
 from ignite_amp.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.rng import get_rng_state, set_rng_state
-from ignite_amp.step import create_amp_evaluator, create_amp_trainer, free_memory, is_oom_error, resolve_device
+from ignite_amp.device import free_memory, is_oom_error, resolve_device
+from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 
 __all__ = ["Trial", "BatchSizeResult", "MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner",
            "search_batch_size", "find_batch_size", "format_trials", "print_progress", "OBJECTIVES", "STRATEGIES"]

@@ -11,7 +11,7 @@ from ignite.utils import manual_seed
 
 from ignite_amp.collectives import is_distributed
 from ignite_amp.errors import ConfigError
-from ignite_amp.step import is_oom_error, resolve_device
+from ignite_amp.device import is_oom_error, resolve_device
 
 __all__ = ["config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
            "check_classes", "check_model_runs"]

@@ -15,8 +15,9 @@ import ignite.distributed as idist
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "all_reduce_gradients", "broadcast_buffers",
-           "adopt_ignite_loggers"]
+__all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "max_across_ranks", "sum_across_ranks",
+           "all_reduce_gradients", "broadcast_buffers",
+           "adopt_ignite_loggers", "no_buffer_sync_in_forward"]
 
 IGNITE_LOGGERS = ("ignite.distributed.launcher.Parallel", "ignite.distributed.auto.auto_dataloader",
                   "ignite.distributed.auto.auto_model", "ignite.distributed.auto.auto_optim")
@@ -76,6 +77,20 @@ def min_across_ranks(value: int) -> int:
     return int(idist.all_reduce(torch.tensor(value, device=idist.device()), op="MIN").item())
 
 
+def max_across_ranks(value: float) -> float:
+    """The largest ``value`` over all ranks (``value`` itself when not distributed); a host sync."""
+    if not is_distributed():
+        return value
+    return float(idist.all_reduce(torch.tensor(float(value), device=idist.device()), op="MAX").item())
+
+
+def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a tensor on the backend's device) summed over all ranks, in place; no host sync."""
+    if is_distributed():
+        dist.all_reduce(value)
+    return value
+
+
 def all_reduce_gradients(parameters: Iterator[torch.nn.Parameter], bucket_mb: float = 64) -> None:
     """Average the gradients over all ranks, in flat buckets of about ``bucket_mb`` megabytes.
 
@@ -114,3 +129,17 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
         return
     for buffer in unwrap(model).buffers():
         dist.broadcast(buffer, src=0)
+
+
+def no_buffer_sync_in_forward(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Turn off DDP's broadcast of rank 0's buffers at each forward.
+
+    That broadcast is a collective inside the step: a rank retrying after an out-of-memory error
+    would call it once more than the others and hang. Rank 0's buffers (BatchNorm running
+    statistics) evolve from its own batches either way, and the evaluator made by
+    :func:`create_amp_evaluator` sends them to every rank before each evaluation.
+    """
+    if hasattr(ddp, "forward_sync_buffers"):  # torch >= 2.13
+        ddp.forward_sync_buffers = False
+    else:
+        ddp.broadcast_buffers = False

@@ -21,7 +21,7 @@ from ignite_amp.errors import ConfigError
 from ignite_amp.events import AmpEvents
 from ignite_amp.models import build_model
 from ignite_amp.rundir import check_writable
-from ignite_amp.step import create_amp_trainer
+from ignite_amp.engine import create_amp_trainer
 
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
 
@@ -140,7 +140,7 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
 
         @trainer.on(Events.ITERATION_COMPLETED)
         def record(engine):
-            losses.append(engine.state.output["loss"].item())  # a sync per step: measuring is the point here
+            losses.append(engine.amp_step.loss.item())  # a sync per step: measuring is the point here
             times[-1] = time.perf_counter() - times[-1]
 
         trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda _: skipped.__setitem__(0, skipped[0] + 1))

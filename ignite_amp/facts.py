@@ -13,6 +13,7 @@ import ignite
 import ignite.distributed as idist
 import torch
 
+from ignite_amp.device import describe_device, dtype_name
 from ignite_amp.version import __version__
 
 __all__ = ["step_facts", "config_facts", "device_name", "format_facts", "summary_line"]
@@ -33,12 +34,10 @@ def _cpu_model() -> str:
 def device_name(device: torch.device) -> str:
     """``"cuda:0 (NVIDIA H100 80GB HBM3)"``, ``"cpu (Intel(R) Xeon(R) ...)"``, or the device itself."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
     if device.type == "cpu":
         model = _cpu_model()
         return f"cpu ({model})" if model else "cpu"
-    return str(device)
+    return describe_device(device)
 
 
 def step_facts(step: Any) -> Dict[str, Any]:
@@ -49,7 +48,7 @@ def step_facts(step: Any) -> Dict[str, Any]:
     """
     scaler = step.scaler.is_enabled()
     return {
-        "dtype": str(step.dtype).replace("torch.", ""),
+        "dtype": dtype_name(step.dtype),
         "grad_scaler": scaler,
         "init_scale": float(step.scaler.get_scale()) if scaler else None,
         "device": device_name(step.device),

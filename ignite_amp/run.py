@@ -31,7 +31,8 @@ from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.resume import check_resume
 from ignite_amp.rundir import LogFile, RunLock, check_writable, free_bytes, move_previous_run
-from ignite_amp.step import create_amp_evaluator, create_amp_trainer, describe_device
+from ignite_amp.device import describe_device, dtype_name
+from ignite_amp.engine import amp_step_of, create_amp_evaluator, create_amp_trainer
 
 __all__ = ["train_from_config", "build_run", "Run", "search_from_config", "safe_print"]
 
@@ -109,7 +110,7 @@ class Run:
                 step, world = self.trainer.amp_step, idist.get_world_size()
                 where = (f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1
                          else describe_device(step.device))
-                self.print(f"training {cfg['name']} on {where} with {str(step.dtype)[6:]} autocast; "
+                self.print(f"training {cfg['name']} on {where} with {dtype_name(step.dtype)} autocast; "
                            f"output in {self.output_dir}")
                 try:
                     self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
@@ -196,32 +197,36 @@ class _EpochSummary:
     def __init__(self, run: Run):
         self.run = run
         self.loss_sum: Optional[torch.Tensor] = None
+        self.items: Any = 0  # what the losses averaged over: samples, or num_items' items
         self.samples = 0
         self.start = 0.0
 
     def attach(self, trainer: Engine) -> None:
+        self.step = amp_step_of(trainer)
         trainer.add_event_handler(Events.EPOCH_STARTED, self.started)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self.iteration)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self.completed)
 
     def started(self, engine: Engine) -> None:
-        self.loss_sum, self.samples, self.start = None, 0, time.perf_counter()
+        self.loss_sum, self.items, self.samples, self.start = None, 0, 0, time.perf_counter()
 
     def iteration(self, engine: Engine) -> None:
-        out = engine.state.output
-        weighted = out["loss"] * out["batch_size"]
+        step = self.step
+        weighted = step.loss * step.items
         self.loss_sum = weighted if self.loss_sum is None else self.loss_sum + weighted
-        self.samples += out["batch_size"]
+        self.items = self.items + step.items
+        self.samples += step.batch_size
 
     def completed(self, engine: Engine) -> None:
         samples = self.samples
         if self.loss_sum is None:
             train_loss = float("nan")
         else:  # over every rank's samples (all_reduce returns the tensor as it is in one process)
-            totals = torch.stack([self.loss_sum.double(),
-                                  torch.tensor(samples, dtype=torch.float64, device=self.loss_sum.device)])
-            loss_sum, samples = idist.all_reduce(totals).tolist()
-            train_loss = loss_sum / max(samples, 1)
+            device = self.loss_sum.device
+            totals = torch.stack([self.loss_sum.double(), torch.as_tensor(self.items, dtype=torch.float64).to(device),
+                                  torch.tensor(samples, dtype=torch.float64, device=device)])
+            loss_sum, items, samples = idist.all_reduce(totals).tolist()
+            train_loss = loss_sum / max(items, 1)
         seconds = time.perf_counter() - self.start  # after the .tolist() sync above
         run = self.run
         run.evaluator.run(run.val_loader)

@@ -1,4 +1,3 @@
-import doctest
 import math
 import os
 import random
@@ -12,7 +11,7 @@ from torch.nn.functional import cross_entropy
 
 import ignite_amp.batch_search
 import ignite_amp.batch_size
-from conftest import ROOT, OOMAbove
+from conftest import OOMAbove, ROOT, assert_doctests_pass
 from ignite_amp.batch_search import VERIFY_STAGES, Trial, fit_line, format_trials, search_batch_size
 from ignite_amp.batch_size import MemoryMeter, TrialRunner, find_batch_size
 from ignite_amp.cli import main
@@ -22,8 +21,8 @@ GiB, MiB = 2**30, 2**20
 
 
 def test_docstring_examples():
-    assert doctest.testmod(ignite_amp.batch_search).failed == 0
-    assert doctest.testmod(ignite_amp.batch_size).failed == 0
+    assert_doctests_pass(ignite_amp.batch_search)
+    assert_doctests_pass(ignite_amp.batch_size)
 
 
 # -- the policy, on a simulated device ---------------------------------------------------------
@@ -488,7 +487,8 @@ def _cap_at(device, nbytes):
 
 def _step_peak(model, optimizer, make_batch, n, device):
     """Peak reserved bytes of two real AMP steps at batch ``n`` (the optimizer state included)."""
-    from ignite_amp.step import create_amp_trainer, free_memory
+    from ignite_amp.device import free_memory
+    from ignite_amp.engine import create_amp_trainer
 
     free_memory(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -507,7 +507,8 @@ def _step_peak(model, optimizer, make_batch, n, device):
 
 def _trial(model, optimizer, make_batch, n, device, steps=2):
     """Does batch size ``n`` train? Real AMP steps, as the search's own trials run."""
-    from ignite_amp.step import create_amp_trainer, free_memory, is_oom_error
+    from ignite_amp.device import free_memory, is_oom_error
+    from ignite_amp.engine import create_amp_trainer
 
     engine = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype="bfloat16")
     try:

@@ -81,7 +81,7 @@ def find_cycle(graph: dict):
 
 def test_the_import_graph_has_no_circles():
     graph = import_graph()
-    assert len(graph) >= 20 and graph["ignite_amp.run"] >= {"ignite_amp.handlers", "ignite_amp.step"}
+    assert len(graph) >= 20 and graph["ignite_amp.run"] >= {"ignite_amp.handlers", "ignite_amp.engine"}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -104,6 +104,22 @@ def test_layers():
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["ignite_amp.collectives"] == set()
     assert "ignite_amp.launcher" not in graph["ignite_amp.step"] | graph["ignite_amp.collectives"]
+    # The step's parts, bottom-up: what a batch is and where it runs know nothing of steps.
+    steps = {"ignite_amp.step_base", "ignite_amp.step", "ignite_amp.eval_step", "ignite_amp.engine"}
+    for low in ("ignite_amp.device", "ignite_amp.batching", "ignite_amp.phases", "ignite_amp.scaler",
+                "ignite_amp.contracts"):
+        assert not graph[low] & steps, (low, graph[low] & steps)
+    assert "ignite_amp.engine" not in graph["ignite_amp.step"] | graph["ignite_amp.step_base"]
+
+
+# Modules still over 400 lines, to be split by issue 19's redesign (the step's modules are done).
+HALLS_LEFT = {"ignite_amp.config", "ignite_amp.batch_search", "ignite_amp.run"}
+
+
+def test_no_new_module_is_a_hall():
+    """One owner per module (STYLE.md): none over 400 lines but those left to split, and those still are."""
+    long = {m for m, path in modules().items() if len(open(path, encoding="utf-8").readlines()) > 400}
+    assert long == HALLS_LEFT, long ^ HALLS_LEFT
 
 
 def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):

@@ -36,6 +36,7 @@ def served(quick_cfg, tmp_path):
     """A one-epoch CPU run with the profiler on, under tmp/runs/quick, served by TensorBoard."""
     runs = tmp_path / "runs"
     cfg = dict(quick_cfg, name="quick", output_dir=str(runs / "quick"), train={"epochs": 1},
+               amp={"dtype": "bfloat16"},  # by name: auto is float32 on a CPU without bfloat16 instructions
                data=dict(quick_cfg["data"], train_size=128, val_size=32),
                handlers={"tensorboard": {"log_every": 2}, "clipping": {"max_norm": 1.0},
                          "profiler": {"enabled": True, "wait": 0, "warmup": 1, "active": 2}})

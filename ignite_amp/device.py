@@ -1,0 +1,131 @@
+"""Where a step runs and in what precision: device and dtype resolution, out-of-memory helpers.
+
+Every layer that names a device or a dtype, or recognises an out-of-memory error, asks here.
+"""
+import functools
+import gc
+import logging
+from typing import Union
+
+import torch
+
+from ignite_amp.errors import RUN_STOPPED
+
+__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "indexed", "describe_device", "dtype_name",
+           "cpu_has_native_bf16", "is_oom_error", "free_memory"]
+
+logger = logging.getLogger("ignite_amp")
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
+    """``"auto"`` (or None) is CUDA when available, else CPU; anything else goes to ``torch.device``.
+
+    A CUDA device always gets its index (``cuda`` -> ``cuda:<current>``): some CUDA calls (the
+    per-process memory fraction) refuse a device without one. A device that is not there (no CUDA,
+    ``cuda:1`` on a one-GPU machine, no MPS/XPU) is a ValueError naming it.
+    """
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {str(device)!r} was asked for but this machine has {count} CUDA "
+                             f"device{'s' if count != 1 else ''} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+        return indexed(device)
+    backend = getattr(torch.backends, device.type, None) if device.type == "mps" else getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but {device.type} is not available here")
+    return device
+
+
+def indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index (``cuda`` -> ``cuda:<current>``); other devices as they are."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def describe_device(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu``: the device with its index and, for a GPU, its model."""
+    device = indexed(torch.device(device))
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device.index)})"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the name configs, logs and facts use."""
+    return str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bfloat16 instructions (AVX512-BF16 or AMX); False when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_slow_cpu_bf16() -> None:
+    logger.warning("this CPU has no native bfloat16 instructions: bfloat16 autocast will work, but slowly")
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu") -> torch.dtype:
+    """Turn ``auto | float16 | bfloat16 | float32`` (or a torch dtype) into a torch dtype.
+
+    ``auto`` picks the low precision the device runs natively: bfloat16 on Ampere and newer GPUs,
+    float16 on older ones (they only emulate bfloat16, slowly); on a CPU, bfloat16 where it has
+    bfloat16 instructions (AVX512-BF16, AMX), else float32: emulated bfloat16 ran a small CNN 8x
+    slower than float32 on a 2-core AMD EPYC (benchmarks/RESULTS.md). Asked for by name, bfloat16
+    runs on any CPU, with one log line saying it will be slow there.
+    """
+    device = torch.device(device)
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype should be one of auto, {', '.join(DTYPES)}; got {dtype}")
+        resolved = dtype
+    elif dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        if device.type == "cpu":
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.float16
+    elif dtype in DTYPES:
+        resolved = DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype should be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    if resolved == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        _warn_slow_cpu_bf16()
+    return resolved
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` and a RuntimeError whose text says memory ran out.
+
+    Illegal memory accesses and every other error are not out-of-memory errors.
+    """
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if not isinstance(exc, RuntimeError) or isinstance(exc, RUN_STOPPED):  # ours say "out of memory" too
+        return False
+    text = str(exc).lower()
+    return "out of memory" in text or "alloc_failed" in text
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and give cached blocks of the device's allocator back."""
+    gc.collect()
+    backend = getattr(torch, torch.device(device).type, None)
+    if torch.device(device).type != "cpu" and hasattr(backend, "empty_cache"):
+        backend.empty_cache()

@@ -1,0 +1,31 @@
+"""The two reads of ``GradScaler`` state that torch keeps private, in one place.
+
+torch has no public accessor for either; ``GradScaler`` itself reads both. ``tests/test_scaler.py``
+fails loudly if a torch upgrade changes them.
+"""
+from typing import Optional
+
+import torch
+
+__all__ = ["found_inf", "scale_tensor"]
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The inf/NaN flag that ``scaler.unscale_(optimizer)`` recorded, summed over devices (a device tensor).
+
+    ``GradScaler.step`` reads the same private state.
+    """
+    flags = scaler._found_inf_per_device(optimizer)  # private: {device: 1-element float tensor}
+    if not flags:
+        raise RuntimeError("GradScaler recorded no inf/NaN check for this optimizer: call unscale_ first "
+                           "(or torch changed GradScaler's internals)")
+    values = list(flags.values())
+    return values[0] if len(values) == 1 else torch.stack([v.to(values[0].device) for v in values]).sum()
+
+
+def scale_tensor(scaler: torch.amp.GradScaler) -> Optional[torch.Tensor]:
+    """The GradScaler's scale as a device tensor (no sync), None before its first use.
+
+    ``get_scale()`` reads it with a host sync of its own.
+    """
+    return scaler._get_scale_async()
