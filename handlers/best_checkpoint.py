@@ -13,6 +13,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 
 from ignite_amp.errors import CheckpointError, CheckpointWriteError, NonFiniteError
+from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import get_rng_state, set_rng_state
 
 __all__ = ["BestCheckpoint", "CheckpointError", "SafeDiskSaver", "RNGState", "StoredValue", "load_checkpoint",
@@ -190,7 +191,10 @@ class BestCheckpoint:
         to_save: objects with ``state_dict``/``load_state_dict``.
         metric: the evaluator metric to rank by.
         n_saved: how many best checkpoints to keep.
-        mode: ``"max"`` or ``"min"``; default ``"min"`` for metrics named like a loss, else ``"max"``.
+        mode: ``"max"`` or ``"min"``: whether a larger or a smaller value is better. Default
+            (:func:`ignite_amp.metric_modes.metric_mode`): ``"min"`` for names containing loss,
+            perplexity, error, nll, mse, mae, rmse, wer or cer, else ``"max"``. Pass it for any other
+            lower-is-better metric, and give ``TensorBoardMetrics`` the same (``modes=``).
         config: the resolved config, stored in every checkpoint.
 
     Example:
@@ -220,10 +224,7 @@ class BestCheckpoint:
                  mode: Optional[str] = None, config: Optional[dict] = None):
         if not isinstance(n_saved, int) or isinstance(n_saved, bool) or n_saved < 1:
             raise ValueError(f"Argument n_saved should be a positive integer, got {n_saved!r}.")
-        if mode is None:
-            mode = "min" if "loss" in metric.lower() else "max"
-        if mode not in ("max", "min"):
-            raise ValueError(f"Argument mode should be 'max' or 'min', got {mode!r}.")
+        mode = metric_mode(metric, mode)
         for reserved in ("rng", "config", "best_table"):
             if reserved in to_save:
                 raise ValueError(f"Argument to_save should not use the reserved key {reserved!r}.")
@@ -257,6 +258,7 @@ class BestCheckpoint:
         evaluator.add_event_handler(Events.COMPLETED, self.last)
 
     def _refuse_non_finite(self, evaluator: Engine) -> None:
+        require_metric(evaluator.state.metrics, self.metric, "BestCheckpoint")
         epoch = self._trainer.state.epoch
         bad = sorted(k for k, v in evaluator.state.metrics.items()
                      if isinstance(v, (int, float)) and not math.isfinite(v))
