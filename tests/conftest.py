@@ -27,6 +27,20 @@ def no_process_group_left_behind():
     assert not leaked, "the test left a process group (or Ignite's cached one) behind"
 
 
+def assert_doctests_pass(module) -> None:
+    """The module's docstring examples run and pass, and there are some (a deleted example fails too)."""
+    import doctest
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0, (module.__name__, result)
+
+
+def error_lines(stderr: str) -> list:
+    """The lines a run printed on stderr, less the one-time notice a CPU without native bfloat16 gets
+    (by design, and on some CI machines only)."""
+    return [line for line in stderr.strip().splitlines() if "has no native bfloat16 instructions" not in line]
+
+
 def tiny_config(tmp_path, **over) -> dict:
     """A CPU run of a few seconds for end-to-end CLI tests; ``over`` updates sections key by key."""
     cfg = {"name": "u", "device": "cpu", "output_dir": str(tmp_path / "run"),

@@ -1,7 +1,8 @@
-import doctest
 import os
 
 import pytest
+
+from conftest import assert_doctests_pass
 import torch
 from ignite.engine import Engine, Events
 
@@ -30,7 +31,7 @@ def files(path, prefix):
 
 
 def test_docstring_example_runs():
-    assert doctest.testmod(ignite_amp.handlers.best_checkpoint).failed == 0
+    assert_doctests_pass(ignite_amp.handlers.best_checkpoint)
 
 
 def test_keeps_the_n_best_by_accuracy_and_one_last(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, ROOT, id_batches, mlp
+from conftest import CONFIGS, ROOT, error_lines, id_batches, mlp
 from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli import main
@@ -43,7 +43,7 @@ def test_a_signal_after_the_first_checkpoint_resumes_with_the_same_command(quick
     if signum == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL
     else:  # a scheduler's SIGTERM: one line, like Ctrl-C, and the same code a plain SIGTERM gives
-        assert proc.returncode == 143 and err.strip().splitlines() == [
+        assert proc.returncode == 143 and error_lines(err) == [
             "ignite-amp: terminated (SIGTERM): run the same command to resume from the last checkpoint"], err
         assert "ignite-amp: terminated" in open(os.path.join(cfg["output_dir"], "train.log")).read()
     done = max(int(f.split("_")[-1].split(".")[0]) for f in os.listdir(ckpts) if f.startswith("last_"))

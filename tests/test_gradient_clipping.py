@@ -1,11 +1,10 @@
-import doctest
 
 import pytest
 import torch
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.gradient_clipping
-from conftest import id_batches, mlp
+from conftest import assert_doctests_pass, id_batches, mlp
 from ignite_amp.handlers import GradientClipping
 from ignite_amp import AmpEvents, create_amp_trainer
 
@@ -20,7 +19,7 @@ def big_batches():
 
 
 def test_docstring_example_runs():
-    assert doctest.testmod(ignite_amp.handlers.gradient_clipping).failed == 0
+    assert_doctests_pass(ignite_amp.handlers.gradient_clipping)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

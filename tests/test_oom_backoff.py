@@ -1,4 +1,3 @@
-import doctest
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.handlers.oom_backoff
-from conftest import OOMAbove, id_batches
+from conftest import OOMAbove, assert_doctests_pass, id_batches
 from ignite_amp.handlers import BatchSizeFloorError, OOMBackoff
 from ignite_amp.handlers.oom_backoff import backoff_micro_batches, micro_batch_size
 from ignite_amp import create_amp_evaluator, create_amp_trainer
@@ -17,7 +16,7 @@ from ignite_amp.run import build_run
 
 
 def test_docstring_examples():
-    assert doctest.testmod(ignite_amp.handlers.oom_backoff).failed == 0
+    assert_doctests_pass(ignite_amp.handlers.oom_backoff)
 
 
 @pytest.mark.parametrize("batch, chunks, expected", [

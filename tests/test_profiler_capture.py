@@ -1,4 +1,3 @@
-import doctest
 import glob
 import json
 import os
@@ -14,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.profiler_capture
-from conftest import ROOT, id_batches, mlp
+from conftest import ROOT, assert_doctests_pass, id_batches, mlp
 from ignite_amp import create_amp_trainer
 from ignite_amp.handlers import ProfilerCapture
 from ignite_amp.handlers.profiler_capture import format_breakdown, step_breakdown
@@ -40,7 +39,7 @@ def read_trace(tmp_path):
 
 
 def test_docstring_example_runs():
-    assert doctest.testmod(ignite_amp.handlers.profiler_capture).failed == 0
+    assert_doctests_pass(ignite_amp.handlers.profiler_capture)
 
 
 def test_writes_a_chrome_trace_the_breakdown_and_the_operator_table(tmp_path):

@@ -1,4 +1,3 @@
-import doctest
 import os
 import re
 
@@ -12,7 +11,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.tensorboard_metrics
-from conftest import ROOT, id_batches, mlp
+from conftest import ROOT, assert_doctests_pass, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
 from ignite_amp.handlers.tensorboard_metrics import FACTS_TAG, LAYOUT, TAGS, scale_tensor
@@ -67,7 +66,7 @@ def values(acc, tag):
 
 
 def test_docstring_example_runs():
-    assert doctest.testmod(ignite_amp.handlers.tensorboard_metrics).failed == 0
+    assert_doctests_pass(ignite_amp.handlers.tensorboard_metrics)
 
 
 def test_logs_every_tag_of_a_cpu_run_and_no_hparam_scalars(logged):
