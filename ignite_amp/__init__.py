@@ -21,8 +21,8 @@ _EXPORTS = {
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
-_SUBMODULES = ("batch_search", "batch_size", "batching", "builders", "cli", "collectives", "compare", "config",
-               "contracts", "data", "device", "engine", "errors", "eval_step", "events", "facts", "launcher",
+_SUBMODULES = ("batch_search", "batch_size", "batching", "builders", "checkpoint_io", "cli", "collectives", "compare",
+               "config", "contracts", "data", "device", "engine", "errors", "eval_step", "events", "facts", "launcher",
                "metric_modes", "models", "phases", "rng", "run", "scaler", "step", "step_base")
 
 __all__ = list(_EXPORTS)

@@ -153,14 +153,16 @@ def one_line(exc: BaseException) -> str:
 
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
+    from ignite_amp.checkpoint_io import disk_full
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS
 
     if isinstance(exc, USER_ERRORS):
         return 2, f"ignite-amp: error: {one_line(exc)}"
     if isinstance(exc, RUN_STOPPED):
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return 1, (f"ignite-amp: stopped: no space left on device ({exc.filename or 'writing the run'}); "
+    if disk_full(exc):
+        where = getattr(exc, "filename", None) or "writing the run"
+        return 1, (f"ignite-amp: stopped: no space left on device ({where}); "
                    f"the last checkpoint is kept: free space and run the same command to resume")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
                                                    errno.ENOTDIR):

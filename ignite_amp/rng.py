@@ -1,10 +1,12 @@
 """Random-number-generator state: Python's and torch's (CPU, and CUDA once it is initialised)."""
 import logging
 import random
+from typing import Mapping
 
 import torch
+from ignite.base.mixins import Serializable
 
-__all__ = ["get_rng_state", "set_rng_state"]
+__all__ = ["get_rng_state", "set_rng_state", "RNGState"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -35,3 +37,16 @@ def set_rng_state(state: dict) -> None:
         if len(saved) > count:
             logger.warning("the checkpoint holds the CUDA random states of %d GPUs and this machine has %d: "
                            "restored those of cuda:0 to cuda:%d", len(saved), count, count - 1)
+
+
+class RNGState(Serializable):
+    """Python and torch (CPU and CUDA) random states, so a resumed run draws the same numbers."""
+
+    _state_dict_all_req_keys = ("python", "torch")
+
+    def state_dict(self) -> dict:
+        return get_rng_state()
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        super().load_state_dict(state_dict)
+        set_rng_state(state_dict)

@@ -26,7 +26,7 @@ from ignite_amp.events import AmpEvents
 from ignite_amp.facts import config_facts
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  TensorBoardMetrics)
-from ignite_amp.handlers.best_checkpoint import load_checkpoint
+from ignite_amp.checkpoint_io import load_checkpoint
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.resume import check_resume
@@ -110,7 +110,9 @@ class Run:
                 step, world = self.trainer.amp_step, idist.get_world_size()
                 where = (f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1
                          else describe_device(step.device))
-                self.print(f"training {cfg['name']} on {where} with {dtype_name(step.dtype)} autocast; "
+                precision = ("float32 (autocast off)" if step.dtype == torch.float32
+                             else f"{dtype_name(step.dtype)} autocast")
+                self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
                     self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
