@@ -1,6 +1,6 @@
 """Samples/s against batch size with the search's own trials: the evidence for the default objective.
 
-Runs :class:`ignite_amp.batch_size.TrialRunner` (real AMP steps on the config's model, dtype and
+Runs :class:`ignite_amp.batch_search.TrialRunner` (real AMP steps on the config's model, dtype and
 input shape; ``--steps`` timed steps after one warmup step) at each size, ``--repeats`` times in
 a shuffled order, and prints per size the median ms/step and samples/s with their spread over
 the repeats; then, for each repeat, the batch ``--objective fastest`` would keep (the smallest
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ignite_amp.batch_size import TrialRunner
+from ignite_amp.batch_search import TrialRunner
 from ignite_amp.builders import build_optimizer, input_shape, seed_everything
 from ignite_amp.config import load_config
 from ignite_amp.models import build_model

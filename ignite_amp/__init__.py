@@ -17,11 +17,11 @@ _EXPORTS = {
     "ConfigError": "ignite_amp.errors",
     "load_config": "ignite_amp.config",
     "train_from_config": "ignite_amp.run",
-    "find_batch_size": "ignite_amp.batch_size",
+    "find_batch_size": "ignite_amp.batch_search",
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
-_SUBMODULES = ("batch_search", "batch_size", "batching", "builders", "checkpoint_io", "cli", "collectives", "compare",
+_SUBMODULES = ("batch_search", "batching", "builders", "checkpoint_io", "cli", "collectives", "compare",
                "config", "contracts", "data", "device", "engine", "errors", "eval_step", "events", "facts", "launcher",
                "metric_modes", "models", "phases", "rng", "run", "scaler", "step", "step_base")
 

@@ -15,7 +15,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
-from ignite_amp.batch_size import find_batch_size, print_progress
+from ignite_amp.batch_search import find_batch_size, print_progress
 from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs, config_device,
                                  input_shape, seed_everything)
 from ignite_amp.collectives import is_distributed
@@ -463,8 +463,8 @@ def _check_backoff_mode(cfg: dict) -> None:
 
 def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       device: torch.device, objective: str = "largest", progress: bool = False):
-    """Run :func:`~ignite_amp.batch_size.find_batch_size` for a config's model, dtype, input shape and
-    evaluation batch; returns its :class:`~ignite_amp.batch_size.BatchSizeResult` (the size per
+    """Run :func:`~ignite_amp.batch_search.find_batch_size` for a config's model, dtype, input shape and
+    evaluation batch; returns its :class:`~ignite_amp.batch_search.BatchSizeResult` (the size per
     process, the trials, ``.table``). ``progress``: rank 0 prints each trial on stderr."""
     if device.type != "cuda":
         raise ConfigError(f"data.batch_size: the batch-size search needs a GPU, and this run is on {device}")

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-import ignite_amp.batch_search
-import ignite_amp.batch_size
+import ignite_amp.batch_search.policy
+import ignite_amp.batch_search.runner
 from conftest import OOMAbove, ROOT, assert_doctests_pass
 from ignite_amp.batch_search import VERIFY_STAGES, Trial, fit_line, format_trials, search_batch_size
-from ignite_amp.batch_size import MemoryMeter, TrialRunner, find_batch_size
+from ignite_amp.batch_search import MemoryMeter, TrialRunner, find_batch_size
 from ignite_amp.cli import main
 from ignite_amp.config import load_config, write_batch_size
 
@@ -21,8 +21,8 @@ GiB, MiB = 2**30, 2**20
 
 
 def test_docstring_examples():
-    assert_doctests_pass(ignite_amp.batch_search)
-    assert_doctests_pass(ignite_amp.batch_size)
+    assert_doctests_pass(ignite_amp.batch_search.policy)
+    assert_doctests_pass(ignite_amp.batch_search.runner)
 
 
 # -- the policy, on a simulated device ---------------------------------------------------------

@@ -187,7 +187,7 @@ def test_nccl_without_cuda_is_refused_in_one_line(tmp_path):
 
 def _search_on_rank(limits: dict) -> int:
     from conftest import OOMAbove, mlp  # noqa: F401  (stand-in: a model that runs out of memory above a size)
-    from ignite_amp.batch_size import find_batch_size
+    from ignite_amp.batch_search import find_batch_size
 
     model = OOMAbove(limit=limits[dist.get_rank()])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -20,10 +20,13 @@ def modules() -> dict:
     """{module name: path} of every module of the package, handlers included."""
     found = {}
     for package, folder in PACKAGES.items():
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
-                found[module] = os.path.join(folder, name)
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(root, d, "__init__.py")))
+            rel = os.path.relpath(root, folder)
+            here = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    found[here if name == "__init__.py" else f"{here}.{name[:-3]}"] = os.path.join(root, name)
     return found
 
 
@@ -113,7 +116,7 @@ def test_layers():
 
 
 # Modules still over 400 lines, to be split by issue 19's redesign (the step's modules are done).
-HALLS_LEFT = {"ignite_amp.config", "ignite_amp.batch_search", "ignite_amp.run"}
+HALLS_LEFT = {"ignite_amp.config", "ignite_amp.run"}
 
 
 def test_no_new_module_is_a_hall():
@@ -131,6 +134,7 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ignite_amp", next(t for t in tops if t.endswith(".dist-info"))}, tops
     assert "ignite_amp/handlers/oom_backoff.py" in names and "ignite_amp/handlers/__init__.py" in names
+    assert "ignite_amp/batch_search/policy.py" in names
 
 
 def test_importing_the_package_leaves_logging_alone():

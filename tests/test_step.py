@@ -378,7 +378,7 @@ def test_devices_that_are_not_there_are_named(monkeypatch):
 def test_a_cuda_device_always_carries_its_index(monkeypatch):
     """torch.cuda.{get,set}_per_process_memory_fraction refuse torch.device("cuda"): the search's
     capacity read crashed on every single-GPU run with device auto."""
-    from ignite_amp.batch_size import CudaMemoryMeter
+    from ignite_amp.batch_search import CudaMemoryMeter
     from ignite_amp.device import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,6 +1,6 @@
 """Automatic batch-size search with real steps: the trials, the memory meter and the clock.
 
-The policy (which sizes to try, which to keep) is :func:`ignite_amp.batch_search.search_batch_size`,
+The policy (which sizes to try, which to keep) is :func:`ignite_amp.batch_search.policy.search_batch_size`,
 a pure function. :func:`find_batch_size` gives it real trials: the AMP step (autocast forward,
 scaled backward, optimizer step, so the optimizer state is allocated inside the measurement)
 on the real model, dtype and input shape, an evaluation pass, peak memory read from a
@@ -17,16 +17,16 @@ import ignite.distributed as idist
 import torch
 from ignite.utils import apply_to_type
 
-from ignite_amp.batch_search import (GIB, OBJECTIVES, STRATEGIES, TABLE_HEADER, VERIFY_STAGES, BatchSizeResult,
-                                     Trial, format_trial, format_trials, search_batch_size)
+from ignite_amp.batch_search.policy import VERIFY_STAGES, search_batch_size
+from ignite_amp.batch_search.results import GIB, TABLE_HEADER, BatchSizeResult, Trial, format_trial
 from ignite_amp.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.rng import get_rng_state, set_rng_state
 from ignite_amp.device import free_memory, is_oom_error, resolve_device
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 
-__all__ = ["Trial", "BatchSizeResult", "MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner",
-           "search_batch_size", "find_batch_size", "format_trials", "print_progress", "OBJECTIVES", "STRATEGIES"]
+__all__ = ["MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner", "find_batch_size",
+           "print_progress"]
 
 
 class MemoryMeter:
