@@ -21,9 +21,9 @@ _EXPORTS = {
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
-_SUBMODULES = ("batch_search", "batching", "builders", "checkpoint_io", "cli", "collectives", "compare",
-               "config", "contracts", "data", "device", "engine", "errors", "eval_step", "events", "facts", "launcher",
-               "metric_modes", "models", "phases", "rng", "run", "scaler", "step", "step_base")
+_SUBMODULES = ("batch_search", "batching", "builders", "checkpoint_io", "cli", "collectives", "compare", "config",
+               "config_search", "contracts", "data", "device", "engine", "epochs", "errors", "eval_step", "events",
+               "facts", "launcher", "metric_modes", "models", "phases", "rng", "run", "scaler", "step", "step_base")
 
 __all__ = list(_EXPORTS)
 

@@ -62,11 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _find_batch_size(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config, write_batch_size
     from ignite_amp.launcher import launch
-    from ignite_amp.run import search_from_config
+    from ignite_amp.config_search import search_config
 
     cfg = load_config(args.config, args.overrides)
     # Progress: one line per trial on stderr as it finishes; then the table on stdout.
-    result, device_name, world = launch(cfg, search_from_config, cfg, args.objective, True)
+    result, device_name, world = launch(cfg, search_config, cfg, args.objective, True)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun, rank 0 reports
     print(f"{cfg['model']['name']} on {device_name}, dtype {cfg['amp']['dtype']}")

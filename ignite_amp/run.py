@@ -5,7 +5,6 @@ This is the one module of ``ignite_amp`` that imports ``handlers``.
 import logging
 import os
 import sys
-import time
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Tuple
@@ -15,11 +14,11 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
-from ignite_amp.batch_search import find_batch_size, print_progress
 from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs, config_device,
-                                 input_shape, seed_everything)
+                                 seed_everything)
 from ignite_amp.collectives import is_distributed
 from ignite_amp.config import load_config, save_config
+from ignite_amp.config_search import search_built
 from ignite_amp.data import build_loaders
 from ignite_amp.errors import CheckpointError, ConfigError
 from ignite_amp.events import AmpEvents
@@ -30,11 +29,12 @@ from ignite_amp.checkpoint_io import load_checkpoint
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.resume import check_resume
-from ignite_amp.rundir import LogFile, RunLock, check_writable, free_bytes, move_previous_run
+from ignite_amp.rundir import LogFile, RunLayout, RunLock, check_writable, free_bytes, move_previous_run
 from ignite_amp.device import describe_device, dtype_name
-from ignite_amp.engine import amp_step_of, create_amp_evaluator, create_amp_trainer
+from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
+from ignite_amp.epochs import EpochSummary, Validation
 
-__all__ = ["train_from_config", "build_run", "Run", "search_from_config", "safe_print"]
+__all__ = ["train_from_config", "build_run", "Run", "safe_print"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -87,16 +87,20 @@ class Run:
         return self.cfg["output_dir"]
 
     @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.cfg["output_dir"])
+
+    @property
     def tensorboard_dir(self) -> str:
-        return tensorboard_dir(self.cfg)
+        return self.layout.tensorboard_dir
 
     @property
     def profiler_dir(self) -> str:
-        return profiler_dir(self.cfg)
+        return self.layout.profiler_dir
 
     @property
     def checkpoint_dir(self) -> str:
-        return checkpoint_dir(self.cfg)
+        return self.layout.checkpoint_dir
 
     def train(self) -> dict:
         """Train to ``train.epochs``; returns the history and where things were written."""
@@ -148,19 +152,6 @@ class Run:
         return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]
 
 
-def tensorboard_dir(cfg: dict) -> str:
-    # The event files sit in output_dir itself: `tensorboard --logdir runs` names the run after it.
-    return cfg["output_dir"]
-
-
-def profiler_dir(cfg: dict) -> str:
-    return os.path.join(tensorboard_dir(cfg), "profiler")
-
-
-def checkpoint_dir(cfg: dict) -> str:
-    return os.path.join(cfg["output_dir"], "checkpoints")
-
-
 class _RunFiles:
     """Rank 0's hold on the run directory: the lock, the log file, and switches to restore at the end."""
 
@@ -191,57 +182,6 @@ def _release(lock: Optional[RunLock], log: LogFile) -> None:
     log.close()
     if lock is not None:
         lock.release()
-
-
-class _EpochSummary:
-    """Train loss (mean kept on device, one sync per epoch), samples/s, then validation."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.loss_sum: Optional[torch.Tensor] = None
-        self.items: Any = 0  # what the losses averaged over: samples, or num_items' items
-        self.samples = 0
-        self.start = 0.0
-
-    def attach(self, trainer: Engine) -> None:
-        self.step = amp_step_of(trainer)
-        trainer.add_event_handler(Events.EPOCH_STARTED, self.started)
-        trainer.add_event_handler(Events.ITERATION_COMPLETED, self.iteration)
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, self.completed)
-
-    def started(self, engine: Engine) -> None:
-        self.loss_sum, self.items, self.samples, self.start = None, 0, 0, time.perf_counter()
-
-    def iteration(self, engine: Engine) -> None:
-        step = self.step
-        weighted = step.loss * step.items
-        self.loss_sum = weighted if self.loss_sum is None else self.loss_sum + weighted
-        self.items = self.items + step.items
-        self.samples += step.batch_size
-
-    def completed(self, engine: Engine) -> None:
-        samples = self.samples
-        if self.loss_sum is None:
-            train_loss = float("nan")
-        else:  # over every rank's samples (all_reduce returns the tensor as it is in one process)
-            device = self.loss_sum.device
-            totals = torch.stack([self.loss_sum.double(), torch.as_tensor(self.items, dtype=torch.float64).to(device),
-                                  torch.tensor(samples, dtype=torch.float64, device=device)])
-            loss_sum, items, samples = idist.all_reduce(totals).tolist()
-            train_loss = loss_sum / max(items, 1)
-        seconds = time.perf_counter() - self.start  # after the .tolist() sync above
-        run = self.run
-        run.evaluator.run(run.val_loader)
-        metrics = dict(run.evaluator.state.metrics)
-        epoch, epochs = engine.state.epoch, engine.state.max_epochs
-        record = {"epoch": epoch, "train_loss": train_loss, "samples_per_sec": samples / max(seconds, 1e-9),
-                  **{f"val_{k}": float(v) for k, v in metrics.items()}}
-        run.history.append(record)
-        width = len(str(epochs))
-        run.print(f"epoch {epoch:>{width}}/{epochs}  train loss {train_loss:.4f}  "
-                  f"val accuracy {metrics.get('accuracy', float('nan')):.4f}  "
-                  f"val loss {metrics.get('loss', float('nan')):.4f}  "
-                  f"{record['samples_per_sec']:.0f} samples/s  {seconds:.1f}s")
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
@@ -303,19 +243,20 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
                 f"(no new search)")
         changes = check_resume(stored, cfg, resume_path)
     if main:
-        check_writable(checkpoint_dir(cfg), "output_dir")
+        layout = RunLayout(cfg["output_dir"])
+        check_writable(layout.checkpoint_dir, "output_dir")
         handlers = cfg["handlers"]
         if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
-            check_writable(tensorboard_dir(cfg), "output_dir")
+            check_writable(layout.tensorboard_dir, "output_dir")
         if handlers["profiler"]["enabled"]:
-            check_writable(profiler_dir(cfg), "output_dir")
+            check_writable(layout.profiler_dir, "output_dir")
     seed_everything(cfg["seed"])
     _check_backoff_mode(cfg)
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
     optimizer = build_optimizer(cfg["optimizer"], model)
     batch_search = None
     if cfg["data"]["batch_size"] == "auto":
-        batch_search = search_for_config(cfg, model, optimizer, device)
+        batch_search = search_built(cfg, model, optimizer, device)
         world = idist.get_world_size()
         cfg["data"]["batch_size"] = batch_search.batch_size * world
         per_rank = f" per process x {world} processes" if world > 1 else ""
@@ -368,7 +309,10 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
     if cfg["handlers"]["non_finite"]["enabled"]:  # first: its epoch-end check runs before evaluation and saving
         NonFiniteGuard(cfg["handlers"]["non_finite"]["max_consecutive"]).attach(trainer)
-    _EpochSummary(run).attach(trainer)
+    summary = EpochSummary(evaluator, run.history, run.print)
+    summary.attach(trainer)  # at each epoch's end: the training figures (one host sync),
+    Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
+    summary.attach_report(trainer)  # then the epoch's line
     _attach_handlers(run)
     if state is not None:
         _resume(run, resume_path, state, changes, epoch_length)
@@ -378,7 +322,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
         # No loss in the bar: showing it would sync the host with the device every iteration.
         ProgressBar(persist=False).attach(trainer)
     if main:
-        save_config(cfg, os.path.join(cfg["output_dir"], "config.yaml"))
+        save_config(cfg, RunLayout(cfg["output_dir"]).config_path)
         _warn_if_disk_is_short(cfg, model)
     return run
 
@@ -389,7 +333,7 @@ def _choose_resume(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[str],
     path, state = None, None
     if main:
         if resume == "auto":
-            path, state = BestCheckpoint.find_resumable(checkpoint_dir(cfg))
+            path, state = BestCheckpoint.find_resumable(RunLayout(cfg["output_dir"]).checkpoint_dir)
         elif resume:
             path = os.path.expanduser(resume)
             state = load_checkpoint(path)  # a missing or unreadable file is a one-line error
@@ -443,11 +387,11 @@ def _warn_if_disk_is_short(cfg: dict, model: torch.nn.Module) -> None:
     files and a last one are kept, plus one being written."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     need = 3 * weights * (cfg["handlers"]["checkpoint"]["n_saved"] + 2)
-    free = free_bytes(checkpoint_dir(cfg))
+    free = free_bytes(RunLayout(cfg["output_dir"]).checkpoint_dir)
     if free is not None and free < need:
         logger.warning("only %.0f MB free under %s; this run's checkpoints may need about %.0f MB: a save that "
                        "runs out of space stops the run and keeps the previous checkpoint", free / 2**20,
-                       checkpoint_dir(cfg), need / 2**20)
+                       RunLayout(cfg["output_dir"]).checkpoint_dir, need / 2**20)
 
 
 def _check_backoff_mode(cfg: dict) -> None:
@@ -459,43 +403,6 @@ def _check_backoff_mode(cfg: dict) -> None:
                           f"{cfg['scheduler']['name']} schedule cannot follow; use micro_batch")
     if cfg["train"]["epoch_length"] is not None:
         raise ConfigError("handlers.oom_backoff.mode: batch changes the epoch length; leave train.epoch_length null")
-
-
-def search_for_config(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      device: torch.device, objective: str = "largest", progress: bool = False):
-    """Run :func:`~ignite_amp.batch_search.find_batch_size` for a config's model, dtype, input shape and
-    evaluation batch; returns its :class:`~ignite_amp.batch_search.BatchSizeResult` (the size per
-    process, the trials, ``.table``). ``progress``: rank 0 prints each trial on stderr."""
-    if device.type != "cuda":
-        raise ConfigError(f"data.batch_size: the batch-size search needs a GPU, and this run is on {device}")
-    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
-
-    def make_batch(n: int):
-        return (torch.randn(n, *shape, device=device), torch.randint(0, classes, (n,), device=device))
-
-    amp = cfg["amp"]
-    world, eval_batch = idist.get_world_size(), cfg["data"]["eval_batch_size"]
-    previous = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = amp["cudnn_benchmark"]  # the run's convolution algorithms and workspaces
-    try:
-        return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
-                               dtype=amp["dtype"], channels_last=amp["channels_last"],
-                               fp32_modules=amp["fp32_modules"], objective=objective,
-                               eval_batch_size=eval_batch // world if eval_batch else None,
-                               progress=print_progress if progress and idist.get_rank() == 0 else None)
-    finally:
-        torch.backends.cudnn.benchmark = previous
-
-
-def search_from_config(cfg: dict, objective: str = "largest", progress: bool = False):
-    """``ignite-amp find-batch-size``: ``(result, device name, processes)``; the size is per process."""
-    device = config_device(cfg)
-    if device.type != "cuda":
-        raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
-    seed_everything(cfg["seed"])
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
-    result = search_for_config(cfg, model, build_optimizer(cfg["optimizer"], model), device, objective, progress)
-    return result, torch.cuda.get_device_name(device), idist.get_world_size()
 
 
 def _attach_handlers(run: Run) -> None:

@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import time
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from ignite_amp.errors import ConfigError, RunDirInUseError
 
@@ -16,15 +16,49 @@ try:
 except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
-__all__ = ["RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
+__all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
            "terminal_log_handler"]
 
 logger = logging.getLogger("ignite_amp")
 
 LOCK_NAME = ".lock"
 LOG_NAME = "train.log"
+CONFIG_NAME = "config.yaml"
+CHECKPOINTS = "checkpoints"
+PROFILER = "profiler"
 # What a training run writes in its output_dir (and what "starting over" moves aside).
-RUN_ARTIFACTS = ("checkpoints", "tensorboard", "profiler", "config.yaml", LOG_NAME, "events.out.tfevents.*")
+RUN_ARTIFACTS = (CHECKPOINTS, PROFILER, CONFIG_NAME, LOG_NAME, "events.out.tfevents.*")
+
+
+class RunLayout(NamedTuple):
+    """Where a run keeps each of its files: the one list of the run directory's names."""
+
+    output_dir: str
+
+    @property
+    def tensorboard_dir(self) -> str:
+        """The event files sit in output_dir itself: ``tensorboard --logdir runs`` names the run after it."""
+        return self.output_dir
+
+    @property
+    def profiler_dir(self) -> str:
+        return os.path.join(self.output_dir, PROFILER)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.output_dir, CHECKPOINTS)
+
+    @property
+    def config_path(self) -> str:
+        return os.path.join(self.output_dir, CONFIG_NAME)
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.output_dir, LOG_NAME)
+
+    @property
+    def lock_path(self) -> str:
+        return os.path.join(self.output_dir, LOCK_NAME)
 
 
 class RunLock:
@@ -36,7 +70,7 @@ class RunLock:
     """
 
     def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, LOCK_NAME)
+        self.path = RunLayout(output_dir).lock_path
         self._fd: Optional[int] = None
 
     def acquire(self) -> "RunLock":
@@ -139,7 +173,7 @@ class LogFile:
     it changes no logger's level, so the terminal shows what it showed before."""
 
     def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, LOG_NAME)
+        self.path = RunLayout(output_dir).log_path
         self.handler: Optional[logging.Handler] = None
 
     def open(self) -> "LogFile":

@@ -405,15 +405,15 @@ def fake_search(objective="largest"):
 
 
 def test_cli_prints_the_table_the_choice_and_why_and_writes(tmp_path, capsys, monkeypatch):
-    import ignite_amp.run
+    import ignite_amp.config_search
 
     asked = {}
 
-    def search_from_config(cfg, objective="largest", progress=False):
+    def search_config(cfg, objective="largest", progress=False):
         asked.update(objective=objective, progress=progress)
         return fake_search(objective), "Stand-in GPU", 1
 
-    monkeypatch.setattr(ignite_amp.run, "search_from_config", search_from_config)
+    monkeypatch.setattr(ignite_amp.config_search, "search_config", search_config)
     path = tmp_path / "c.yaml"
     path.write_text("# mine\ndata: {name: shapes, batch_size: 64}\n")
     assert main(["find-batch-size", str(path), "--objective", "fastest", "--write"]) == 0
@@ -431,7 +431,7 @@ def test_cli_prints_the_table_the_choice_and_why_and_writes(tmp_path, capsys, mo
 def test_a_run_with_batch_size_auto_keeps_the_search(quick_cfg, monkeypatch):
     import ignite_amp.run
 
-    monkeypatch.setattr(ignite_amp.run, "search_for_config", lambda cfg, model, optimizer, device: fake_search())
+    monkeypatch.setattr(ignite_amp.run, "search_built", lambda cfg, model, optimizer, device: fake_search())
     lines = []
     run = ignite_amp.run.build_run(dict(quick_cfg, data=dict(quick_cfg["data"], batch_size="auto")),
                                    print_fn=lines.append)
@@ -447,7 +447,7 @@ def test_a_run_with_batch_size_auto_keeps_the_search(quick_cfg, monkeypatch):
 @pytest.mark.parametrize("autotune", [True, False])
 def test_the_search_runs_the_convolution_algorithms_the_run_will(monkeypatch, autotune):
     """cudnn.benchmark picks other algorithms (and workspaces) than the heuristics: search with the run's setting."""
-    import ignite_amp.run
+    import ignite_amp.config_search
 
     seen = {}
 
@@ -455,10 +455,10 @@ def test_the_search_runs_the_convolution_algorithms_the_run_will(monkeypatch, au
         seen.update(benchmark=torch.backends.cudnn.benchmark, eval_batch_size=kwargs["eval_batch_size"])
         return fake_search()
 
-    monkeypatch.setattr(ignite_amp.run, "find_batch_size", find_batch_size)
+    monkeypatch.setattr(ignite_amp.config_search, "find_batch_size", find_batch_size)
     cfg = load_config({"amp": {"cudnn_benchmark": autotune}, "data": {"eval_batch_size": 500}})
     before = torch.backends.cudnn.benchmark
-    ignite_amp.run.search_for_config(cfg, nn.Linear(2, 2), None, torch.device("cuda"))
+    ignite_amp.config_search.search_built(cfg, nn.Linear(2, 2), None, torch.device("cuda"))
     assert seen == {"benchmark": autotune, "eval_batch_size": 500}
     assert torch.backends.cudnn.benchmark == before
 
