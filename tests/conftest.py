@@ -100,17 +100,10 @@ def mlp(in_features: int = 5, classes: int = 3, seed: int = 0) -> nn.Module:
 
 @pytest.fixture
 def quick_cfg(tmp_path):
-    """A shortened quickstart config that trains in seconds."""
-    return {
-        "name": "test",
-        "output_dir": str(tmp_path / "run"),
-        "device": "cpu",
-        "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 256, "val_size": 64,
-                 "image_size": 16},
-        "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 10, "kwargs": {"width": 8}},
-        "optimizer": {"name": "AdamW", "lr": 3e-3},
-        "train": {"epochs": 2},
-    }
+    """:func:`tiny_config` with more data, two epochs and the default handlers (TensorBoard on)."""
+    cfg = tiny_config(tmp_path, name="test", data={"train_size": 256, "val_size": 64}, train={"epochs": 2})
+    del cfg["handlers"]
+    return cfg
 
 
 class OOMCNN(nn.Module):

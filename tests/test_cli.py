@@ -18,18 +18,19 @@ def test_quickstart_config_is_valid_and_uses_no_download():
 
 
 def test_quickstart_end_to_end_through_the_cli(tmp_path):
-    """The README quickstart, shortened: `python -m ignite_amp train configs/quickstart.yaml`."""
+    """The README quickstart as written (`python -m ignite_amp train configs/quickstart.yaml`), into a
+    temporary output_dir: it reaches the validation accuracy the README states (above 0.9)."""
     out = tmp_path / "qs"
     cmd = [sys.executable, "-m", "ignite_amp", "train", os.path.join(CONFIGS, "quickstart.yaml"),
-           "--set", f"output_dir={out}", "--set", "train.epochs=2", "--set", "data.train_size=1024",
-           "--set", "data.val_size=256"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+           "--set", f"output_dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     epochs = [line for line in lines if line.startswith("epoch ")]
-    assert len(epochs) == 2 and "val accuracy" in epochs[0] and "samples/s" in epochs[0]
+    assert len(epochs) == 5 and "val accuracy" in epochs[0] and "samples/s" in epochs[0]
+    assert float(epochs[-1].split("val accuracy ")[1].split()[0]) > 0.9
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["train"]["epochs"] == 2 and saved["output_dir"] == str(out)
+    assert saved["train"]["epochs"] == 5 and saved["output_dir"] == str(out)
     assert "Traceback" not in proc.stderr
     # The event files sit in output_dir: `tensorboard --logdir <its parent>` names the run "qs".
     assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
@@ -41,7 +42,7 @@ def test_train_from_config_learns_shapes(quick_cfg):
     history = result["history"]
     assert [h["epoch"] for h in history] == [1, 2, 3]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
-    assert 0.0 <= history[-1]["val_accuracy"] <= 1.0
+    assert history[-1]["val_accuracy"] > 0.2  # ten classes: chance is 0.1
 
 
 def test_num_classes_mismatch_and_unknown_model(quick_cfg, capsys, tmp_path):
