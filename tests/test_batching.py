@@ -73,3 +73,10 @@ def test_batch_size_skips_scalars():
     assert batch_size_of({"scale": torch.tensor(1.0), "x": torch.ones(4, 2)}) == 4
     with pytest.raises(TypeError, match="cannot find a tensor"):
         batch_size_of(["a", "b"])
+
+
+def test_split_batch_keeps_structure():
+    x, y = torch.arange(10), torch.arange(10) * 2
+    parts = split_batch((x, {"y": y}), 3)
+    assert [len(p[0]) for p in parts] == [4, 3, 3]
+    assert torch.equal(torch.cat([p[1]["y"] for p in parts]), y)

@@ -3,6 +3,8 @@ import os
 import pytest
 import yaml
 
+import ignite_amp.config
+from conftest import assert_doctests_pass
 from ignite_amp.cli import main
 from ignite_amp.config import ConfigError, default_config, flatten_config, load_config
 
@@ -106,3 +108,7 @@ def test_flatten_config():
     flat = flatten_config(load_config({}))
     assert flat["optimizer.lr"] == 3e-4 and flat["amp.fp32_modules"] == "[]"
     assert flat["optimizer.kwargs"] == "{'weight_decay': 0.05}"
+
+
+def test_docstring_examples_run():
+    assert_doctests_pass(ignite_amp.config)

@@ -14,7 +14,7 @@ import ignite_amp.handlers.tensorboard_metrics
 from conftest import ROOT, assert_doctests_pass, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
-from ignite_amp.handlers.tensorboard_metrics import FACTS_TAG, LAYOUT, TAGS, scale_tensor
+from ignite_amp.handlers.tensorboard_metrics import FACTS_TAG, LAYOUT, TAGS
 
 MAX_NORM = 10.0
 
@@ -236,16 +236,6 @@ def test_one_host_sync_per_log(tmp_path, monkeypatch):
     assert reads == ["tolist", "tolist"]  # two logs, one read each (loss, grad norm, clip count, scale)
     acc = read(tmp_path)
     assert sorted(values(acc, "amp/loss_scale")) == [2, 4] and values(acc, "train/clip_fraction")
-
-
-def test_scale_tensor_is_the_scalers_scale_without_a_sync():
-    """Breaks loudly if torch renames GradScaler's private accessor."""
-    model = mlp()
-    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
-                                 dtype="float16", scaler_kwargs={"init_scale": 1024.0})
-    trainer.run(id_batches(8, 8), max_epochs=1)
-    scale = scale_tensor(trainer.amp_step.scaler)
-    assert torch.is_tensor(scale) and scale.item() == trainer.amp_step.scaler.get_scale() == 1024.0
 
 
 @pytest.mark.parametrize("clip_first", [False, True])

@@ -134,7 +134,7 @@ def test_an_internal_error_is_one_line_pointing_at_the_log_and_debug_shows_it(tm
 
     cfg = config(tmp_path)
     path = write(tmp_path, cfg)
-    monkeypatch.setattr(run_module._EpochSummary, "completed", broken)
+    monkeypatch.setattr(run_module.EpochSummary, "measure", broken)
     assert main(["train", path]) == 1
     err = capsys.readouterr().err
     log = os.path.join(cfg["output_dir"], "train.log")
