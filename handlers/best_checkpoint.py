@@ -1,4 +1,5 @@
 """Best-validation checkpoints plus a ``last`` checkpoint per epoch, crash-safe, with full resume."""
+import dataclasses
 import logging
 import math
 import os
@@ -11,10 +12,23 @@ from ignite.handlers import Checkpoint, global_step_from_engine
 
 from ignite_amp.checkpoint_io import SafeDiskSaver, StoredValue, load_checkpoint
 from ignite_amp.errors import CheckpointError, NonFiniteError
+from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
 
-__all__ = ["BestCheckpoint", "CheckpointError", "all_finite"]
+__all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """handlers.checkpoint: the best checkpoints by a validation metric, a last one, and resume (BestCheckpoint)."""
+
+    metric: str = setting("accuracy", Choice("accuracy", "loss"), "the validation metric that ranks checkpoints",
+                          FIXED)
+    n_saved: int = setting(2, POSITIVE_INT, "best checkpoints kept")
+    resume: str = setting("auto", ResumeValue(),
+                          "auto: the newest checkpoint in output_dir; never: start over (the old run is moved "
+                          "aside); or a checkpoint path", NOT_COMPARED)
 
 logger = logging.getLogger("ignite_amp")
 
@@ -85,8 +99,7 @@ class BestCheckpoint:
 
     def __init__(self, dirname: str, to_save: Mapping[str, Any], metric: str = "accuracy", n_saved: int = 2,
                  mode: Optional[str] = None, config: Optional[dict] = None):
-        if not isinstance(n_saved, int) or isinstance(n_saved, bool) or n_saved < 1:
-            raise ValueError(f"Argument n_saved should be a positive integer, got {n_saved!r}.")
+        argument(CheckpointConfig, "n_saved", n_saved)
         mode = metric_mode(metric, mode)
         for reserved in ("rng", "config", "best_table"):
             if reserved in to_save:

@@ -1,4 +1,5 @@
 """Gradient clipping on unscaled gradients, once per optimizer step."""
+import dataclasses
 from typing import Iterable, Optional
 
 import torch
@@ -6,8 +7,24 @@ from ignite.engine import Engine
 
 from ignite_amp.events import AmpEvents
 from ignite_amp.engine import amp_step_of
+from ignite_amp.errors import ConfigError
+from ignite_amp.fields import Number, argument, setting
 
-__all__ = ["GradientClipping"]
+__all__ = ["ClippingConfig", "GradientClipping"]
+
+
+@dataclasses.dataclass
+class ClippingConfig:
+    """handlers.clipping: GradientClipping's arguments; both bounds null turns clipping off."""
+
+    max_norm: float = setting(1.0, Number(nullable=True), "clip the gradients' total norm to this (null: no norm clip)")
+    norm_type: float = setting(2.0, Number(allow_inf=True), "the norm's order (.inf for the max norm)")
+    clip_value: float = setting(None, Number(nullable=True), "clip each gradient element to [-v, v] instead")
+
+    @staticmethod
+    def check_values(values: dict, path: str) -> None:
+        if values["max_norm"] is not None and values["clip_value"] is not None:
+            raise ConfigError(f"{path}: set max_norm or clip_value, not both")
 
 
 class GradientClipping:
@@ -43,15 +60,9 @@ class GradientClipping:
                  clip_value: Optional[float] = None, parameters: Optional[Iterable[torch.Tensor]] = None):
         if (max_norm is None) == (clip_value is None):
             raise ValueError("Argument max_norm or clip_value should be given, and not both.")
-        if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
-            raise ValueError(f"Argument max_norm should be a positive number, got {max_norm!r}.")
-        if clip_value is not None and not (isinstance(clip_value, (int, float)) and clip_value > 0):
-            raise ValueError(f"Argument clip_value should be a positive number, got {clip_value!r}.")
-        if not (isinstance(norm_type, (int, float)) and norm_type > 0):
-            raise ValueError(f"Argument norm_type should be a positive number, got {norm_type!r}.")
-        self.max_norm = max_norm
-        self.norm_type = float(norm_type)
-        self.clip_value = clip_value
+        self.max_norm = argument(ClippingConfig, "max_norm", max_norm)
+        self.norm_type = argument(ClippingConfig, "norm_type", norm_type)
+        self.clip_value = argument(ClippingConfig, "clip_value", clip_value)
         self.parameters = list(parameters) if parameters is not None else None
         self.last_norm: Optional[torch.Tensor] = None
 

@@ -1,4 +1,5 @@
 """Stop a run whose loss or gradients go non-finite, naming the iteration, before anything saves."""
+import dataclasses
 import math
 from collections import deque
 from types import SimpleNamespace
@@ -11,8 +12,17 @@ from ignite_amp.errors import NonFiniteError
 from ignite_amp.events import AmpEvents
 from ignite_amp.device import dtype_name
 from ignite_amp.engine import amp_step_of
+from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
 
-__all__ = ["NonFiniteGuard", "NonFiniteError"]
+__all__ = ["NonFiniteConfig", "NonFiniteGuard", "NonFiniteError"]
+
+
+@dataclasses.dataclass
+class NonFiniteConfig:
+    """handlers.non_finite: stop on a NaN/inf loss or weights (NonFiniteGuard)."""
+
+    enabled: bool = setting(True, Boolean(), "attach the guard")
+    max_consecutive: int = setting(20, POSITIVE_INT, "skipped float16 steps in a row that stop the run")
 
 
 class NonFiniteGuard:
@@ -39,9 +49,7 @@ class NonFiniteGuard:
     RING = 8  # flags in flight before the guard waits for the oldest (the device would be 8 iterations behind)
 
     def __init__(self, max_consecutive: int = 20):
-        if not isinstance(max_consecutive, int) or isinstance(max_consecutive, bool) or max_consecutive < 1:
-            raise ValueError(f"Argument max_consecutive should be a positive integer, got {max_consecutive!r}.")
-        self.max_consecutive = max_consecutive
+        self.max_consecutive = argument(NonFiniteConfig, "max_consecutive", max_consecutive)
         self.consecutive = 0
         self.stepped_in_epoch = 0
         self.skipped_in_epoch = 0

@@ -1,4 +1,5 @@
 """Out-of-memory backoff: retry the same batch in smaller micro-batches, losing no sample."""
+import dataclasses
 import logging
 import math
 from typing import Optional
@@ -11,9 +12,22 @@ from torch.utils.data import DataLoader
 from ignite_amp.errors import BatchSizeFloorError
 from ignite_amp.events import AmpEvents
 from ignite_amp.engine import amp_step_of
+from ignite_amp.fields import POSITIVE_INT, Boolean, Choice, Integer, argument, setting
 from ignite_amp.step import AmpStep
 
-__all__ = ["OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
+__all__ = ["OOMBackoffConfig", "OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
+
+
+@dataclasses.dataclass
+class OOMBackoffConfig:
+    """handlers.oom_backoff: on out of memory, retry the same batch in smaller micro-batches (OOMBackoff)."""
+
+    enabled: bool = setting(True, Boolean(), "attach the backoff (trainer and evaluator)")
+    min_batch_size: int = setting(1, POSITIVE_INT, "smallest micro-batch to try before the run stops")
+    mode: str = setting("micro_batch", Choice("micro_batch", "batch"),
+                        "micro_batch keeps the loader's batch; batch also makes the loader's batch smaller")
+    grow_after: int = setting(None, Integer(1, nullable=True),
+                              "clean iterations after which the larger micro-batch is tried again; null: never")
 
 logger = logging.getLogger("ignite_amp")
 
@@ -70,13 +84,9 @@ class OOMBackoff(Serializable):
     _state_dict_all_req_keys = ("events", "loader_batch_size", "history", "clean")
 
     def __init__(self, min_batch_size: int = 1, mode: str = "micro_batch", grow_after: Optional[int] = None):
-        if not isinstance(min_batch_size, int) or isinstance(min_batch_size, bool) or min_batch_size < 1:
-            raise ValueError(f"Argument min_batch_size should be a positive integer, got {min_batch_size!r}.")
-        if mode not in ("micro_batch", "batch"):
-            raise ValueError(f"Argument mode should be 'micro_batch' or 'batch', got {mode!r}.")
-        if grow_after is not None and (not isinstance(grow_after, int) or grow_after < 1):
-            raise ValueError(f"Argument grow_after should be a positive integer or None, got {grow_after!r}.")
-        self.min_batch_size, self.mode, self.grow_after = min_batch_size, mode, grow_after
+        self.min_batch_size = argument(OOMBackoffConfig, "min_batch_size", min_batch_size)
+        self.mode = argument(OOMBackoffConfig, "mode", mode)
+        self.grow_after = argument(OOMBackoffConfig, "grow_after", grow_after)
         self.events = 0
         self.loader_batch_size: Optional[int] = None
         self.history: list = []  # micro_batches before each backoff, for grow_after

@@ -1,4 +1,5 @@
 """torch.profiler capture of a few training steps: a Chrome trace, an operator table and a step breakdown."""
+import dataclasses
 import os
 from typing import Dict, Iterable, List, Optional
 
@@ -7,9 +8,22 @@ import torch
 from torch.autograd import DeviceType
 from ignite.engine import Engine, Events
 
+from ignite_amp.fields import Boolean, Integer, argument, setting
 from ignite_amp.phases import PHASES as STEP_PHASES
 
-__all__ = ["ProfilerCapture", "step_breakdown", "format_breakdown"]
+__all__ = ["ProfilerConfig", "ProfilerCapture", "step_breakdown", "format_breakdown"]
+
+
+@dataclasses.dataclass
+class ProfilerConfig:
+    """handlers.profiler: capture torch.profiler windows of training iterations (ProfilerCapture)."""
+
+    enabled: bool = setting(False, Boolean(), "attach the profiler")
+    wait: int = setting(5, Integer(0), "iterations skipped before each window")
+    warmup: int = setting(2, Integer(0), "iterations profiled but discarded before each window")
+    active: int = setting(5, Integer(1), "iterations recorded per window")
+    repeat: int = setting(1, Integer(0), "windows to record (0: until the run ends)")
+    row_limit: int = setting(25, Integer(1), "rows of the operator table written beside each trace")
 
 # Ranges a profiled iteration is split into: torch labels the DataLoader's __next__, the AMP
 # step labels its phases (ignite_amp.phases) while a profiler records.
@@ -95,10 +109,8 @@ class ProfilerCapture:
     def __init__(self, logdir: str, wait: int = 5, warmup: int = 2, active: int = 5, repeat: int = 1,
                  record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,
                  row_limit: int = 25):
-        for name, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),
-                                 ("repeat", repeat, 0), ("row_limit", row_limit, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"Argument {name} should be an integer >= {low}, got {value!r}.")
+        for name, value in dict(wait=wait, warmup=warmup, active=active, repeat=repeat, row_limit=row_limit).items():
+            argument(ProfilerConfig, name, value)
         self.logdir = str(logdir)
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
         self.options = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)

@@ -3,6 +3,7 @@
 Each turns a validated config section into a torch object, or raises :class:`ConfigError`
 naming the key.
 """
+import dataclasses
 from typing import Optional
 
 import ignite.distributed as idist
@@ -12,9 +13,28 @@ from ignite.utils import manual_seed
 from ignite_amp.collectives import is_distributed
 from ignite_amp.errors import ConfigError
 from ignite_amp.device import is_oom_error, resolve_device
+from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
 
-__all__ = ["config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
+__all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
            "check_classes", "check_model_runs"]
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """optimizer: any torch.optim class, built as name(model.parameters(), lr=lr, **kwargs)."""
+
+    name: str = setting("AdamW", Text(r"[A-Za-z_]\w*", "a torch.optim class name"), "a torch.optim class name", FIXED)
+    lr: float = setting(3.0e-4, Number(), "the learning rate (a schedule's peak)", FIXED_UNDER_SCHEDULE)
+    kwargs: dict = setting({"weight_decay": 0.05}, Mapping(), "more keyword arguments for the optimizer",
+                           FIXED_UNDER_SCHEDULE)
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """scheduler: the learning-rate schedule, stepped once per optimizer step taken."""
+
+    name: str = setting("none", Choice("none", "cosine", "onecycle"), "none, cosine or onecycle", FIXED)
+    kwargs: dict = setting({}, Mapping(), "more keyword arguments for the torch scheduler", FIXED)
 
 
 def seed_everything(seed: int) -> None:

@@ -1,253 +1,104 @@
-"""YAML config: schema, defaults, validation with one-line errors, ``--set`` overrides.
+"""The YAML config: the tree of the components' declarations, read with one-line errors and ``--set``.
 
-A config is a plain nested dict. :func:`load_config` reads YAML (or takes a dict), applies
-``key.path=value`` overrides, fills defaults and refuses unknown keys, wrong types and
-impossible values with a :class:`ConfigError` whose message names the key path.
+Each component declares its own keys once, as a dataclass next to the code that uses them
+(:mod:`ignite_amp.fields`): ``amp`` in :mod:`ignite_amp.engine`, ``data`` in :mod:`ignite_amp.data`,
+``model`` in :mod:`ignite_amp.models`, ``optimizer`` and ``scheduler`` in :mod:`ignite_amp.builders`,
+``train`` in :mod:`ignite_amp.epochs`, ``distributed`` in :mod:`ignite_amp.launcher`, and each
+handler's in its handler's module. :class:`Config` gathers them; :func:`load_config` reads YAML
+(or a dict) against it, applies ``key.path=value`` overrides, fills defaults and refuses unknown
+keys, duplicate keys, wrong types and impossible values with a :class:`ConfigError` naming the
+key path. A resolved config is a plain nested dict: what ``config.yaml`` and checkpoints hold.
+:func:`config_schema` is the JSON Schema of the same tree (``ignite-amp schema``).
 """
 import copy
-import json
+import dataclasses
 import os
 import re
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Iterable, Union
 
 import yaml
 
+from ignite_amp.builders import OptimizerConfig, SchedulerConfig
+from ignite_amp.data import DataConfig
+from ignite_amp.engine import AmpConfig
+from ignite_amp.epochs import TrainConfig
 from ignite_amp.errors import ConfigError
+from ignite_amp.fields import (FIXED, NOT_COMPARED, Integer, Mapping, Text, child, defaults, defaults_of, json_schema,
+                               section, setting, show, validate)
+from ignite_amp.handlers.best_checkpoint import CheckpointConfig
+from ignite_amp.handlers.gradient_clipping import ClippingConfig
+from ignite_amp.handlers.non_finite_guard import NonFiniteConfig
+from ignite_amp.handlers.oom_backoff import OOMBackoffConfig
+from ignite_amp.handlers.profiler_capture import ProfilerConfig
+from ignite_amp.handlers.tensorboard_metrics import TensorBoardConfig
+from ignite_amp.launcher import DistributedConfig
+from ignite_amp.models import ModelConfig
 
-__all__ = ["ConfigError", "load_config", "default_config", "save_config", "flatten_config", "write_batch_size",
-           "SCHEMA"]
+__all__ = ["Config", "ConfigError", "load_config", "default_config", "save_config", "flatten_config",
+           "write_batch_size", "config_schema", "MAX_CONFIG_BYTES"]
 
-def _show(value: Any) -> str:
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return "null" if value is None else repr(value)
-
-
-class Field:
-    """A leaf of the schema: its default and a check that returns the (normalised) value."""
-
-    def __init__(self, default: Any, check: Callable[[Any, str], Any], doc: str = ""):
-        self.default = default
-        self.check = check
-        self.doc = doc
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; a larger file is a mistake (and slow to parse)
 
 
-def _fail(path: str, expected: str, value: Any) -> None:
-    raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+@dataclasses.dataclass
+class HandlersConfig:
+    """handlers: the run's handlers, each declared by its own module."""
+
+    clipping: ClippingConfig = section(ClippingConfig, ClippingConfig.__doc__)
+    checkpoint: CheckpointConfig = section(CheckpointConfig, CheckpointConfig.__doc__)
+    oom_backoff: OOMBackoffConfig = section(OOMBackoffConfig, OOMBackoffConfig.__doc__)
+    non_finite: NonFiniteConfig = section(NonFiniteConfig, NonFiniteConfig.__doc__)
+    profiler: ProfilerConfig = section(ProfilerConfig, ProfilerConfig.__doc__)
+    tensorboard: TensorBoardConfig = section(TensorBoardConfig, TensorBoardConfig.__doc__)
 
 
-def _number(value: Any) -> Optional[float]:
-    """A real number, accepting strings like "1e-3" that YAML 1.1 leaves as text."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return None
-        return number
-    return None
+@dataclasses.dataclass
+class Config:
+    """An ignite-amp run."""
 
+    name: str = setting("ignite-amp", Text(r"[\w.\-]+", "a name of letters, digits, '.', '_' or '-'"),
+                        "the run's name (default output_dir: runs/<name>)", NOT_COMPARED)
+    seed: int = setting(0, Integer(0, 2**32 - 1), "orders the data and makes the synthetic data sets", FIXED)
+    device: str = setting("auto", Text(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", "auto, cpu, cuda or cuda:N"),
+                          "auto, cpu, cuda or cuda:N")
+    output_dir: str = setting(None, Text(nullable=True), "checkpoints/, config.yaml, train.log and the "
+                              "TensorBoard files go here; default runs/<name>; ~ is expanded", NOT_COMPARED)
+    amp: AmpConfig = section(AmpConfig, AmpConfig.__doc__)
+    data: DataConfig = section(DataConfig, DataConfig.__doc__)
+    model: ModelConfig = section(ModelConfig, ModelConfig.__doc__)
+    optimizer: OptimizerConfig = section(OptimizerConfig, OptimizerConfig.__doc__)
+    scheduler: SchedulerConfig = section(SchedulerConfig, SchedulerConfig.__doc__)
+    train: TrainConfig = section(TrainConfig, TrainConfig.__doc__)
+    distributed: DistributedConfig = section(DistributedConfig, DistributedConfig.__doc__)
+    handlers: HandlersConfig = section(HandlersConfig, HandlersConfig.__doc__)
 
-def positive(allow_none: bool = False, allow_inf: bool = False) -> Callable:
-    def check(value, path):
-        if value is None and allow_none:
-            return None
-        number = _number(value)
-        if number is None or number != number or number <= 0 or (number == float("inf") and not allow_inf):
-            _fail(path, "a positive number" + (" or null" if allow_none else ""), value)
-        return number
-    return check
-
-
-def integer(minimum: int = 0, allow_none: bool = False, also: Iterable[str] = (),
-            maximum: Optional[int] = None) -> Callable:
-    also = tuple(also)
-
-    def check(value, path):
-        if value is None and allow_none:
-            return None
-        if isinstance(value, str) and value in also:
-            return value
-        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
-                or (maximum is not None and value > maximum)):
-            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            if maximum is not None:
-                what = f"an integer from {minimum} to {maximum}"
-            extra = [*(f'"{a}"' for a in also), *(["null"] if allow_none else [])]
-            _fail(path, what + "".join(f" or {e}" for e in extra), value)
-        return value
-    return check
-
-
-def boolean(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(path, "true or false", value)
-    return value
-
-
-def choice(*options: str) -> Callable:
-    def check(value, path):
-        if value not in options:
-            _fail(path, "one of " + ", ".join(options), value)
-        return value
-    return check
-
-
-def text(pattern: Optional[str] = None, what: str = "a string", allow_none: bool = False) -> Callable:
-    def check(value, path):
-        if value is None and allow_none:
-            return None
-        if not isinstance(value, str) or not value or (pattern and not re.fullmatch(pattern, value)):
-            _fail(path, what + (" or null" if allow_none else ""), value)
-        return value
-    return check
-
-
-def string_list(value: Any, path: str) -> list:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        _fail(path, "a list of names", value)
-    return list(value)
-
-
-def mapping(value: Any, path: str) -> dict:
-    """A free-form mapping (keyword arguments passed through to a constructor)."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        _fail(path, "a mapping", value)
-    return copy.deepcopy(value)
-
-
-def resume_value(value: Any, path: str) -> Union[str, bool]:
-    if value is False or value == "never":
-        return False
-    if value == "auto" or (isinstance(value, str) and value):
-        return value
-    _fail(path, '"auto", "never" or a checkpoint path', value)
-
-
-SCHEMA: Dict[str, Any] = {
-    "name": Field("ignite-amp", text(r"[\w.\-]+", "a name of letters, digits, '.', '_' or '-'")),
-    "seed": Field(0, integer(0, maximum=2**32 - 1)),
-    "device": Field("auto", text(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", "auto, cpu, cuda or cuda:N")),
-    "output_dir": Field(None, text(allow_none=True), "defaults to runs/<name>"),
-    "amp": {
-        "dtype": Field("auto", choice("auto", "float16", "bfloat16", "float32")),
-        "accumulation_steps": Field(1, integer(1)),
-        "micro_batches": Field(1, integer(1)),
-        "fp32_modules": Field([], string_list),
-        "channels_last": Field(False, boolean),
-        "compile": Field(False, boolean),
-        "cudnn_benchmark": Field(True, boolean, "CUDA: autotune convolutions for the run's fixed image shapes"),
-    },
-    "data": {
-        "name": Field("shapes", choice("shapes", "cifar10", "cifar100", "imagefolder", "fake")),
-        "root": Field("./data", text()),
-        "batch_size": Field(64, integer(1, also=("auto",), maximum=2**20)),
-        "eval_batch_size": Field(None, integer(1, allow_none=True, maximum=2**20)),
-        "num_workers": Field(2, integer(0, maximum=256)),
-        "download": Field(False, boolean),
-        "augment": Field(False, boolean),
-        "image_size": Field(None, integer(8, allow_none=True, maximum=4096)),
-        "train_size": Field(None, integer(1, allow_none=True, maximum=10**8)),
-        "val_size": Field(None, integer(1, allow_none=True, maximum=10**8)),
-    },
-    "model": {
-        "name": Field("resnet18", text(r"[\w.]+(:[\w.]+)?", 'a torchvision model name or "pkg.module:callable"')),
-        "num_classes": Field(10, integer(1)),
-        "kwargs": Field({}, mapping),
-    },
-    "optimizer": {
-        "name": Field("AdamW", text(r"[A-Za-z_]\w*", "a torch.optim class name")),
-        "lr": Field(3.0e-4, positive()),
-        "kwargs": Field({"weight_decay": 0.05}, mapping),
-    },
-    "scheduler": {
-        "name": Field("none", choice("none", "cosine", "onecycle")),
-        "kwargs": Field({}, mapping),
-    },
-    "train": {
-        "epochs": Field(5, integer(1)),
-        "epoch_length": Field(None, integer(1, allow_none=True), "iterations per epoch; null for the whole loader"),
-    },
-    "distributed": {
-        "backend": Field("auto", choice("auto", "nccl", "gloo")),
-        "nproc_per_node": Field(None, integer(1, allow_none=True, maximum=1024),
-                                "processes to spawn on this machine; null: one, or what torchrun started"),
-    },
-    "handlers": {
-        "clipping": {
-            "max_norm": Field(1.0, positive(allow_none=True)),
-            "norm_type": Field(2.0, positive(allow_inf=True)),
-            "clip_value": Field(None, positive(allow_none=True)),
-        },
-        "checkpoint": {
-            "metric": Field("accuracy", choice("accuracy", "loss")),
-            "n_saved": Field(2, integer(1)),
-            "resume": Field("auto", resume_value),
-        },
-        "oom_backoff": {
-            "enabled": Field(True, boolean),
-            "min_batch_size": Field(1, integer(1)),
-            "mode": Field("micro_batch", choice("micro_batch", "batch")),
-            "grow_after": Field(None, integer(1, allow_none=True)),
-        },
-        "non_finite": {
-            "enabled": Field(True, boolean),
-            "max_consecutive": Field(20, integer(1)),
-        },
-        "profiler": {
-            "enabled": Field(False, boolean),
-            "wait": Field(5, integer(0)),
-            "warmup": Field(2, integer(0)),
-            "active": Field(5, integer(1)),
-            "repeat": Field(1, integer(0)),
-        },
-        "tensorboard": {
-            "enabled": Field(True, boolean),
-            "log_every": Field(50, integer(1)),
-        },
-    },
-}
-
-
-def _defaults(schema: dict) -> dict:
-    return {k: _defaults(v) if isinstance(v, dict) else copy.deepcopy(v.default) for k, v in schema.items()}
+    @staticmethod
+    def check_values(cfg: dict, path: str) -> None:
+        """Rules between sections."""
+        backoff = cfg["handlers"]["oom_backoff"]
+        if not (backoff["enabled"] and backoff["mode"] == "batch"):
+            return
+        if cfg["scheduler"]["name"] != "none":
+            raise ConfigError(f"handlers.oom_backoff.mode: batch changes the steps per epoch, which a "
+                              f"{cfg['scheduler']['name']} schedule cannot follow; use micro_batch")
+        if cfg["train"]["epoch_length"] is not None:
+            raise ConfigError("handlers.oom_backoff.mode: batch changes the epoch length; leave train.epoch_length "
+                              "null")
 
 
 def default_config() -> dict:
     """The full config with every default filled in."""
-    return _defaults(SCHEMA)
+    return defaults(Config)
 
 
-def _validate(raw: Any, schema: dict, path: str) -> dict:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        _fail(path or "config", "a mapping", raw)
-    for key in raw:
-        if key not in schema:
-            where = f"{path}.{key}" if path else str(key)
-            raise ConfigError(f"{where}: unknown key (known: {', '.join(schema)})")
-    out = {}
-    for key, node in schema.items():
-        where = f"{path}.{key}" if path else key
-        if isinstance(node, dict):
-            out[key] = _validate(raw.get(key), node, where)
-        elif key in raw:
-            out[key] = node.check(raw[key], where)
-        else:
-            out[key] = copy.deepcopy(node.default)
-    return out
+def config_schema() -> dict:
+    """The JSON Schema (draft 07) of a config file, for editors (``# yaml-language-server: $schema=...``)."""
+    return {"$schema": "http://json-schema.org/draft-07/schema#", "title": "ignite-amp config",
+            **json_schema(Config)}
+
+
+def _fail(path: str, expected: str, value: Any) -> None:
+    raise ConfigError(f"{path}: expected {expected}, got {show(value)}")
 
 
 def _parse_override(item: str) -> tuple:
@@ -266,20 +117,20 @@ def _parse_override(item: str) -> tuple:
 
 def _apply_override(raw: dict, key: str, value: Any) -> None:
     parts = key.split(".")
-    node, schema = raw, SCHEMA
+    node, cls = raw, Config
     for i, part in enumerate(parts[:-1]):
-        sub = schema.get(part) if isinstance(schema, dict) else None
         where = ".".join(parts[: i + 1])
-        if isinstance(schema, dict) and sub is None:
-            raise ConfigError(f"{where}: unknown key (known: {', '.join(schema)})")
-        if isinstance(sub, Field) and sub.check is not mapping:
+        f = child(cls, part) if cls is not None else None
+        if cls is not None and f is None:
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(x.name for x in dataclasses.fields(cls))})")
+        if f is not None and "section" not in f.metadata and not isinstance(f.metadata["check"], Mapping):
             raise ConfigError(f"{where}: is a value, not a section")
         nxt = node.get(part)
         if nxt is None:  # a free mapping (kwargs) starts from its defaults
-            nxt = node[part] = copy.deepcopy(sub.default) if isinstance(sub, Field) else {}
+            nxt = node[part] = {} if f is None or "section" in f.metadata else copy.deepcopy(defaults_of(f))
         elif not isinstance(nxt, dict):
             _fail(where, "a mapping", nxt)
-        node, schema = nxt, (sub if isinstance(sub, dict) else None)
+        node, cls = nxt, (f.metadata["section"] if f is not None and "section" in f.metadata else None)
     node[parts[-1]] = value
 
 
@@ -305,6 +156,9 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: no such file")
     if os.path.isdir(path):
         raise ConfigError(f"{path}: is a directory, expected a YAML file")
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {os.path.getsize(path) / 2**20:.1f} MiB is not a config (the limit is "
+                          f"{MAX_CONFIG_BYTES // 2**20} MiB)")
     try:
         with open(path, encoding="utf-8") as f:
             return yaml.load(f, Loader=_UniqueKeyLoader)
@@ -341,7 +195,7 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
         _fail("config", "a mapping at the top level", raw)
     for item in overrides:
         _apply_override(raw, *_parse_override(item))
-    cfg = _validate(raw, SCHEMA, "")
+    cfg = validate(raw, Config)
     if cfg["output_dir"] is None:
         cfg["output_dir"] = os.path.join("runs", cfg["name"])
     # Expanded once, here: every file of the run (checkpoints, TensorBoard, config.yaml) uses this path.
@@ -356,16 +210,15 @@ def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and mappings of kwargs become strings."""
+    """Leaves by key path, as :func:`ignite_amp.fields.leaves` names them: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``;
+    ``kwargs`` mappings and lists are leaves (values as they are)."""
     flat = {}
     for key, value in cfg.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and not key.endswith("kwargs"):
+        if isinstance(value, dict) and not key.endswith("kwargs"):
             flat.update(flatten_config(value, name + "."))
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
         else:
-            flat[name] = str(value)
+            flat[name] = value
     return flat
 
 

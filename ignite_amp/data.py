@@ -4,6 +4,7 @@
 ring, square, frame, triangle, diamond, plus, cross, bars) at random places, sizes and
 colours, with noise. It is learnable in a few CPU epochs, so the quickstart runs anywhere.
 """
+import dataclasses
 import os
 import pickle
 from typing import Optional, Sequence, Tuple
@@ -14,12 +15,35 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ignite_amp.collectives import adopt_ignite_loggers
 from ignite_amp.errors import ConfigError
+from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
 
-__all__ = ["EpochShuffleSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+__all__ = ["DataConfig", "EpochShuffleSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
 
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """data: the training and validation sets and their loaders."""
+
+    name: str = setting("shapes", Choice("shapes", "cifar10", "cifar100", "imagefolder", "fake"),
+                        "shapes (built in, no download), cifar10, cifar100, imagefolder or fake", FIXED)
+    root: str = setting("./data", Text(), "cifar: torchvision's layout; imagefolder: root/train and root/val")
+    batch_size: int = setting(64, Integer(1, 2**20, also=("auto",)),
+                              "the global batch (split over the processes of a distributed run); auto: search for "
+                              "the largest that fits", FIXED_UNDER_SCHEDULE)
+    eval_batch_size: int = setting(None, Integer(1, 2**20, nullable=True), "default: batch_size")
+    num_workers: int = setting(2, Integer(0, 256), "loader worker processes")
+    download: bool = setting(False, Boolean(), "cifar only: download when missing")
+    augment: bool = setting(False, Boolean(),
+                            "cifar: padded random crop + flip; imagefolder: random resized crop + flip")
+    image_size: int = setting(None, Integer(8, 4096, nullable=True), "default: shapes/fake 32, imagefolder 224",
+                              FIXED)
+    train_size: int = setting(None, Integer(1, 10**8, nullable=True),
+                              "default: shapes 8000, fake 1024; cifar: a prefix of the set", FIXED_UNDER_SCHEDULE)
+    val_size: int = setting(None, Integer(1, 10**8, nullable=True), "default: shapes 2000, fake 256")
 
 
 class TensorImageDataset(Dataset):

@@ -5,6 +5,7 @@
 ``model_fn``, ``model_transform``, ``output_transform``); handlers find the step of an engine
 with :func:`amp_step_of`.
 """
+import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -14,10 +15,25 @@ from torch import nn
 from ignite_amp.collectives import broadcast_buffers, is_distributed, unwrap
 from ignite_amp.eval_step import EvalStep
 from ignite_amp.events import AmpEvents
+from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, setting
 from ignite_amp.step import AmpStep
 from ignite_amp.step_base import StepBase, call_model, identity
 
-__all__ = ["AmpEngine", "amp_step_of", "create_amp_trainer", "create_amp_evaluator"]
+__all__ = ["AmpConfig", "AmpEngine", "amp_step_of", "create_amp_trainer", "create_amp_evaluator"]
+
+
+@dataclasses.dataclass
+class AmpConfig:
+    """amp: the step's precision and how a batch is cut (create_amp_trainer's arguments)."""
+
+    dtype: str = setting("auto", Choice("auto", "float16", "bfloat16", "float32"),
+                         "auto: bfloat16 where supported, float16 on older GPUs, float32 on a CPU without bf16")
+    accumulation_steps: int = setting(1, POSITIVE_INT, "batches whose gradients add up to one optimizer step", FIXED)
+    micro_batches: int = setting(1, POSITIVE_INT, "chunks each batch is split into (same gradient, less memory)")
+    fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
+    channels_last: bool = setting(False, Boolean(), "channels-last memory format for model and images")
+    compile: bool = setting(False, Boolean(), "torch.compile the forward")
+    cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
 
 
 class AmpEngine(Engine):

@@ -1,4 +1,5 @@
 """What a run does at each epoch's end, as two explicit handlers: the validation, and the epoch's line."""
+import dataclasses
 import time
 from typing import Any, Callable, Iterable, List, Optional
 
@@ -7,8 +8,18 @@ import torch
 from ignite.engine import Engine, Events
 
 from ignite_amp.engine import amp_step_of
+from ignite_amp.fields import FIXED_UNDER_SCHEDULE, Integer, setting
 
-__all__ = ["Validation", "EpochSummary"]
+__all__ = ["TrainConfig", "Validation", "EpochSummary"]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """train: how long the run trains."""
+
+    epochs: int = setting(5, Integer(1), "epochs to train (a resume trains up to this many)", FIXED_UNDER_SCHEDULE)
+    epoch_length: int = setting(None, Integer(1, nullable=True), "iterations per epoch; null for the whole loader",
+                                FIXED_UNDER_SCHEDULE)
 
 
 class Validation:

@@ -9,6 +9,7 @@ Ranks of a CPU run stay on the CPU on a machine with GPUs too: Ignite pins rank 
 ``cuda:N`` whenever CUDA is visible, so the launcher hides the GPUs from CPU ranks.
 """
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -28,11 +29,21 @@ from torch.multiprocessing.spawn import ProcessException
 from ignite_amp.builders import config_device
 from ignite_amp.collectives import adopt_ignite_loggers
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError
+from ignite_amp.fields import Choice, Integer, setting
 from ignite_amp.rundir import terminal_log_handler
 
-__all__ = ["launch", "under_torchrun", "resolve_backend", "cpu_only"]
+__all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
 
 BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """distributed: processes of one run (see the README's "More than one GPU")."""
+
+    backend: str = setting("auto", Choice(*BACKENDS), "auto (nccl on GPUs, gloo on CPU), nccl or gloo")
+    nproc_per_node: int = setting(None, Integer(1, 1024, nullable=True),
+                                  "processes to spawn on this machine; null: one, or what torchrun started")
 
 
 def under_torchrun() -> bool:

@@ -5,13 +5,27 @@ Built-ins, addressed like any callable:
 - ``ignite_amp.models:cifar_resnet18``: torchvision's ResNet-18 with the CIFAR stem
   (3x3 stride-1 first convolution, no max-pool), the usual recipe for 32x32 images.
 """
+import dataclasses
 import importlib
 
 from torch import nn
 
 from ignite_amp.errors import ConfigError
+from ignite_amp.fields import FIXED, Integer, Mapping, Text, setting
 
-__all__ = ["build_model", "small_cnn", "cifar_resnet18"]
+__all__ = ["ModelConfig", "build_model", "small_cnn", "cifar_resnet18"]
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """model: the network, built with no weights (nothing is downloaded)."""
+
+    name: str = setting("resnet18", Text(r"[\w.]+(:[\w.]+)?", 'a torchvision model name or "pkg.module:callable"'),
+                        'a torchvision model name, or "pkg.module:callable" (built-ins: ignite_amp.models:small_cnn, '
+                        "ignite_amp.models:cifar_resnet18)", FIXED)
+    num_classes: int = setting(10, Integer(1), "the head's width; must match the data set (shapes, cifar10: 10)",
+                               FIXED)
+    kwargs: dict = setting({}, Mapping(), "more keyword arguments for the model's constructor", FIXED)
 
 
 def small_cnn(num_classes: int = 10, width: int = 32) -> nn.Module:

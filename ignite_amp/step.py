@@ -52,6 +52,7 @@ from ignite_amp.contracts import check_mean_reduction, check_optimizer, check_sc
 from ignite_amp.device import is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
+from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
@@ -123,8 +124,7 @@ class AmpStep(StepBase, Serializable):
         scaler_kwargs: Optional[dict] = None,
         scaler: Optional[bool] = None,
     ):
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps should be a positive integer, got {accumulation_steps!r}")
+        POSITIVE_INT.argument(accumulation_steps, "accumulation_steps")
         if num_items is not None and not callable(num_items):
             raise TypeError(f"num_items should be a function (x, y) -> int or 0-d tensor, got {type(num_items).__name__}")
         check_optimizer(optimizer, model)

@@ -16,6 +16,7 @@ from ignite_amp.batching import batch_size_of, chunk_sizes, prepare_batch, split
 from ignite_amp.collectives import any_rank, unwrap
 from ignite_amp.device import free_memory, is_oom_error, resolve_device, resolve_dtype
 from ignite_amp.events import AmpEvents
+from ignite_amp.fields import POSITIVE_INT
 
 __all__ = ["StepBase", "Cycle", "keep_in_fp32", "call_model", "identity"]
 
@@ -50,9 +51,7 @@ def keep_in_fp32(model: nn.Module, names: Iterable[str], device_type: str) -> No
 
 
 def _check_micro_batches(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"micro_batches should be a positive integer, got {value!r}")
-    return value
+    return POSITIVE_INT.argument(value, "micro_batches")
 
 
 class StepBase:

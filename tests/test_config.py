@@ -6,7 +6,8 @@ import yaml
 import ignite_amp.config
 from conftest import assert_doctests_pass
 from ignite_amp.cli import main
-from ignite_amp.config import ConfigError, default_config, flatten_config, load_config
+from ignite_amp.config import Config, ConfigError, default_config, flatten_config, load_config
+from ignite_amp.fields import leaves
 
 
 def test_defaults_are_complete_and_valid():
@@ -106,8 +107,9 @@ def test_usage_errors_are_one_line(capsys):
 
 def test_flatten_config():
     flat = flatten_config(load_config({}))
-    assert flat["optimizer.lr"] == 3e-4 and flat["amp.fp32_modules"] == "[]"
-    assert flat["optimizer.kwargs"] == "{'weight_decay': 0.05}"
+    assert flat["optimizer.lr"] == 3e-4 and flat["amp.fp32_modules"] == []
+    assert flat["optimizer.kwargs"] == {"weight_decay": 0.05} and flat["handlers.clipping.max_norm"] == 1.0
+    assert list(flat) == [path for path, _ in leaves(Config)]  # the same paths as the declarations
 
 
 def test_docstring_examples_run():

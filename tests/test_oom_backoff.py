@@ -128,7 +128,7 @@ def test_state_round_trip_and_bad_arguments():
     assert backoff.state_dict() == {"events": 2, "loader_batch_size": 16, "history": [1, 2], "clean": 1}
     with pytest.raises(ValueError, match="min_batch_size should be a positive integer"):
         OOMBackoff(min_batch_size=0)
-    with pytest.raises(ValueError, match="mode should be 'micro_batch' or 'batch'"):
+    with pytest.raises(ValueError, match="mode should be one of micro_batch, batch"):
         OOMBackoff(mode="halve")
     with pytest.raises(ValueError, match="grow_after should be a positive integer or None"):
         OOMBackoff(grow_after=0)

@@ -131,7 +131,7 @@ def test_no_kineto_error_lines_on_a_cpu_run(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"active": 0}, "active should be an integer >= 1"),
+    ({"active": 0}, "active should be a positive integer"),
     ({"wait": -1}, "wait should be an integer >= 0"),
     ({"warmup": 1.5}, "warmup should be an integer >= 0"),
 ])

@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ignite_amp.batch_search.results import GIB, BatchSizeResult, Trial
+from ignite_amp.fields import POSITIVE_INT
 
 __all__ = ["search_batch_size", "fit_line", "STRATEGIES", "OBJECTIVES", "VERIFY_STAGES"]
 
@@ -113,8 +114,7 @@ def fit_line(points: Dict[int, float]) -> Tuple[float, float, float]:
 
 def _check(start: int, max_size: int, margin: float, tolerance: float, strategy: str, objective: str,
            capacity: Optional[float]) -> None:
-    if not (isinstance(start, int) and start >= 1):
-        raise ValueError(f"Argument start should be a positive integer, got {start!r}.")
+    POSITIVE_INT.argument(start, "start")
     if not (isinstance(max_size, int) and max_size >= start):
         raise ValueError(f"Argument max_size should be an integer >= start, got {max_size!r}.")
     if not 0 <= margin < 1:
