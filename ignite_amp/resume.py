@@ -1,6 +1,7 @@
-"""What a resume may change: the checkpoint's stored config against this run's.
+"""Resume, in one place: which checkpoint, what its stored config allows, loading it, saying what changed.
 
-Pure functions, tested without a run. Three kinds of key:
+What a resume may change is each key's ``resume`` rule, declared with the key
+(:mod:`ignite_amp.fields`):
 
 - fixed: the run would not be the same run (model, optimizer class, data set and image size,
   accumulation, the schedule, the metric the best checkpoints are ranked by, the seed: it orders
@@ -8,21 +9,63 @@ Pure functions, tested without a run. Three kinds of key:
 - fixed under a schedule: a cosine or one-cycle schedule was made for a number of steps and a
   peak learning rate, so the epochs, the epoch length (batch size, train size) and the
   optimizer's settings cannot change under it; without a schedule they can;
-- everything else (logging, handlers, devices, workers, learning rate without a schedule...)
-  takes effect, and the resume names it.
+- applied: everything else (logging, handlers, devices, workers, learning rate without a
+  schedule...) takes effect, and the resume names it;
+- not compared: the run's name, its directory and the resume setting itself.
 """
-from typing import Any, Dict, List, NamedTuple, Tuple
+import os
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from ignite_amp.config import default_config
+import ignite.distributed as idist
+
+from ignite_amp.checkpoint_io import load_checkpoint
+from ignite_amp.collectives import is_distributed
+from ignite_amp.config import Config, default_config, flatten_config
 from ignite_amp.errors import CheckpointError
+from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
+from ignite_amp.handlers.best_checkpoint import BestCheckpoint
+from ignite_amp.rundir import RunLayout, move_previous_run
 
-__all__ = ["Change", "config_changes", "check_resume", "FIXED", "FIXED_UNDER_SCHEDULE"]
+__all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint", "stored_config",
+           "apply_changes", "RULES"]
 
-FIXED = ("model", "optimizer.name", "data.name", "data.image_size", "amp.accumulation_steps", "scheduler",
-         "handlers.checkpoint.metric", "seed")
-FIXED_UNDER_SCHEDULE = ("train.epochs", "train.epoch_length", "data.batch_size", "data.train_size", "optimizer.lr",
-                        "optimizer.kwargs")
-NOT_A_CHANGE = ("handlers.checkpoint.resume", "output_dir", "name")
+RULES: Dict[str, str] = {path: f.metadata["resume"] for path, f in leaves(Config)}
+
+
+class Plan(NamedTuple):
+    """What a run resumes: the checkpoint's path and loaded state, and the config changes that take effect."""
+
+    path: Optional[str] = None
+    state: Optional[dict] = None
+    changes: List["Change"] = []
+
+
+def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
+    """Before the run is built: choose the checkpoint (or move an earlier run aside) and compare its
+    stored config with ``cfg``; a change that cannot be resumed is a one-line CheckpointError.
+    ``data.batch_size: auto`` takes the resumed run's batch size (no new search)."""
+    path, state = choose_checkpoint(cfg, main, say)
+    if state is None:
+        return Plan()
+    stored = stored_config(state, path)
+    if cfg["data"]["batch_size"] == "auto" and isinstance(stored["data"]["batch_size"], int):
+        cfg["data"]["batch_size"] = stored["data"]["batch_size"]
+        say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, the batch size of the resumed run "
+            f"(no new search)")
+    return Plan(path, state, check_resume(stored, cfg, path))
+
+
+def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
+           scheduled: bool) -> str:
+    """Load the chosen checkpoint into the built run, put the applied changes in effect; returns the line to print."""
+    checkpoint.resume(chosen.path, chosen.state)
+    # The epoch length is the loader's in use now (a changed data.train_size or batch_size).
+    trainer.state.epoch_length = epoch_length
+    trainer.state.iteration = trainer.state.epoch * epoch_length
+    apply_changes(chosen.changes, optimizer, trainer.amp_step, micro_batches)
+    kept = "weights, optimizer, scaler, " + ("schedule, " if scheduled else "") + "RNG and data order"
+    changed = f"; now in effect: {', '.join(map(str, chosen.changes))}" if chosen.changes else ""
+    return f"resumed from {chosen.path} at epoch {trainer.state.epoch} (keeps {kept}{changed})"
 
 
 class Change(NamedTuple):
@@ -38,42 +81,83 @@ def _show(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def _flat(cfg: dict, prefix: str = "") -> Dict[str, Any]:
-    """Leaves by key path; ``kwargs`` mappings and lists are leaves."""
-    out = {}
-    for key, value in cfg.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and not key.endswith("kwargs"):
-            out.update(_flat(value, path + "."))
-        else:
-            out[path] = value
-    return out
-
-
-def _under(key: str, prefixes: Tuple[str, ...]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
+def _rule(key: str) -> str:
+    """The rule of a leaf path (a key inside a free mapping follows its mapping's rule)."""
+    while key not in RULES and "." in key:
+        key = key.rpartition(".")[0]
+    return RULES.get(key, FIXED)  # a key no declaration knows cannot be judged: refuse it
 
 
 def config_changes(old: dict, new: dict) -> List[Change]:
     """Every leaf whose value differs, in schema order (keys a newer schema added count at their default)."""
-    defaults = _flat(default_config())
-    before, after = {**defaults, **_flat(old or {})}, _flat(new)
+    defaults = flatten_config(default_config())
+    before, after = {**defaults, **flatten_config(old or {})}, flatten_config(new)
     return [Change(k, before.get(k), v) for k, v in after.items()
-            if before.get(k) != v and not _under(k, NOT_A_CHANGE)]
+            if before.get(k) != v and _rule(k) != NOT_COMPARED]
 
 
 def check_resume(old: dict, new: dict, path: str) -> List[Change]:
     """The changes that take effect; raises CheckpointError (one line) listing those that cannot."""
     changes = config_changes(old, new)
     schedule = new["scheduler"]["name"]
-    refused = [c for c in changes if _under(c.key, FIXED)]
+    refused = [c for c in changes if _rule(c.key) == FIXED]
     if schedule != "none":
-        refused += [c for c in changes if _under(c.key, FIXED_UNDER_SCHEDULE)]
+        refused += [c for c in changes if _rule(c.key) == FIXED_UNDER_SCHEDULE]
     if refused:
         why = f" (the {schedule} schedule was made for the old values)" if schedule != "none" and any(
-            _under(c.key, FIXED_UNDER_SCHEDULE) for c in refused) else ""
+            _rule(c.key) == FIXED_UNDER_SCHEDULE for c in refused) else ""
         raise CheckpointError(
             f"cannot resume {path}: {', '.join(map(str, refused))} cannot change under a resume{why}; put "
             f"{'it' if len(refused) == 1 else 'them'} back, or start over with --set "
             f"handlers.checkpoint.resume=never (the old run is moved aside)")
     return [c for c in changes if c not in refused]
+
+
+def choose_checkpoint(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[str], Optional[dict]]:
+    """Rank 0 picks the checkpoint to resume (or moves an earlier run aside); every rank loads it."""
+    resume = cfg["handlers"]["checkpoint"]["resume"]
+    path, state = None, None
+    if main:
+        if resume == "auto":
+            path, state = BestCheckpoint.find_resumable(RunLayout(cfg["output_dir"]).checkpoint_dir)
+        elif resume:
+            path = os.path.expanduser(resume)
+            state = load_checkpoint(path)  # a missing or unreadable file is a one-line error
+        if path is None:
+            moved = move_previous_run(cfg["output_dir"])
+            if moved:
+                why = "resume: never" if not resume else "nothing to resume"
+                say(f"starting over in {cfg['output_dir']} ({why}): moved the previous run's files to {moved}")
+    if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
+        path = idist.broadcast(path or "", src=0) or None
+        if not main and path:
+            state = load_checkpoint(path)
+    return path, state
+
+
+def stored_config(state: dict, path: str) -> dict:
+    """The config a checkpoint was saved with (one-line CheckpointError if it has none)."""
+    stored = state.get("config")
+    value = stored.get("value") if isinstance(stored, dict) else None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint {path}: not a checkpoint of an ignite-amp config run (no stored config)")
+    return value
+
+
+def apply_changes(changes: List[Change], optimizer: Any, amp_step: Any, micro_batches: int) -> None:
+    """After loading: put the new config's applied changes in effect over what the checkpoint restored.
+
+    The optimizer's state brought back its old settings; the new config's are the defaults of the
+    optimizer built from it (a kwarg the config no longer sets is back at the optimizer's default).
+    """
+    keys = {c.key for c in changes}
+    defaults = optimizer.defaults
+    for group in optimizer.param_groups:
+        if "optimizer.lr" in keys:
+            group["lr"] = defaults["lr"]
+        if any(k.startswith("optimizer.kwargs") for k in keys):
+            for name, value in defaults.items():
+                if name not in ("params", "lr") and name in group:
+                    group[name] = value
+    if "amp.micro_batches" in keys:
+        amp_step.micro_batches = micro_batches

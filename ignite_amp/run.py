@@ -1,58 +1,38 @@
-"""Build a run from a config: data, model, optimizer, trainer, evaluator, handlers; then train.
+"""The composition root: build a run from a config (data, model, optimizer, engines, handlers), then train.
 
-This is the one module of ``ignite_amp`` that imports ``handlers``.
+Each component is built from its own config section (declared beside it, see
+:mod:`ignite_amp.config`) and attached in a fixed order; resume is :mod:`ignite_amp.resume`'s,
+the run directory :mod:`ignite_amp.rundir`'s.
 """
-import logging
-import os
-import sys
 import warnings
-import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
+from ignite_amp.resume import plan_resume, resume_run
 from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs, config_device,
                                  seed_everything)
 from ignite_amp.collectives import is_distributed
 from ignite_amp.config import load_config, save_config
 from ignite_amp.config_search import search_built
+from ignite_amp.console import safe_print, silent
 from ignite_amp.data import build_loaders
-from ignite_amp.errors import CheckpointError, ConfigError
+from ignite_amp.errors import ConfigError
 from ignite_amp.events import AmpEvents
 from ignite_amp.facts import config_facts
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  TensorBoardMetrics)
-from ignite_amp.checkpoint_io import load_checkpoint
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
-from ignite_amp.resume import check_resume
-from ignite_amp.rundir import LogFile, RunLayout, RunLock, check_writable, free_bytes, move_previous_run
+from ignite_amp.rundir import RunFiles, RunLayout, check_writable, warn_if_disk_is_short
 from ignite_amp.device import describe_device, dtype_name
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.epochs import EpochSummary, Validation
 
-__all__ = ["train_from_config", "build_run", "Run", "safe_print"]
-
-logger = logging.getLogger("ignite_amp")
-
-
-def safe_print(*args: Any, **kwargs: Any) -> None:
-    """``print`` that outlives a closed stdout (``ignite-amp train ... | head``): the run goes on.
-
-    After the first broken pipe, stdout is pointed at /dev/null for the rest of the process.
-    """
-    try:
-        print(*args, **kwargs, flush=True)
-    except (BrokenPipeError, ValueError):  # ValueError: stdout already closed
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
+__all__ = ["train_from_config", "build_run", "Run"]
 
 
 class Run:
@@ -63,7 +43,7 @@ class Run:
     """
 
     def __init__(self, cfg: dict, trainer: Engine, evaluator: Engine, model, optimizer, scheduler,
-                 train_loader, val_loader, to_save: dict, print_fn: Callable, files: "_RunFiles"):
+                 train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
         self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_loader, self.val_loader = train_loader, val_loader
@@ -152,42 +132,6 @@ class Run:
         return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]
 
 
-class _RunFiles:
-    """Rank 0's hold on the run directory: the lock, the log file, and switches to restore at the end."""
-
-    def __init__(self, cfg: dict, main: bool):
-        self.lock: Optional[RunLock] = None
-        self.log = LogFile(cfg["output_dir"])
-        self._restore: list = []
-        if main:
-            check_writable(cfg["output_dir"])
-            self.lock = RunLock(cfg["output_dir"]).acquire()
-        self._finalizer = weakref.finalize(self, _release, self.lock, self.log)
-
-    def open_log(self) -> None:
-        """Start ``train.log`` (rank 0), once an earlier run's files were moved aside or resumed."""
-        if self.lock is not None:
-            self.log.open()
-
-    def restore_later(self, undo: Callable) -> None:
-        self._restore.append(undo)
-
-    def close(self) -> None:
-        while self._restore:
-            self._restore.pop()()
-        self._finalizer()
-
-
-def _release(lock: Optional[RunLock], log: LogFile) -> None:
-    log.close()
-    if lock is not None:
-        lock.release()
-
-
-def _silent(*args: Any, **kwargs: Any) -> None:
-    pass
-
-
 def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
               command: str = "ignite-amp train CONFIG") -> Run:
     """Validate ``cfg`` (path, dict or loaded config) and build everything it describes.
@@ -195,8 +139,8 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
     Before anything trains, rank 0 locks ``output_dir`` (one run at a time), opens its
     ``train.log``, decides what to resume (the newest checkpoint that loads; with
     ``resume: never``, or nothing to resume, an earlier run's files are moved aside), checks the
-    checkpoint's config against this one (:func:`ignite_amp.resume.check_resume`), creates and
-    test-writes every directory the run writes, runs the model once on a dummy batch, and writes
+    checkpoint's config against this one (:mod:`ignite_amp.resume`), creates and test-writes
+    every directory the run writes, runs the model once on a dummy batch, and writes
     ``config.yaml``. Every user fault is a one-line error before the first iteration.
 
     Inside a process group of N > 1 ranks (``torchrun``, or :func:`train_from_config` with
@@ -207,8 +151,8 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
     device = config_device(cfg)
     main = idist.get_rank() == 0
     if not main:
-        print_fn, progress = _silent, False
-    files = _RunFiles(cfg, main)
+        print_fn, progress = silent, False
+    files = RunFiles(cfg["output_dir"], main)
     # Warnings raised while building (torch's, say, about a zero-width layer) are held: shown if the
     # run builds, kept in train.log only if it fails, so a user error stays one line.
     with warnings.catch_warnings(record=True) as held:
@@ -225,77 +169,29 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
     return run
 
 
-def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progress: bool, print_fn: Callable,
+def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progress: bool, print_fn: Callable,
            command: str) -> Run:
+    """The composition root: each component built from its config section, then attached in order."""
     def say(line: str) -> None:
         print_fn(line)
         files.log.line(line)
 
-    searched = cfg["data"]["batch_size"] == "auto"  # for the run facts (a resume replaces "auto" below)
-    resume_path, state = _choose_resume(cfg, main, say)
+    searched = cfg["data"]["batch_size"] == "auto"  # for the run facts (a resume replaces "auto")
+    resuming = plan_resume(cfg, main, say)
     files.open_log()
-    changes = []
-    if state is not None:
-        stored = _stored_config(state, resume_path)
-        if cfg["data"]["batch_size"] == "auto" and isinstance(stored["data"]["batch_size"], int):
-            cfg["data"]["batch_size"] = stored["data"]["batch_size"]  # the resumed run's search result
-            say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, the batch size of the resumed run "
-                f"(no new search)")
-        changes = check_resume(stored, cfg, resume_path)
     if main:
-        layout = RunLayout(cfg["output_dir"])
-        check_writable(layout.checkpoint_dir, "output_dir")
-        handlers = cfg["handlers"]
-        if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
-            check_writable(layout.tensorboard_dir, "output_dir")
-        if handlers["profiler"]["enabled"]:
-            check_writable(layout.profiler_dir, "output_dir")
+        _check_directories(cfg)
     seed_everything(cfg["seed"])
-    _check_backoff_mode(cfg)
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    model = build_model(**cfg["model"])
     optimizer = build_optimizer(cfg["optimizer"], model)
-    batch_search = None
-    if cfg["data"]["batch_size"] == "auto":
-        batch_search = search_built(cfg, model, optimizer, device)
-        world = idist.get_world_size()
-        cfg["data"]["batch_size"] = batch_search.batch_size * world
-        per_rank = f" per process x {world} processes" if world > 1 else ""
-        say(f"batch-size search: largest fit {batch_search.largest_fit}, using {batch_search.batch_size}{per_rank} "
-            f"({len(batch_search.trials)} trials; {batch_search.reason})")
-
+    batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
+        else None
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
                                                         cfg["seed"])
     check_classes(cfg, n_classes)
-    amp = cfg["amp"]
-    loss_fn = torch.nn.functional.cross_entropy
-    step_kwargs = dict(device=device, dtype=amp["dtype"], channels_last=amp["channels_last"],
-                       compile=amp["compile"], fp32_modules=amp["fp32_modules"])
-    trained = model
-    if is_distributed():  # DDP wraps the model in its final place and memory format
-        model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
-        trained = idist.auto_model(model)
-        optimizer = idist.auto_optim(optimizer)
-    try:
-        trainer = create_amp_trainer(trained, optimizer, loss_fn, accumulation_steps=amp["accumulation_steps"],
-                                     micro_batches=amp["micro_batches"], **step_kwargs)
-        # Metrics keep their sums on the run's device: no host sync per evaluation batch.
-        metrics = {"accuracy": Accuracy(device=device), "loss": Loss(loss_fn, device=device)}
-        evaluator = create_amp_evaluator(model, metrics, **step_kwargs)
-    except ValueError as exc:
-        raise ConfigError(f"amp: {exc}") from None
-    check_model_runs(cfg, trainer.amp_step)
-    if device.type == "cuda" and amp["cudnn_benchmark"]:
-        previous = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
-        files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
-
+    trainer, evaluator, optimizer = _engines(cfg, model, optimizer, device, files)
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
-    # An accumulation cycle ends at the epoch's end: ceil(epoch_length / accumulation) steps per epoch.
-    total_steps = cfg["train"]["epochs"] * -(-epoch_length // amp["accumulation_steps"])
-    scheduler = build_scheduler(cfg["scheduler"], optimizer, cfg["optimizer"]["lr"], total_steps)
-    if scheduler is not None:  # per optimizer step taken: a step the scaler skipped does not count
-        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: scheduler.step())
-
+    scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
     sampler = train_loader.sampler
     if hasattr(sampler, "set_epoch"):  # each epoch's order follows from its number, also after a resume
         trainer.add_event_handler(Events.EPOCH_STARTED, lambda engine: sampler.set_epoch(engine.state.epoch))
@@ -307,136 +203,124 @@ def _build(cfg: dict, device: torch.device, main: bool, files: _RunFiles, progre
               files)
     run.command, run.batch_search = command, batch_search
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
-    if cfg["handlers"]["non_finite"]["enabled"]:  # first: its epoch-end check runs before evaluation and saving
-        NonFiniteGuard(cfg["handlers"]["non_finite"]["max_consecutive"]).attach(trainer)
-    summary = EpochSummary(evaluator, run.history, run.print)
-    summary.attach(trainer)  # at each epoch's end: the training figures (one host sync),
-    Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
-    summary.attach_report(trainer)  # then the epoch's line
     _attach_handlers(run)
-    if state is not None:
-        _resume(run, resume_path, state, changes, epoch_length)
+    if resuming.path is not None:
+        run.resumed_from = resuming.path
+        run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
+                                epoch_length, scheduled=scheduler is not None))
     if progress:
         from ignite.handlers import ProgressBar
 
         # No loss in the bar: showing it would sync the host with the device every iteration.
         ProgressBar(persist=False).attach(trainer)
     if main:
-        save_config(cfg, RunLayout(cfg["output_dir"]).config_path)
-        _warn_if_disk_is_short(cfg, model)
+        layout = RunLayout(cfg["output_dir"])
+        save_config(cfg, layout.config_path)
+        warn_if_disk_is_short(layout.checkpoint_dir, sum(t.numel() * t.element_size()
+                                                         for t in model.state_dict().values()),
+                              cfg["handlers"]["checkpoint"]["n_saved"])
     return run
 
 
-def _choose_resume(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[str], Optional[dict]]:
-    """Rank 0 picks the checkpoint to resume (or moves an earlier run aside); every rank loads it."""
-    resume = cfg["handlers"]["checkpoint"]["resume"]
-    path, state = None, None
-    if main:
-        if resume == "auto":
-            path, state = BestCheckpoint.find_resumable(RunLayout(cfg["output_dir"]).checkpoint_dir)
-        elif resume:
-            path = os.path.expanduser(resume)
-            state = load_checkpoint(path)  # a missing or unreadable file is a one-line error
-        if path is None:
-            moved = move_previous_run(cfg["output_dir"])
-            if moved:
-                why = "resume: never" if not resume else "nothing to resume"
-                say(f"starting over in {cfg['output_dir']} ({why}): moved the previous run's files to {moved}")
-    if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
-        path = idist.broadcast(path or "", src=0) or None
-        if not main and path:
-            state = load_checkpoint(path)
-    return path, state
+def _check_directories(cfg: dict) -> None:
+    """Create and test-write every directory the run will write (rank 0)."""
+    layout, handlers = RunLayout(cfg["output_dir"]), cfg["handlers"]
+    check_writable(layout.checkpoint_dir, "output_dir")
+    if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
+        check_writable(layout.tensorboard_dir, "output_dir")
+    if handlers["profiler"]["enabled"]:
+        check_writable(layout.profiler_dir, "output_dir")
 
 
-def _stored_config(state: dict, path: str) -> dict:
-    stored = state.get("config")
-    value = stored.get("value") if isinstance(stored, dict) else None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"checkpoint {path}: not a checkpoint of an ignite-amp config run (no stored config)")
-    return value
+def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                       say: Callable):
+    """``data.batch_size: auto``: the search's result becomes the config's (global) batch size."""
+    found = search_built(cfg, model, optimizer, device)
+    world = idist.get_world_size()
+    cfg["data"]["batch_size"] = found.batch_size * world
+    per_rank = f" per process x {world} processes" if world > 1 else ""
+    say(f"batch-size search: largest fit {found.largest_fit}, using {found.batch_size}{per_rank} "
+        f"({len(found.trials)} trials; {found.reason})")
+    return found
 
 
-def _resume(run: Run, path: str, state: dict, changes: list, epoch_length: int) -> None:
-    """Load ``state`` into the run, then apply what the config changed and say so in one line."""
-    cfg, trainer = run.cfg, run.trainer
-    run.resumed_from = run.checkpoint.resume(path, state)
-    # The epoch length is the loader's in use now (a changed data.train_size or batch_size).
-    trainer.state.epoch_length = epoch_length
-    trainer.state.iteration = trainer.state.epoch * epoch_length
-    keys = {c.key for c in changes}
-    # The optimizer's state brought back its old settings; the new config's are the defaults of the
-    # optimizer built from it (a kwarg the config no longer sets is back at the optimizer's default).
-    defaults = run.optimizer.defaults
-    for group in run.optimizer.param_groups:
-        if "optimizer.lr" in keys:
-            group["lr"] = defaults["lr"]
-        if "optimizer.kwargs" in keys:
-            for name, value in defaults.items():
-                if name not in ("params", "lr") and name in group:
-                    group[name] = value
-    if "amp.micro_batches" in keys:
-        trainer.amp_step.micro_batches = cfg["amp"]["micro_batches"]
-    kept = "weights, optimizer, scaler, " + ("schedule, " if run.scheduler is not None else "") + "RNG and data order"
-    changed = f"; now in effect: {', '.join(map(str, changes))}" if changes else ""
-    run.print(f"resumed from {path} at epoch {trainer.state.epoch} (keeps {kept}{changed})")
+def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+             files: RunFiles):
+    """The trainer and evaluator of ``amp:`` (DDP-wrapped in a process group); checks the model runs once."""
+    amp = dict(cfg["amp"])
+    accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
+    cudnn_benchmark = amp.pop("cudnn_benchmark")
+    loss_fn = torch.nn.functional.cross_entropy
+    trained = model
+    if is_distributed():  # DDP wraps the model in its final place and memory format
+        model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
+        trained = idist.auto_model(model)
+        optimizer = idist.auto_optim(optimizer)
+    try:
+        trainer = create_amp_trainer(trained, optimizer, loss_fn, device=device, accumulation_steps=accumulation_steps,
+                                     micro_batches=micro_batches, **amp)
+        # Metrics keep their sums on the run's device: no host sync per evaluation batch.
+        metrics = {"accuracy": Accuracy(device=device), "loss": Loss(loss_fn, device=device)}
+        evaluator = create_amp_evaluator(model, metrics, device=device, **amp)
+    except ValueError as exc:
+        raise ConfigError(f"amp: {exc}") from None
+    check_model_runs(cfg, trainer.amp_step)
+    if device.type == "cuda" and cudnn_benchmark:
+        previous = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
+        files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
+    return trainer, evaluator, optimizer
 
 
-def _warn_if_disk_is_short(cfg: dict, model: torch.nn.Module) -> None:
-    """A checkpoint holds the weights and about twice their size of optimizer state; up to n_saved best
-    files and a last one are kept, plus one being written."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    need = 3 * weights * (cfg["handlers"]["checkpoint"]["n_saved"] + 2)
-    free = free_bytes(RunLayout(cfg["output_dir"]).checkpoint_dir)
-    if free is not None and free < need:
-        logger.warning("only %.0f MB free under %s; this run's checkpoints may need about %.0f MB: a save that "
-                       "runs out of space stops the run and keeps the previous checkpoint", free / 2**20,
-                       RunLayout(cfg["output_dir"]).checkpoint_dir, need / 2**20)
+def _schedule(cfg: dict, trainer: Engine, optimizer: torch.optim.Optimizer, epoch_length: int):
+    """The learning-rate schedule, stepped per optimizer step taken (a step the scaler skipped does not count)."""
+    # An accumulation cycle ends at the epoch's end: ceil(epoch_length / accumulation) steps per epoch.
+    total_steps = cfg["train"]["epochs"] * -(-epoch_length // cfg["amp"]["accumulation_steps"])
+    scheduler = build_scheduler(cfg["scheduler"], optimizer, cfg["optimizer"]["lr"], total_steps)
+    if scheduler is not None:
+        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: scheduler.step())
+    return scheduler
 
 
-def _check_backoff_mode(cfg: dict) -> None:
-    backoff = cfg["handlers"]["oom_backoff"]
-    if not (backoff["enabled"] and backoff["mode"] == "batch"):
-        return
-    if cfg["scheduler"]["name"] != "none":
-        raise ConfigError(f"handlers.oom_backoff.mode: batch changes the steps per epoch, which a "
-                          f"{cfg['scheduler']['name']} schedule cannot follow; use micro_batch")
-    if cfg["train"]["epoch_length"] is not None:
-        raise ConfigError("handlers.oom_backoff.mode: batch changes the epoch length; leave train.epoch_length null")
+def _switched_on(section: dict) -> Optional[dict]:
+    """A handler section's arguments, or None when ``enabled`` is false."""
+    options = dict(section)
+    return options if options.pop("enabled", True) else None
 
 
 def _attach_handlers(run: Run) -> None:
-    """Build the handlers of the config's ``handlers:`` section (NonFiniteGuard is attached earlier)."""
+    """Each ``handlers:`` section builds its handler from its own keys, attached in this order."""
     cfg, trainer, evaluator = run.cfg["handlers"], run.trainer, run.evaluator
-    backoff = cfg["oom_backoff"]
-    if backoff["enabled"]:
-        train_backoff = OOMBackoff(backoff["min_batch_size"], mode=backoff["mode"], grow_after=backoff["grow_after"])
+    guard = _switched_on(cfg["non_finite"])
+    if guard is not None:  # first: its epoch-end check runs before evaluation and saving
+        NonFiniteGuard(**guard).attach(trainer)
+    summary = EpochSummary(evaluator, run.history, run.print)
+    summary.attach(trainer)  # at each epoch's end: the training figures (one host sync),
+    Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
+    summary.attach_report(trainer)  # then the epoch's line
+    backoff = _switched_on(cfg["oom_backoff"])
+    if backoff is not None:
+        train_backoff = OOMBackoff(**backoff)
         train_backoff.attach(trainer)
         run.to_save["oom_backoff"] = train_backoff
         OOMBackoff(backoff["min_batch_size"]).attach(evaluator)
-    clip = cfg["clipping"]
-    if clip["max_norm"] is not None and clip["clip_value"] is not None:
-        raise ConfigError("handlers.clipping: set max_norm or clip_value, not both")
     clipping = None
-    if clip["max_norm"] is not None or clip["clip_value"] is not None:
-        clipping = GradientClipping(max_norm=clip["max_norm"], norm_type=clip["norm_type"],
-                                    clip_value=clip["clip_value"])
+    if cfg["clipping"]["max_norm"] is not None or cfg["clipping"]["clip_value"] is not None:
+        clipping = GradientClipping(**cfg["clipping"])
         clipping.attach(trainer)
-    if cfg["tensorboard"]["enabled"]:
+    tensorboard = _switched_on(cfg["tensorboard"])
+    if tensorboard is not None:
         texts = {"run/batch_size_search": run.batch_search.table} if run.batch_search is not None else None
-        tb = TensorBoardMetrics(run.tensorboard_dir, log_every=cfg["tensorboard"]["log_every"], facts=run.facts,
-                                clipping=clipping, texts=texts)
+        tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts, **tensorboard)
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
-    prof = cfg["profiler"]
-    if prof["enabled"]:
-        profiler = ProfilerCapture(run.profiler_dir, wait=prof["wait"], warmup=prof["warmup"],
-                                   active=prof["active"], repeat=prof["repeat"])
-        profiler.attach(trainer)
-        run.closers.append(profiler.stop)
-    ckpt = cfg["checkpoint"]
-    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, metric=ckpt["metric"],
-                                    n_saved=ckpt["n_saved"], config=run.cfg)
+    profiler = _switched_on(cfg["profiler"])
+    if profiler is not None:
+        capture = ProfilerCapture(run.profiler_dir, **profiler)
+        capture.attach(trainer)
+        run.closers.append(capture.stop)
+    checkpoint = {k: v for k, v in cfg["checkpoint"].items() if k != "resume"}  # resume: ignite_amp.resume's
+    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg, **checkpoint)
     run.checkpoint.attach(trainer, evaluator)
 
 

@@ -7,7 +7,8 @@ import os
 import shutil
 import sys
 import time
-from typing import List, NamedTuple, Optional
+import weakref
+from typing import Callable, List, NamedTuple, Optional
 
 from ignite_amp.errors import ConfigError, RunDirInUseError
 
@@ -17,7 +18,7 @@ except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
-           "terminal_log_handler"]
+           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -203,3 +204,46 @@ class LogFile:
             handler, self.handler = self.handler, None
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+class RunFiles:
+    """Rank 0's hold on the run directory: the lock, the log file, and switches to restore at the end."""
+
+    def __init__(self, output_dir: str, main: bool):
+        self.lock: Optional[RunLock] = None
+        self.log = LogFile(output_dir)
+        self._restore: list = []
+        if main:
+            check_writable(output_dir)
+            self.lock = RunLock(output_dir).acquire()
+        self._finalizer = weakref.finalize(self, _release, self.lock, self.log)
+
+    def open_log(self) -> None:
+        """Start ``train.log`` (rank 0), once an earlier run's files were moved aside or resumed."""
+        if self.lock is not None:
+            self.log.open()
+
+    def restore_later(self, undo: Callable) -> None:
+        self._restore.append(undo)
+
+    def close(self) -> None:
+        while self._restore:
+            self._restore.pop()()
+        self._finalizer()
+
+
+def _release(lock: Optional[RunLock], log: LogFile) -> None:
+    log.close()
+    if lock is not None:
+        lock.release()
+
+
+def warn_if_disk_is_short(checkpoint_dir: str, weight_bytes: int, n_saved: int) -> None:
+    """A checkpoint holds the weights and about twice their size of optimizer state; up to n_saved best
+    files and a last one are kept, plus one being written."""
+    need = 3 * weight_bytes * (n_saved + 2)
+    free = free_bytes(checkpoint_dir)
+    if free is not None and free < need:
+        logger.warning("only %.0f MB free under %s; this run's checkpoints may need about %.0f MB: a save that "
+                       "runs out of space stops the run and keeps the previous checkpoint", free / 2**20,
+                       checkpoint_dir, need / 2**20)
