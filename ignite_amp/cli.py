@@ -56,7 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--objective", choices=["largest", "fastest"], default="largest",
                         help="largest: the largest batch under 95%% of the GPU memory (default); fastest: the "
                              "smallest batch within 3%% of the best samples/s")
+    schema = sub.add_parser("schema", help="print the config's JSON Schema (for editors: see the README)")
+    schema.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")
     return parser
+
+
+def _schema(args: argparse.Namespace) -> int:
+    import json
+
+    from ignite_amp.config import config_schema
+    from ignite_amp.console import safe_print
+
+    text = json.dumps(config_schema(), indent=2) + "\n"
+    if args.output:
+        tmp = f"{args.output}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, args.output)
+    else:
+        safe_print(text, end="")
+    return 0
 
 
 def _find_batch_size(args: argparse.Namespace) -> int:
@@ -83,13 +102,11 @@ def _find_batch_size(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from ignite_amp.compare import compare, format_table
     from ignite_amp.config import load_config
-    from ignite_amp.errors import ConfigError
+    from ignite_amp.fields import POSITIVE_INT, Number
 
-    if args.steps < 1:
-        raise ConfigError(f"--steps: expected a positive integer, got {args.steps}")
-    if not args.tolerance > 0:
-        raise ConfigError(f"--tolerance: expected a positive number, got {args.tolerance}")
-    from ignite_amp.run import safe_print
+    POSITIVE_INT(args.steps, "--steps")
+    Number()(args.tolerance, "--tolerance")
+    from ignite_amp.console import safe_print
 
     cfg = load_config(args.config, args.overrides)
     results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
@@ -114,7 +131,7 @@ def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config
     from ignite_amp.run import train_from_config
 
-    from ignite_amp.run import safe_print
+    from ignite_amp.console import safe_print
 
     cfg = load_config(args.config, args.overrides)
     _state["log"] = os.path.join(cfg["output_dir"], "train.log")
@@ -134,7 +151,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size}
+COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size, "schema": _schema}
 
 
 _state: dict = {}  # what the command knew before it failed (the run's log file)
