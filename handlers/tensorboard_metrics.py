@@ -1,25 +1,35 @@
 """TensorBoard logging of what matters in a mixed-precision run, one host sync per log."""
-import os
+import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
+from ignite.handlers.tensorboard_logger import OptimizerParamsHandler
 
-from ignite_amp.events import AmpEvents
-from ignite_amp.facts import format_facts, step_facts
-from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.engine import amp_step_of
-from ignite_amp.metric_modes import better, metric_mode
-from ignite_amp.scaler import scale_tensor
+from ignite_amp.facts import format_facts, step_facts
+from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.handlers.gradient_clipping import GradientClipping
+from ignite_amp.handlers.tensorboard_scalars import BatchShape, BestValidation, DeviceMemory, TrainWindow
+from ignite_amp.metric_modes import metric_mode
 
-__all__ = ["TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG"]
+__all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG"]
+
+
+@dataclasses.dataclass
+class TensorBoardConfig:
+    """handlers.tensorboard: what TensorBoardMetrics logs under output_dir/tb."""
+
+    enabled: bool = setting(True, Boolean(), "attach TensorBoardMetrics")
+    log_every: int = setting(50, POSITIVE_INT, "iterations per training scalar point (one host sync each)")
+
 
 TAGS = {
     "train/loss": "mean training loss over the last log_every iterations",
-    "train/lr": "learning rate (train/lr/group_N when the optimizer has several param groups)",
+    "train/lr/group_<N>": "learning rate of each param group (Ignite's OptimizerParamsHandler)",
     "train/grad_norm": "mean pre-clip total gradient norm (L2) over the optimizer steps of the window",
     "train/clip_max_norm": "the clipping threshold (GradientClipping's max_norm, L2 over all the model's gradients)",
     "train/clip_fraction": "share of the window's optimizer steps whose pre-clip norm was above max_norm",
@@ -56,23 +66,13 @@ LAYOUT = {
     "AMP details": {
         "clipping bound (fraction of optimizer steps)": ["Multiline", ["train/clip_fraction"]],
         "step time ms": ["Multiline", ["perf/step_time_ms"]],
-        "learning rate": ["Multiline", [r"train/lr(/group_\d+)?$"]],
+        "learning rate": ["Multiline", [r"train/lr/group_\d+$"]],
         "batch size, micro-batches (logged on change)": ["Multiline", ["batch/size", "batch/micro_batches"]],
         "out-of-memory errors caught": ["Multiline", ["oom/events"]],
     },
 }
 
 _FACT_TYPES = (bool, int, float, str, type(None))
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def hparams_summaries(facts: Dict[str, Any], metrics: Dict[str, str]) -> list:
@@ -117,7 +117,10 @@ def _session_end_summary():
 class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
-    Built on Ignite's ``TensorboardLogger``. At the start of a run it writes a Custom Scalars
+    One Ignite ``TensorboardLogger`` with small handlers attached (:mod:`.tensorboard_scalars`:
+    ``TrainWindow``, ``DeviceMemory``, ``BatchShape``, ``BestValidation``; Ignite's
+    ``OptimizerParamsHandler`` for the learning rate and ``OutputHandler`` for the validation
+    metrics; :class:`RunFacts` for what ran). At the start of a run it writes a Custom Scalars
     layout (``LAYOUT``: loss, accuracy, loss scale with skipped steps, grad norm with the clip
     threshold, throughput with the data-wait fraction, memory), the run facts as a text entry
     (``FACTS_TAG``) and as HParams (the facts as columns, and the final and best validation
@@ -160,8 +163,7 @@ class TensorBoardMetrics:
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,
                  clipping: Optional[GradientClipping] = None, hparam_metrics: Sequence[str] = ("accuracy", "loss"),
                  texts: Optional[Dict[str, str]] = None, modes: Optional[Dict[str, str]] = None):
-        if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
-            raise ValueError(f"Argument log_every should be a positive integer, got {log_every!r}.")
+        argument(TensorBoardConfig, "log_every", log_every)
         if facts is not None:
             if not isinstance(facts, dict):
                 raise TypeError(f"Argument facts should be a dict, got {type(facts).__name__}.")
@@ -183,59 +185,88 @@ class TensorBoardMetrics:
         self.clipping = clipping
         self.hparam_metrics = tuple(hparam_metrics)
         self.tb: Optional[TensorboardLogger] = None
-        self.evaluator: Optional[Engine] = None
-        self.facts_written: Dict[str, Any] = {}
-        self.skipped = 0
-        self.final: Dict[str, float] = {}
-        self.best: Dict[str, float] = {}
-        self._last: Dict[str, Any] = {}
-        self._last_clip_norm: Optional[torch.Tensor] = None
-        self._layout_written = False
-        self._reset()
+        self.window: Optional[TrainWindow] = None
+        self.validation = BestValidation(None, self.modes)
+        self.run_facts: Optional[RunFacts] = None
 
-    def _reset(self) -> None:
-        # The window's values, kept as the step made them: no kernel or allocation per iteration,
-        # one stack and one host read at the log.
-        self.losses: List[torch.Tensor] = []
-        self.norms: List[torch.Tensor] = []
-        self.clip_norms: List[torch.Tensor] = []  # the clipping's pre-clip norms: compared at the log, not per step
-        self.samples = self.largest_batch = 0
-        self.data_wait = 0.0
-        self.window_start = time.perf_counter()
+    @property
+    def facts_written(self) -> Dict[str, Any]:
+        """The run facts as written at the start: the step's, then ``facts``."""
+        return self.run_facts.written if self.run_facts is not None else {}
+
+    @property
+    def final(self) -> Dict[str, float]:
+        return self.validation.final
+
+    @property
+    def best(self) -> Dict[str, float]:
+        return self.validation.best
+
+    @property
+    def samples(self) -> int:
+        """Training samples in the current window."""
+        return self.window.samples if self.window is not None else 0
 
     def attach(self, trainer: Engine, evaluator: Optional[Engine] = None,
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         if idist.get_rank() != 0:
             return
-        self.step = amp_step_of(trainer)
-        self.step.track_grad_norm()
-        self.trainer, self.evaluator = trainer, evaluator
-        self.optimizer = optimizer if optimizer is not None else self.step.optimizer
-        self.tb = TensorboardLogger(log_dir=self.logdir)
-        trainer.add_event_handler(Events.STARTED, self._started)
-        trainer.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
-        trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
-        trainer.add_event_handler(AmpEvents.STEP_SKIPPED, self._step_skipped)
-        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
-        trainer.add_event_handler(Events.COMPLETED, self._completed)
-        # No EXCEPTION_RAISED handler: Ignite does not re-raise when one exists. Each log is
-        # flushed instead, so a crashed run keeps what it logged; close() is safe to call twice.
+        step = amp_step_of(trainer)
+        step.track_grad_norm()
+        optimizer = optimizer if optimizer is not None else step.optimizer
+        self.tb = tb = TensorboardLogger(log_dir=self.logdir)
+        self.window = TrainWindow(step, self.clipping)
+        self.window.attach(trainer)  # before the log's handlers: the log's iteration is in its window
+        memory = DeviceMemory(step.device)
+        memory.attach(trainer)
+        metrics = {}
         if evaluator is not None:
-            self.tb.attach_output_handler(evaluator, event_name=Events.COMPLETED, tag="val", metric_names="all",
-                                          global_step_transform=lambda *_: trainer.state.iteration)
-            evaluator.add_event_handler(Events.COMPLETED, self._track_validation)
+            for name in self.hparam_metrics:
+                metrics[f"val/{name}"] = f"val {name} (final)"
+                metrics[f"val/best_{name}"] = f"val {name} (best)"
+        metrics["perf/samples_per_sec"] = "samples/s (last window)"
+        self.run_facts = RunFacts({**self.facts}, self.texts, metrics, step)
+        tb.attach(trainer, self.run_facts, Events.STARTED)
+        tb.attach(trainer, self.run_facts.end, Events.COMPLETED)
+        log = Events.ITERATION_COMPLETED(every=self.log_every)
+        shape = BatchShape(step, self.window, lambda: self.facts_written)
+        shape.attach(trainer)
+        tb.attach(trainer, shape, log)  # reads the window before it starts the next
+        tb.attach(trainer, self.window, log)
+        tb.attach(trainer, OptimizerParamsHandler(optimizer, "lr", tag="train"), log)
+        tb.attach(trainer, memory, log)
+        # Each log is flushed: a crashed run keeps what it logged. (No EXCEPTION_RAISED handler: Ignite
+        # does not re-raise when one exists.) close() is safe to call twice.
+        tb.attach(trainer, _flush, log)
+        if evaluator is not None:
+            self.validation.trainer = trainer
+            tb.attach_output_handler(evaluator, event_name=Events.COMPLETED, tag="val", metric_names="all",
+                                     global_step_transform=lambda *_: trainer.state.iteration)
+            tb.attach(evaluator, self.validation, Events.COMPLETED)
+            tb.attach(evaluator, _flush, Events.COMPLETED)
 
-    def _started(self, engine: Engine) -> None:
-        """Dashboard layout, run facts (text and HParams), resolved now: after a resume, too."""
-        self._reset()
-        if self.step.device.type == "cuda":  # the first window's peak is the training's, not a search's before it
-            torch.cuda.reset_peak_memory_stats(self.step.device)
-        if self.tb is None:
-            return
-        writer, iteration = self.tb.writer, engine.state.iteration
-        facts = {**step_facts(self.step), **self.facts}
-        self.facts_written = facts
-        self._last = {"batch/size": facts.get("batch_size"), "batch/micro_batches": facts.get("micro_batches")}
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+    logger.writer.flush()
+
+
+class RunFacts:
+    """What ran, at each start (after a resume, too): the Custom Scalars layout (once), the facts as text
+    (``FACTS_TAG``) and as HParams, the extra ``texts``; at the end, the HParams session's end."""
+
+    def __init__(self, facts: Dict[str, Any], texts: Dict[str, str], metrics: Dict[str, str], step: Any):
+        self.facts, self.texts, self.metrics, self.step = facts, texts, metrics, step
+        self.written: Dict[str, Any] = {}
+        self._layout_written = False
+
+    def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+        writer, iteration = logger.writer, engine.state.iteration
+        facts = self.written = {**step_facts(self.step), **self.facts}
         if not self._layout_written:
             writer.add_custom_scalars(LAYOUT)
             self._layout_written = True
@@ -244,110 +275,11 @@ class TensorBoardMetrics:
         writer.file_writer.add_summary(text_pb(FACTS_TAG, format_facts(facts)), iteration)
         for tag, text in self.texts.items():  # preformatted: markdown keeps indented lines as they are
             writer.file_writer.add_summary(text_pb(tag, "    " + text.replace("\n", "\n    ")), iteration)
-        metrics = {}
-        if self.evaluator is not None:
-            for name in self.hparam_metrics:
-                metrics[f"val/{name}"] = f"val {name} (final)"
-                metrics[f"val/best_{name}"] = f"val {name} (best)"
-        metrics["perf/samples_per_sec"] = "samples/s (last window)"
-        for summary in hparams_summaries(facts, metrics):
+        for summary in hparams_summaries(facts, self.metrics):
             writer.file_writer.add_summary(summary, iteration)
         writer.flush()
 
-    def _batch_started(self, engine: Engine) -> None:
-        self._fetch_start = time.perf_counter()
-
-    def _batch_completed(self, engine: Engine) -> None:
-        self.data_wait += time.perf_counter() - self._fetch_start
-
-    def _step_skipped(self, engine: Engine) -> None:
-        self.skipped += 1
-
-    def _iteration_completed(self, engine: Engine) -> None:
-        # The step's pre-clip norm stays readable until its next iteration starts; None when this
-        # iteration did not step (accumulating, or the scaler skipped).
-        norm = self.step.grad_norm
-        if norm is not None:
-            self.norms.append(norm)
-            clip_norm = self.clipping.last_norm if self.clipping is not None else None
-            if clip_norm is not None and clip_norm is not self._last_clip_norm:
-                self.clip_norms.append(clip_norm)
-                self._last_clip_norm = clip_norm
-        step = self.step
-        self.losses.append(step.loss)
-        self.samples += step.batch_size
-        self.largest_batch = max(self.largest_batch, step.batch_size)
-        if engine.state.iteration % self.log_every == 0 and self.tb is not None:
-            self._log(engine)
-
-    def _log(self, engine: Engine) -> None:
-        step, writer, amp = engine.state.iteration, self.tb.writer, self.step
-        device = self.losses[0].device
-        reads = {"train/loss": torch.stack(self.losses).mean()}
-        if self.norms:
-            reads["train/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
-        clip = self.clipping
-        if self.clip_norms:
-            bound = torch.stack([n.to(device) for n in self.clip_norms]) > clip.max_norm
-            reads["train/clip_fraction"] = bound.float().mean()
-        scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
-        if scale is not None:
-            reads["amp/loss_scale"] = scale
-        # The one host sync of this log.
-        values = dict(zip(reads, torch.stack([v.to(device, torch.float32) for v in reads.values()]).tolist()))
-        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        for tag, value in values.items():
-            writer.add_scalar(tag, value, step)
-        if clip is not None and clip.max_norm is not None and clip.norm_type == 2.0 and clip.parameters is None:
-            writer.add_scalar("train/clip_max_norm", clip.max_norm, step)
-        groups = self.optimizer.param_groups
-        for i, group in enumerate(groups):
-            writer.add_scalar("train/lr" if len(groups) == 1 else f"train/lr/group_{i}", group["lr"], step)
-        if amp.scaler.is_enabled():
-            if scale is None:  # before the scaler's first step: its init_scale, no sync
-                writer.add_scalar("amp/loss_scale", amp.scaler.get_scale(), step)
-            writer.add_scalar("amp/skipped_steps", self.skipped, step)
-        writer.add_scalar("perf/samples_per_sec", self.samples / elapsed, step)
-        writer.add_scalar("perf/data_wait_fraction", min(self.data_wait / elapsed, 1.0), step)
-        writer.add_scalar("perf/step_time_ms", elapsed / len(self.losses) * 1e3, step)
-        if amp.device.type == "cuda":
-            writer.add_scalar("memory/allocated_mb", torch.cuda.memory_allocated(amp.device) / 2**20, step)
-            writer.add_scalar("memory/max_allocated_mb", torch.cuda.max_memory_allocated(amp.device) / 2**20, step)
-            writer.add_scalar("memory/reserved_mb", torch.cuda.memory_reserved(amp.device) / 2**20, step)
-            torch.cuda.reset_peak_memory_stats(amp.device)
-        else:
-            writer.add_scalar("memory/rss_mb", _rss_mb(), step)
-        # Constant in most runs: the run facts hold them; a scalar only when they change.
-        for tag, value in (("batch/size", self.largest_batch * idist.get_world_size()),
-                           ("batch/micro_batches", amp.micro_batches)):
-            if value != self._last.get(tag):
-                writer.add_scalar(tag, value, step)
-                self._last[tag] = value
-        writer.add_scalar("oom/events", amp.oom_count, step)
-        writer.flush()
-        self._reset()
-
-    def _track_validation(self, evaluator: Engine) -> None:
-        for name, value in evaluator.state.metrics.items():
-            if not isinstance(value, (int, float)) and not (torch.is_tensor(value) and value.numel() == 1):
-                continue
-            value = float(value)
-            self.final[name] = value
-            pick = better(self.modes.get(name) or metric_mode(name))
-            self.best[name] = pick(self.best.get(name, value), value)
-            if self.tb is not None:
-                self.tb.writer.add_scalar(f"val/best_{name}", self.best[name], self.trainer.state.iteration)
-        if self.tb is not None:
-            self.tb.writer.flush()
-
-    def _completed(self, engine: Engine) -> None:
+    def end(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
-        if self.tb is None:
-            return
-        self.tb.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)
-        self.tb.writer.flush()
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        logger.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)
+        logger.writer.flush()

@@ -1,7 +1,6 @@
 """Shared test helpers: tiny models, data and an honest out-of-memory stand-in."""
 import os
 from collections import OrderedDict
-import sys
 
 import pytest
 import torch

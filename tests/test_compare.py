@@ -2,7 +2,6 @@ import os
 
 import yaml
 
-from conftest import ROOT
 from ignite_amp.cli import main
 from ignite_amp.compare import compare, format_table
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, ROOT, error_lines, id_batches, mlp
+from conftest import ROOT, error_lines, id_batches, mlp
 from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli import main

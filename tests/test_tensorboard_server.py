@@ -76,7 +76,7 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler"]
 
     tags = set(fetch(base, "/data/plugin/scalars/tags")["quick"])
-    assert {"train/loss", "train/grad_norm", "train/clip_max_norm", "train/clip_fraction", "train/lr",
+    assert {"train/loss", "train/grad_norm", "train/clip_max_norm", "train/clip_fraction", "train/lr/group_0",
             "perf/samples_per_sec", "perf/data_wait_fraction", "perf/step_time_ms", "memory/rss_mb", "oom/events",
             "val/accuracy", "val/loss", "val/best_accuracy", "val/best_loss"} == tags
     # bfloat16: no GradScaler, so no amp/ tags; constant batch values live in the facts; no hparam/* dots.

@@ -1,5 +1,4 @@
 """User faults end in one line and a non-zero exit, with nothing lost; two runs never share a directory."""
-import errno
 import hashlib
 import multiprocessing
 import os
