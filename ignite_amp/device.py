@@ -5,14 +5,14 @@ Every layer that names a device or a dtype, or recognises an out-of-memory error
 import functools
 import gc
 import logging
-from typing import Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from ignite_amp.errors import RUN_STOPPED
 
 __all__ = ["DTYPES", "resolve_device", "resolve_dtype", "indexed", "describe_device", "dtype_name",
-           "cpu_has_native_bf16", "is_oom_error", "free_memory"]
+           "cpu_has_native_bf16", "is_oom_error", "free_memory", "peak_tflops", "PEAK_TFLOPS"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -129,3 +129,32 @@ def free_memory(device: torch.device) -> None:
     backend = getattr(torch, torch.device(device).type, None)
     if torch.device(device).type != "cpu" and hasattr(backend, "empty_cache"):
         backend.empty_cache()
+
+
+# Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32). The
+# first name found in torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_TFLOPS = {
+    "H200": (989.4, 494.7, 66.9),
+    "H100 PCIe": (756.5, 378.0, 51.2),
+    "H100 NVL": (835.5, 417.5, 60.0),
+    "H100": (989.4, 494.7, 66.9),  # SXM
+    "A100": (312.0, 156.0, 19.5),
+    "L4": (121.0, 60.0, 30.3),
+}
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> Optional[Tuple[float, str]]:
+    """``(dense peak TFLOP/s, what it is)`` of ``device`` for matmuls in ``dtype``, or None where unknown
+    (a CPU, a GPU not in :data:`PEAK_TFLOPS`). float32 counts TF32's peak when torch allows TF32 matmuls."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for model, (half, tf32, fp32) in PEAK_TFLOPS.items():
+        if model in name:
+            if dtype in (torch.bfloat16, torch.float16):
+                return half, f"{model} {dtype_name(dtype)} dense peak"
+            if torch.backends.cuda.matmul.allow_tf32:
+                return tf32, f"{model} TF32 dense peak"
+            return fp32, f"{model} float32 peak"
+    return None

@@ -102,6 +102,8 @@ class StepBase:
             self.autocast = functools.partial(torch.autocast, device_type=self._device.type, dtype=self._dtype)
         self._batch_size = 0
         self._oom_count = 0
+        self._count_flops = False
+        self._flops_per_sample: Optional[float] = None
 
     # -- the documented interface ------------------------------------------------------------
     @property
@@ -137,6 +139,17 @@ class StepBase:
     def micro_batches(self, value: int) -> None:
         self._micro_batches = _check_micro_batches(value)
 
+    def count_flops(self) -> None:
+        """Count the next iteration's FLOPs (``torch.utils.flop_counter``: forward and backward of every
+        chunk); :attr:`flops_per_sample` then holds them per sample. That one iteration runs slower
+        (the counter sees every operator); an iteration retried after out of memory is counted again."""
+        self._count_flops = True
+
+    @property
+    def flops_per_sample(self) -> Optional[float]:
+        """FLOPs per sample of a training iteration, once :meth:`count_flops` has counted one; else None."""
+        return self._flops_per_sample
+
     # -- the step ----------------------------------------------------------------------------
     def _inputs(self, chunk: Any):
         x, y = self.prepare_batch(chunk, self._device, self.non_blocking)
@@ -164,6 +177,21 @@ class StepBase:
 
     def __call__(self, engine: Engine, batch: Any) -> Any:
         self._batch_size = self._size_of(engine, batch)
+        if self._count_flops and self.forward is self._model:  # a compiled forward hides its operators
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._count_flops, ooms = False, self._oom_count
+            counter = FlopCounterMode(display=False)
+            with counter:
+                output = self._attempts(engine, batch)
+            if self._oom_count != ooms:
+                self._count_flops = True  # a retry was counted too: count the next iteration
+            elif counter.get_total_flops():  # 0: no operator the counter knows (matmul, convolution...)
+                self._flops_per_sample = counter.get_total_flops() / self._batch_size
+            return output
+        return self._attempts(engine, batch)
+
+    def _attempts(self, engine: Engine, batch: Any) -> Any:
         while True:
             agree = self._agrees_on_oom()
             output, error = None, None
