@@ -1,7 +1,15 @@
-"""TensorBoard logging of what matters in a mixed-precision run, one host sync per log."""
+"""TensorBoard for a mixed-precision run: the first screen answers "is this run healthy?".
+
+Tags are grouped so that TensorBoard's Time Series (which sorts groups by name) opens on the
+validation metrics and the loss: ``accuracy/val``, ``loss/train``, ``loss/val``, then
+``memory/``, ``optimizer/`` (grad norm, clip share, lr), ``precision/`` (loss scale, skipped
+steps), ``step/`` (only when a batch or micro-batch count changes, or memory ran out) and
+``throughput/``. Each chart of the Custom Scalars "AMP health" dashboard has one scale, and holds
+only what the run logs.
+"""
 import dataclasses
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import ignite.distributed as idist
 import torch
@@ -9,68 +17,95 @@ from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 from ignite.handlers.tensorboard_logger import OptimizerParamsHandler
 
+from ignite_amp.device import dtype_name
 from ignite_amp.engine import amp_step_of
 from ignite_amp.facts import format_facts, step_facts
 from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
-from ignite_amp.handlers.tensorboard_scalars import BatchShape, BestValidation, DeviceMemory, TrainWindow
+from ignite_amp.handlers.run_health import Health, health_lines
+from ignite_amp.handlers.tensorboard_scalars import BatchShape, DeviceMemory, TrainWindow, Validation
 from ignite_amp.metric_modes import metric_mode
 
-__all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG"]
+__all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG", "HEALTH_TAG", "layout",
+           "hparams_summaries", "HPARAMS"]
 
 
 @dataclasses.dataclass
 class TensorBoardConfig:
-    """handlers.tensorboard: what TensorBoardMetrics logs under output_dir/tb."""
+    """handlers.tensorboard: what TensorBoardMetrics logs in output_dir."""
 
     enabled: bool = setting(True, Boolean(), "attach TensorBoardMetrics")
     log_every: int = setting(50, POSITIVE_INT, "iterations per training scalar point (one host sync each)")
 
 
 TAGS = {
-    "train/loss": "mean training loss over the last log_every iterations",
-    "train/lr/group_<N>": "learning rate of each param group (Ignite's OptimizerParamsHandler)",
-    "train/grad_norm": "mean pre-clip total gradient norm (L2) over the optimizer steps of the window",
-    "train/clip_max_norm": "the clipping threshold (GradientClipping's max_norm, L2 over all the model's gradients)",
-    "train/clip_fraction": "share of the window's optimizer steps whose pre-clip norm was above max_norm",
-    "amp/loss_scale": "GradScaler scale (float16 only)",
-    "amp/skipped_steps": "optimizer steps skipped for inf/NaN gradients since the start (float16 only)",
-    "perf/samples_per_sec": "training samples per second over the window",
-    "perf/data_wait_fraction": "share of the window's wall time spent waiting for the data loader",
-    "perf/step_time_ms": "mean wall time per iteration over the window (data wait and handlers included)",
+    "<metric>/val": "validation metric after each evaluation, e.g. accuracy/val, loss/val (x axis: training "
+                    "iteration)",
+    "<metric>/val_best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
+    "loss/train": "mean training loss over the last log_every iterations",
     "memory/allocated_mb": "memory allocated by tensors at the log (CUDA)",
-    "memory/max_allocated_mb": "peak memory allocated by tensors during the window (CUDA)",
+    "memory/peak_mb": "peak memory allocated by tensors during the window (CUDA)",
     "memory/reserved_mb": "memory held by the caching allocator (CUDA)",
     "memory/rss_mb": "resident memory of the process (CPU runs)",
-    "batch/size": "global batch size (the window's largest batch x processes), logged when it changes",
-    "batch/micro_batches": "chunks each batch is split into, logged when it changes (raised by OOM backoff)",
-    "oom/events": "out-of-memory errors caught since the start",
-    "val/<metric>": "validation metrics after each evaluation (x axis: training iteration)",
-    "val/best_<metric>": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
+    "optimizer/grad_norm": "mean pre-clip total gradient norm (L2) over the optimizer steps of the window",
+    "optimizer/clip_share": "share of the window's optimizer steps whose pre-clip norm was above max_norm",
+    "optimizer/lr/group_<N>": "learning rate of each param group (Ignite's OptimizerParamsHandler)",
+    "precision/loss_scale": "GradScaler scale (float16 only)",
+    "precision/skipped_steps": "optimizer steps skipped for inf/NaN gradients since the start (float16 only)",
+    "step/batch_size": "global batch size, logged only when it differs from the run facts (OOM backoff, batch mode)",
+    "step/micro_batches": "chunks each batch is split into, logged only when it changes (OOM backoff)",
+    "step/oom_retries": "out-of-memory errors caught since the start, logged from the first one",
+    "throughput/samples_per_sec": "training samples per second of the window's iterations (this process; "
+                                  "evaluation and other epoch-end work excluded)",
+    "throughput/median_samples_per_sec": "the run's median of the windows' samples/s so far (an HParams column)",
+    "throughput/step_time_ms": "mean time per iteration over the window, from fetching its batch to its end",
+    "throughput/data_wait_share": "share of the window's wall time spent waiting for the data loader",
+    "throughput/tflops": "achieved TFLOP/s: FLOPs per sample (counted once, forward + backward) x samples/s",
+    "throughput/mfu": "model FLOPs utilisation: achieved TFLOP/s over the GPU's dense peak for the dtype",
 }
 
 FACTS_TAG = "run/facts"
+HEALTH_TAG = "run/health"
 
-# Custom Scalars tab: the first category is what tells whether an AMP run is healthy. The layout
-# does not depend on the run, so `tensorboard --logdir runs` merges the runs' layouts into one.
-LAYOUT = {
-    "AMP health": {
-        "loss: train, val": ["Multiline", ["train/loss", "val/loss"]],
-        "val accuracy (and best)": ["Multiline", ["val/accuracy", "val/best_accuracy"]],
-        "loss scale, skipped steps (float16 only)": ["Multiline", ["amp/loss_scale", "amp/skipped_steps"]],
-        "grad norm, clip threshold": ["Multiline", ["train/grad_norm", "train/clip_max_norm"]],
-        "samples/s, data-wait fraction": ["Multiline", ["perf/samples_per_sec", "perf/data_wait_fraction"]],
-        "device memory MB: allocated, reserved, peak (CPU: RSS)": [
-            "Multiline", ["memory/allocated_mb", "memory/reserved_mb", "memory/max_allocated_mb", "memory/rss_mb"]],
-    },
-    "AMP details": {
-        "clipping bound (fraction of optimizer steps)": ["Multiline", ["train/clip_fraction"]],
-        "step time ms": ["Multiline", ["perf/step_time_ms"]],
-        "learning rate": ["Multiline", [r"train/lr/group_\d+$"]],
-        "batch size, micro-batches (logged on change)": ["Multiline", ["batch/size", "batch/micro_batches"]],
-        "out-of-memory errors caught": ["Multiline", ["oom/events"]],
-    },
-}
+
+def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping: bool = True, cuda: bool = True,
+           flops: bool = True, mfu: bool = True) -> dict:
+    """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills.
+
+    ``tensorboard --logdir runs`` merges the runs' layouts (same categories, charts unioned)."""
+    health = {"loss: train, val": ["Multiline", [r"^loss/(train|val)$"]]}
+    for name in metrics:
+        if name != "loss":
+            health[f"val {name} (and best so far)"] = ["Multiline", [rf"^{name}/val(_best)?$"]]
+    if scaler:
+        health["loss scale (float16)"] = ["Multiline", [r"^precision/loss_scale$"]]
+        health["skipped optimizer steps (float16, since the start)"] = ["Multiline", [r"^precision/skipped_steps$"]]
+    if clipping:
+        health["share of optimizer steps clipped (1.0: every step)"] = ["Multiline", [r"^optimizer/clip_share$"]]
+    health["samples/s: each window, the median so far"] = ["Multiline", [r"^throughput/(median_)?samples_per_sec$"]]
+    details = {"grad norm (pre-clip, L2)": ["Multiline", [r"^optimizer/grad_norm$"]],
+               "learning rate": ["Multiline", [r"^optimizer/lr/group_\d+$"]],
+               "share of wall time waiting for data": ["Multiline", [r"^throughput/data_wait_share$"]],
+               "ms per iteration": ["Multiline", [r"^throughput/step_time_ms$"]]}
+    if flops:
+        details["achieved TFLOP/s"] = ["Multiline", [r"^throughput/tflops$"]]
+    if mfu:
+        details["MFU (share of the dense peak)"] = ["Multiline", [r"^throughput/mfu$"]]
+    if cuda:
+        details["device memory MB: allocated, reserved, peak"] = ["Multiline", [r"^memory/(allocated|reserved|peak)_mb$"]]
+    else:
+        details["process memory MB (RSS)"] = ["Multiline", [r"^memory/rss_mb$"]]
+    return {"AMP health": health, "AMP details": details}
+
+
+LAYOUT = layout()  # every chart a run can have (a CPU run has the RSS chart instead of device memory)
+
+# HParams columns, in this order (TensorBoard ticks the first ones); strings only with a closed set of
+# values, so every run's value is in the filter's list. The rest of the facts are in the text tab.
+HPARAMS = ("dtype", "device_type", "grad_scaler", "batch_size", "lr", "accumulation_steps", "micro_batches",
+           "world_size", "channels_last", "compile", "scheduler", "epochs", "seed", "batch_size_search")
+_DOMAINS = {"dtype": ("float32", "float16", "bfloat16"), "device_type": ("cpu", "cuda", "mps", "xpu"),
+            "scheduler": ("none", "cosine", "onecycle")}
 
 _FACT_TYPES = (bool, int, float, str, type(None))
 
@@ -78,29 +113,37 @@ _FACT_TYPES = (bool, int, float, str, type(None))
 def hparams_summaries(facts: Dict[str, Any], metrics: Dict[str, str]) -> list:
     """The HParams plugin's experiment (columns) and session-start summaries for one run.
 
-    Written directly (not ``SummaryWriter.add_hparams``): no ``hparam/*`` scalar tags, booleans
-    stay booleans (shown true/false), and each metric column reads an existing scalar tag
-    (``metrics``: tag -> column title). Each run is its own session group.
+    Written directly (not ``SummaryWriter.add_hparams``): no ``hparam/*`` scalar tags, booleans stay
+    booleans, strings have their closed set of values as a discrete domain (filterable, no console
+    warnings), numbers are numbers. Columns follow :data:`HPARAMS` (the name sorts, the display name
+    is the fact's); each metric column reads an existing scalar tag (``metrics``: tag -> title).
     """
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
 
-    infos = []
-    for name, value in facts.items():
-        info = api_pb2.HParamInfo(name=name, type=api_pb2.DATA_TYPE_FLOAT64)  # numbers, and None (unknown)
+    infos, values = [], {}
+    for i, name in enumerate(n for n in HPARAMS if n in facts):
+        value, key = facts[name], f"{i:02d} {name}"
+        info = api_pb2.HParamInfo(name=key, display_name=name)
         if isinstance(value, bool):
             info.type = api_pb2.DATA_TYPE_BOOL
             info.domain_discrete.extend([False, True])
         elif isinstance(value, str):
+            if value not in _DOMAINS.get(name, ()):
+                continue
             info.type = api_pb2.DATA_TYPE_STRING
+            info.domain_discrete.extend(_DOMAINS[name])
+        else:
+            info.type = api_pb2.DATA_TYPE_FLOAT64
         infos.append(info)
+        if value is not None:
+            values[key] = value
     experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[
         api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title) for tag, title in metrics.items()])
     config = Summary()
     config.value.add(tag=metadata.EXPERIMENT_TAG, tensor=metadata.NULL_TENSOR,
                      metadata=metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(experiment=experiment)))
-    start = summary_v2.hparams_pb({k: v for k, v in facts.items() if v is not None}, trial_id="")
-    return [config, start]
+    return [config, summary_v2.hparams_pb(values, trial_id="")]
 
 
 def _session_end_summary():
@@ -114,19 +157,25 @@ def _session_end_summary():
     return summary
 
 
+def _text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -> None:
+    from tensorboard.plugins.text.summary_v2 import text_pb
+
+    logger.writer.file_writer.add_summary(text_pb(tag, text), iteration)
+
+
 class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
     One Ignite ``TensorboardLogger`` with small handlers attached (:mod:`.tensorboard_scalars`:
-    ``TrainWindow``, ``DeviceMemory``, ``BatchShape``, ``BestValidation``; Ignite's
-    ``OptimizerParamsHandler`` for the learning rate and ``OutputHandler`` for the validation
-    metrics; :class:`RunFacts` for what ran). At the start of a run it writes a Custom Scalars
-    layout (``LAYOUT``: loss, accuracy, loss scale with skipped steps, grad norm with the clip
-    threshold, throughput with the data-wait fraction, memory), the run facts as a text entry
-    (``FACTS_TAG``) and as HParams (the facts as columns, and the final and best validation
-    metrics and samples/s as metric columns read from the scalar tags). Every ``log_every``
-    iterations it writes the means over the window, kept on the device until then and read with
-    one host sync; validation metrics after each evaluation. Rank 0 only. The tags are in ``TAGS``.
+    ``TrainWindow``, ``DeviceMemory``, ``BatchShape``, ``Validation``; Ignite's
+    ``OptimizerParamsHandler`` for the learning rate; :class:`RunFacts` for what ran). At the start
+    it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
+    and best validation metrics and the median samples/s as metric columns). Every ``log_every``
+    iterations it writes the window's means, kept on the device until then and read with one host
+    sync, and at the first log the Custom Scalars layout (:func:`layout`). At the end (also of a
+    failed run, through :meth:`close`) it writes the health summary (``HEALTH_TAG``,
+    :func:`~ignite_amp.handlers.run_health.health_lines`), which :meth:`health` returns too.
+    Rank 0 only. The tags are in ``TAGS``.
 
     Args:
         logdir: directory of the event files: one TensorBoard run (``tensorboard --logdir`` its parent).
@@ -135,12 +184,12 @@ class TensorBoardMetrics:
             (batch size, model, optimizer...): a flat mapping to bool, int, float, str or None,
             added to the step's own facts (dtype, scaler, device, processes, micro-batches,
             accumulation, versions; :func:`ignite_amp.facts.step_facts`), over which it wins.
-        clipping: the run's ``GradientClipping`` by norm, for the clip threshold and the fraction of
-            optimizer steps where clipping bound (its ``last_norm`` above ``max_norm``, counted at the log).
-        hparam_metrics: validation metrics shown as HParams columns (final and best).
+        clipping: the run's ``GradientClipping`` by norm, for the share of optimizer steps where
+            clipping bound (its ``last_norm`` above ``max_norm``, counted at the log).
+        hparam_metrics: validation metrics shown as HParams columns (final and best) and charts.
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
-        modes: metric name -> ``"min"`` or ``"max"`` for ``val/best_*``, as given to ``BestCheckpoint``;
+        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/val_best``, as given to ``BestCheckpoint``;
             other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
 
     Example:
@@ -158,6 +207,8 @@ class TensorBoardMetrics:
         >>> tb.close()
         >>> tb.facts_written["dtype"], tb.facts_written["grad_scaler"], tb.facts_written["batch_size"]
         ('bfloat16', False, 8)
+        >>> tb.health()[0]
+        'precision: bfloat16 autocast, no GradScaler needed: 4 optimizer steps'
     """
 
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,
@@ -185,9 +236,11 @@ class TensorBoardMetrics:
         self.clipping = clipping
         self.hparam_metrics = tuple(hparam_metrics)
         self.tb: Optional[TensorboardLogger] = None
-        self.window: Optional[TrainWindow] = None
-        self.validation = BestValidation(None, self.modes)
-        self.run_facts: Optional[RunFacts] = None
+        self.step = self.window = self.memory = self.run_facts = None
+        self.validation = Validation(None, self.modes)
+        self.trainer: Optional[Engine] = None
+        self._ended = True  # the trainer's run completed (or never started): close() has nothing to add
+        self._layout_written = False
 
     @property
     def facts_written(self) -> Dict[str, Any]:
@@ -211,44 +264,99 @@ class TensorBoardMetrics:
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         if idist.get_rank() != 0:
             return
-        step = amp_step_of(trainer)
+        self.step = step = amp_step_of(trainer)
+        self.trainer = trainer
         step.track_grad_norm()
         optimizer = optimizer if optimizer is not None else step.optimizer
         self.tb = tb = TensorboardLogger(log_dir=self.logdir)
         self.window = TrainWindow(step, self.clipping)
         self.window.attach(trainer)  # before the log's handlers: the log's iteration is in its window
-        memory = DeviceMemory(step.device)
-        memory.attach(trainer)
+        self.memory = DeviceMemory(step.device)
+        self.memory.attach(trainer)
         metrics = {}
         if evaluator is not None:
             for name in self.hparam_metrics:
-                metrics[f"val/{name}"] = f"val {name} (final)"
-                metrics[f"val/best_{name}"] = f"val {name} (best)"
-        metrics["perf/samples_per_sec"] = "samples/s (last window)"
-        self.run_facts = RunFacts({**self.facts}, self.texts, metrics, step)
+                metrics[f"{name}/val"] = f"val {name} (final)"
+                metrics[f"{name}/val_best"] = f"val {name} (best)"
+        metrics["throughput/median_samples_per_sec"] = "samples/s (median)"
+        self.run_facts = RunFacts(self.facts, self.texts, metrics, step)
         tb.attach(trainer, self.run_facts, Events.STARTED)
-        tb.attach(trainer, self.run_facts.end, Events.COMPLETED)
+        trainer.add_event_handler(Events.STARTED, lambda _: setattr(self, "_ended", False))
+        tb.attach(trainer, self._completed, Events.COMPLETED)
         log = Events.ITERATION_COMPLETED(every=self.log_every)
         shape = BatchShape(step, self.window, lambda: self.facts_written)
         shape.attach(trainer)
-        tb.attach(trainer, shape, log)  # reads the window before it starts the next
-        tb.attach(trainer, self.window, log)
-        tb.attach(trainer, OptimizerParamsHandler(optimizer, "lr", tag="train"), log)
-        tb.attach(trainer, memory, log)
-        # Each log is flushed: a crashed run keeps what it logged. (No EXCEPTION_RAISED handler: Ignite
-        # does not re-raise when one exists.) close() is safe to call twice.
-        tb.attach(trainer, _flush, log)
+        # shape reads the window before it starts the next; _logged writes the layout once and flushes:
+        # a crashed run keeps what it logged. (No EXCEPTION_RAISED handler: Ignite does not re-raise
+        # when one exists.) close() is safe to call twice.
+        self._log_handlers = [shape, self.window, OptimizerParamsHandler(optimizer, "lr", tag="optimizer"),
+                              self.memory, self._logged]
+        for handler in self._log_handlers:
+            tb.attach(trainer, handler, log)
         if evaluator is not None:
             self.validation.trainer = trainer
-            tb.attach_output_handler(evaluator, event_name=Events.COMPLETED, tag="val", metric_names="all",
-                                     global_step_transform=lambda *_: trainer.state.iteration)
             tb.attach(evaluator, self.validation, Events.COMPLETED)
             tb.attach(evaluator, _flush, Events.COMPLETED)
 
+    def _logged(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+        if not self._layout_written:  # at the first log: the FLOP count and what is logged are known
+            step = self.step
+            if step.flops_per_sample:
+                peak = self.window.peak
+                self.run_facts.add(logger, engine.state.iteration, gflops_per_sample=step.flops_per_sample / 1e9,
+                                   peak_tflops=peak[0] if peak else None)
+            logger.writer.add_custom_scalars(layout(
+                [m for m in self.hparam_metrics if self.validation.trainer is not None], step.scaler.is_enabled(),
+                self.clipping is not None and self.clipping.max_norm is not None, step.device.type == "cuda",
+                bool(step.flops_per_sample), bool(step.flops_per_sample) and self.window.peak is not None))
+            self._layout_written = True
+        logger.writer.flush()
+
+    def health(self) -> List[str]:
+        """The health summary of the run so far (see :mod:`~ignite_amp.handlers.run_health`); [] on other ranks."""
+        step, window = self.step, self.window
+        if step is None:
+            return []
+        window.flush(0)
+        scaler = step.scaler.is_enabled()
+        micro = min(step.micro_batches, step.batch_size) if step.batch_size else None
+        return health_lines(Health(
+            dtype=dtype_name(step.dtype), scaler=scaler, windows=window.history, optimizer_steps=window.stepped,
+            skipped_steps=window.skipped, loss_scale=step.scaler.get_scale() if scaler else None,
+            max_norm=self.clipping.max_norm if self.clipping is not None else None,
+            peak_memory_mb=self.memory.peak_mb or None,
+            memory_kind="allocated" if step.device.type == "cuda" else "RSS",
+            oom_retries=step.oom_count, micro_batches=step.micro_batches,
+            micro_batch_size=-(-step.batch_size // micro) if micro else None,
+            flops_per_sample=step.flops_per_sample, peak_name=window.peak[1] if window.peak else None,
+            since=f" since the resume at iteration {window.start_iteration}" if window.start_iteration else ""))
+
+    def _write_health(self, iteration: int) -> None:
+        self.memory.read()
+        lines = self.health()
+        _text(self.tb, HEALTH_TAG, "\n".join(f"- {line}" for line in lines), iteration)
+        self.tb.writer.flush()
+
+    def _completed(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+        # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
+        if self.window.losses:  # the last iterations since the last log (all of a run shorter than log_every)
+            for handler in self._log_handlers:
+                handler(engine, logger, Events.ITERATION_COMPLETED)
+        self._write_health(engine.state.iteration)
+        self._ended = True
+        logger.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)
+        logger.writer.flush()
+
     def close(self) -> None:
+        """Write the health summary if the run did not complete (a failure, a stop), then close the logger."""
         if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+            try:
+                if not self._ended:
+                    self._ended = True
+                    self._write_health(self.trainer.state.iteration)
+            finally:
+                self.tb.close()
+                self.tb = None
 
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
@@ -256,30 +364,24 @@ def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
 
 
 class RunFacts:
-    """What ran, at each start (after a resume, too): the Custom Scalars layout (once), the facts as text
-    (``FACTS_TAG``) and as HParams, the extra ``texts``; at the end, the HParams session's end."""
+    """What ran, at each start (after a resume, too): the facts as text (``FACTS_TAG``) and as HParams, the
+    extra ``texts``."""
 
     def __init__(self, facts: Dict[str, Any], texts: Dict[str, str], metrics: Dict[str, str], step: Any):
         self.facts, self.texts, self.metrics, self.step = facts, texts, metrics, step
         self.written: Dict[str, Any] = {}
-        self._layout_written = False
 
     def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         writer, iteration = logger.writer, engine.state.iteration
         facts = self.written = {**step_facts(self.step), **self.facts}
-        if not self._layout_written:
-            writer.add_custom_scalars(LAYOUT)
-            self._layout_written = True
-        from tensorboard.plugins.text.summary_v2 import text_pb
-
-        writer.file_writer.add_summary(text_pb(FACTS_TAG, format_facts(facts)), iteration)
+        _text(logger, FACTS_TAG, format_facts(facts), iteration)
         for tag, text in self.texts.items():  # preformatted: markdown keeps indented lines as they are
-            writer.file_writer.add_summary(text_pb(tag, "    " + text.replace("\n", "\n    ")), iteration)
-        for summary in hparams_summaries(facts, self.metrics):
+            _text(logger, tag, "    " + text.replace("\n", "\n    "), iteration)
+        for summary in hparams_summaries({**facts, "device_type": self.step.device.type}, self.metrics):
             writer.file_writer.add_summary(summary, iteration)
         writer.flush()
 
-    def end(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
-        # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
-        logger.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)
-        logger.writer.flush()
+    def add(self, logger: TensorboardLogger, iteration: int, **facts: Any) -> None:
+        """Facts known later (the FLOPs per sample, after the first iteration): the text again, with them."""
+        self.written.update(facts)
+        _text(logger, FACTS_TAG, format_facts(self.written), iteration)

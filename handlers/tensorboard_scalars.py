@@ -2,9 +2,11 @@
 
 Each is an Ignite log handler, ``handler(engine, logger, event_name)``, attached with
 ``logger.attach(trainer, handler, event)``; those that need every iteration's values also
-``attach`` a plain trainer handler that keeps them on the device until the log.
+``attach`` a plain trainer handler that keeps them on the device until the log. Each keeps what
+it logged in ``history`` for the end-of-run health summary (:mod:`.run_health`).
 """
 import os
+import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -13,12 +15,13 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
+from ignite_amp.device import peak_tflops
 from ignite_amp.events import AmpEvents
 from ignite_amp.metric_modes import better, metric_mode
 from ignite_amp.scaler import scale_tensor
 from ignite_amp.step import AmpStep
 
-__all__ = ["TrainWindow", "DeviceMemory", "BatchShape", "BestValidation", "rss_mb"]
+__all__ = ["TrainWindow", "DeviceMemory", "BatchShape", "Validation", "rss_mb"]
 
 
 def rss_mb() -> float:
@@ -33,16 +36,19 @@ def rss_mb() -> float:
 
 
 class TrainWindow:
-    """The window's training scalars (loss, grad norm, clip share, loss scale, skipped steps, speed) with
-    one host sync per log: the values stay on the device as the step made them until the log reads
-    them in one stack.
+    """The window's training scalars (loss, grad norm, clip share, loss scale, skipped steps, speed,
+    achieved TFLOP/s and MFU) with one host sync per log: the values stay on the device as the step
+    made them until the log reads them in one stack.
 
     ``clipping``: a ``GradientClipping`` whose pre-clip norms are compared with its ``max_norm`` at the log.
     """
 
     def __init__(self, step: AmpStep, clipping: Optional[Any] = None):
         self.step, self.clipping = step, clipping
-        self.skipped = 0
+        self.skipped = self.stepped = 0
+        self.start_iteration: Optional[int] = None
+        self.history: List[Dict[str, float]] = []  # one record per window read
+        self.peak = peak_tflops(step.device, step.dtype)
         self._last_clip_norm: Optional[torch.Tensor] = None
         self.reset()
 
@@ -51,16 +57,23 @@ class TrainWindow:
         self.norms: List[torch.Tensor] = []
         self.clip_norms: List[torch.Tensor] = []  # the clipping's pre-clip norms: compared at the log, not per step
         self.samples = self.largest_batch = 0
-        self.data_wait = 0.0
-        self.window_start = time.perf_counter()
+        self.data_wait = self.busy = 0.0  # seconds fetching batches; in iterations (fetch, step, handlers)
 
     def attach(self, trainer: Engine) -> None:
         """The per-iteration bookkeeping (register before the log's handlers)."""
-        trainer.add_event_handler(Events.STARTED, lambda _: self.reset())
+        trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
         trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
         trainer.add_event_handler(AmpEvents.STEP_SKIPPED, self._step_skipped)
+        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, self._optimizer_stepped)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
+
+    def _started(self, engine: Engine) -> None:
+        self.reset()
+        if self.start_iteration is None:
+            self.start_iteration = engine.state.iteration  # where this process's counts begin (a resume: not 0)
+        if self.step.flops_per_sample is None:
+            self.step.count_flops()  # the first iteration: FLOPs per sample, for TFLOP/s and MFU
 
     def _batch_started(self, engine: Engine) -> None:
         self._fetch_start = time.perf_counter()
@@ -70,6 +83,9 @@ class TrainWindow:
 
     def _step_skipped(self, engine: Engine) -> None:
         self.skipped += 1
+
+    def _optimizer_stepped(self, engine: Engine) -> None:
+        self.stepped += 1
 
     def _iteration_completed(self, engine: Engine) -> None:
         # The step's pre-clip norm stays readable until its next iteration starts; None when this
@@ -85,44 +101,61 @@ class TrainWindow:
         self.losses.append(step.loss)
         self.samples += step.batch_size
         self.largest_batch = max(self.largest_batch, step.batch_size)
+        # From the batch's fetch to now: evaluation, checkpoints and other epoch-end work are not training time.
+        self.busy += time.perf_counter() - self._fetch_start
+
+    def read(self, iteration: int) -> Dict[str, float]:
+        """The window's values by tag (one host sync), kept in ``history``; then a new window starts."""
+        amp, device = self.step, self.losses[0].device
+        reads = {"loss/train": torch.stack(self.losses).mean()}
+        if self.norms:
+            reads["optimizer/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
+        if self.clip_norms:
+            bound = torch.stack([n.to(device) for n in self.clip_norms]) > self.clipping.max_norm
+            reads["optimizer/clip_share"] = bound.float().mean()
+        scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
+        if scale is not None:
+            reads["precision/loss_scale"] = scale
+        # The one host sync of this log.
+        values = dict(zip(reads, torch.stack([v.to(device, torch.float32) for v in reads.values()]).tolist()))
+        if amp.scaler.is_enabled():
+            if scale is None:  # before the scaler's first step: its init_scale, no sync
+                values["precision/loss_scale"] = amp.scaler.get_scale()
+            values["precision/skipped_steps"] = self.skipped
+        elapsed = max(self.busy, 1e-9)
+        values["throughput/samples_per_sec"] = self.samples / elapsed
+        speeds = [w["throughput/samples_per_sec"] for w in self.history] + [values["throughput/samples_per_sec"]]
+        values["throughput/median_samples_per_sec"] = statistics.median(speeds)  # the run's, so far
+        values["throughput/step_time_ms"] = elapsed / len(self.losses) * 1e3
+        values["throughput/data_wait_share"] = min(self.data_wait / elapsed, 1.0)
+        if amp.flops_per_sample:  # per process: this rank's samples on this rank's device
+            values["throughput/tflops"] = amp.flops_per_sample * values["throughput/samples_per_sec"] / 1e12
+            if self.peak is not None:
+                values["throughput/mfu"] = values["throughput/tflops"] / self.peak[0]
+        self.history.append({**values, "iteration": iteration, "clip_steps": len(self.clip_norms),
+                             "iterations": len(self.losses)})
+        self.reset()
+        return values
+
+    def flush(self, iteration: int) -> None:
+        """Read the window in progress into ``history`` without logging it (the run's end)."""
+        if self.losses:
+            self.read(iteration)
 
     def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         if not self.losses:
             return
-        iteration, writer, amp = engine.state.iteration, logger.writer, self.step
-        device = self.losses[0].device
-        reads = {"train/loss": torch.stack(self.losses).mean()}
-        if self.norms:
-            reads["train/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
-        clip = self.clipping
-        if self.clip_norms:
-            bound = torch.stack([n.to(device) for n in self.clip_norms]) > clip.max_norm
-            reads["train/clip_fraction"] = bound.float().mean()
-        scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
-        if scale is not None:
-            reads["amp/loss_scale"] = scale
-        # The one host sync of this log.
-        values = dict(zip(reads, torch.stack([v.to(device, torch.float32) for v in reads.values()]).tolist()))
-        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        for tag, value in values.items():
-            writer.add_scalar(tag, value, iteration)
-        if clip is not None and clip.max_norm is not None and clip.norm_type == 2.0 and clip.parameters is None:
-            writer.add_scalar("train/clip_max_norm", clip.max_norm, iteration)
-        if amp.scaler.is_enabled():
-            if scale is None:  # before the scaler's first step: its init_scale, no sync
-                writer.add_scalar("amp/loss_scale", amp.scaler.get_scale(), iteration)
-            writer.add_scalar("amp/skipped_steps", self.skipped, iteration)
-        writer.add_scalar("perf/samples_per_sec", self.samples / elapsed, iteration)
-        writer.add_scalar("perf/data_wait_fraction", min(self.data_wait / elapsed, 1.0), iteration)
-        writer.add_scalar("perf/step_time_ms", elapsed / len(self.losses) * 1e3, iteration)
-        self.reset()
+        for tag, value in self.read(engine.state.iteration).items():
+            logger.writer.add_scalar(tag, value, engine.state.iteration)
 
 
 class DeviceMemory:
-    """Device memory at the log (CUDA: allocated, reserved, the window's peak), or the process's RSS."""
+    """Device memory at the log (CUDA: allocated, reserved, the window's peak), or the process's RSS;
+    ``peak_mb`` is the run's peak so far."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.peak_mb = 0.0
 
     def attach(self, trainer: Engine) -> None:
         trainer.add_event_handler(Events.STARTED, self._started)
@@ -131,20 +164,28 @@ class DeviceMemory:
         if self.device.type == "cuda":  # the first window's peak is the training's, not a search's before it
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
-        writer, iteration, device = logger.writer, engine.state.iteration, self.device
+    def read(self) -> Dict[str, float]:
+        device = self.device
         if device.type == "cuda":
-            writer.add_scalar("memory/allocated_mb", torch.cuda.memory_allocated(device) / 2**20, iteration)
-            writer.add_scalar("memory/max_allocated_mb", torch.cuda.max_memory_allocated(device) / 2**20, iteration)
-            writer.add_scalar("memory/reserved_mb", torch.cuda.memory_reserved(device) / 2**20, iteration)
+            values = {"memory/allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+                      "memory/peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                      "memory/reserved_mb": torch.cuda.memory_reserved(device) / 2**20}
             torch.cuda.reset_peak_memory_stats(device)
+            self.peak_mb = max(self.peak_mb, values["memory/peak_mb"])
         else:
-            writer.add_scalar("memory/rss_mb", rss_mb(), iteration)
+            values = {"memory/rss_mb": rss_mb()}
+            self.peak_mb = max(self.peak_mb, values["memory/rss_mb"])
+        return values
+
+    def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+        for tag, value in self.read().items():
+            logger.writer.add_scalar(tag, value, engine.state.iteration)
 
 
 class BatchShape:
     """Global batch size and micro-batches when they differ from the run facts or change (OOM backoff), and
-    out-of-memory errors caught. Log it before the :class:`TrainWindow` (which starts a new window)."""
+    out-of-memory retries once there is one: nothing in a run where they stay as configured. Log it
+    before the :class:`TrainWindow` (which starts a new window)."""
 
     def __init__(self, step: AmpStep, window: TrainWindow, facts: Callable[[], Dict[str, Any]]):
         self.step, self.window, self.facts = step, window, facts
@@ -160,29 +201,31 @@ class BatchShape:
         writer, iteration = logger.writer, engine.state.iteration
         if self.last is None:
             facts = self.facts()
-            self.last = {"batch/size": facts.get("batch_size"), "batch/micro_batches": facts.get("micro_batches")}
-        # Constant in most runs: the run facts hold them; a scalar only when they change.
-        for tag, value in (("batch/size", self.window.largest_batch * idist.get_world_size()),
-                           ("batch/micro_batches", self.step.micro_batches)):
+            self.last = {"step/batch_size": facts.get("batch_size"),
+                         "step/micro_batches": facts.get("micro_batches", self.step.micro_batches),
+                         "step/oom_retries": 0}
+        for tag, value in (("step/batch_size", self.window.largest_batch * idist.get_world_size()),
+                           ("step/micro_batches", self.step.micro_batches),
+                           ("step/oom_retries", self.step.oom_count)):
             if value != self.last.get(tag):
                 writer.add_scalar(tag, value, iteration)
                 self.last[tag] = value
-        writer.add_scalar("oom/events", self.step.oom_count, iteration)
 
 
-class BestValidation:
-    """``val/best_<metric>`` after each evaluation (min for a loss or an error, else max; or as ``modes`` says).
+class Validation:
+    """Each evaluation's metrics as ``<metric>/val`` and the best so far as ``<metric>/val_best`` (min for a
+    loss or an error, else max; or as ``modes`` says), at the trainer's iteration: a metric's training
+    and validation cards sit side by side. Attach to the evaluator; ``final`` and ``best`` hold the values."""
 
-    Attach to the evaluator; the x axis is the trainer's iteration. ``final`` and ``best`` hold the values.
-    """
-
-    def __init__(self, trainer: Engine, modes: Optional[Dict[str, str]] = None):
+    def __init__(self, trainer: Optional[Engine], modes: Optional[Dict[str, str]] = None):
         self.trainer = trainer
         self.modes = dict(modes or {})
         self.final: Dict[str, float] = {}
         self.best: Dict[str, float] = {}
+        self.evaluations = 0
 
     def __call__(self, evaluator: Engine, logger: Optional[TensorboardLogger], event_name: Any = None) -> None:
+        self.evaluations += 1
         for name, value in evaluator.state.metrics.items():
             if not isinstance(value, (int, float)) and not (torch.is_tensor(value) and value.numel() == 1):
                 continue
@@ -191,4 +234,6 @@ class BestValidation:
             pick = better(self.modes.get(name) or metric_mode(name))
             self.best[name] = pick(self.best.get(name, value), value)
             if logger is not None:
-                logger.writer.add_scalar(f"val/best_{name}", self.best[name], self.trainer.state.iteration)
+                iteration = self.trainer.state.iteration
+                logger.writer.add_scalar(f"{name}/val", value, iteration)
+                logger.writer.add_scalar(f"{name}/val_best", self.best[name], iteration)

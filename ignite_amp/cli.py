@@ -67,14 +67,17 @@ def _schema(args: argparse.Namespace) -> int:
     from ignite_amp.config import config_schema
     from ignite_amp.console import safe_print
 
+    from ignite_amp.errors import ConfigError
+
     text = json.dumps(config_schema(), indent=2) + "\n"
-    if args.output:
-        tmp = f"{args.output}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, args.output)
-    else:
+    if args.output in (None, "", "-"):
         safe_print(text, end="")
+        return 0
+    try:  # in place: a symlink is followed, a device is written to, nothing is left behind
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise ConfigError(f"-o {args.output}: cannot write ({exc.strerror or exc})") from None
     return 0
 
 
@@ -129,12 +132,13 @@ def _train_command(args: argparse.Namespace) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config
-    from ignite_amp.run import train_from_config
-
     from ignite_amp.console import safe_print
+    from ignite_amp.run import train_from_config
+    from ignite_amp.rundir import RunLayout
 
     cfg = load_config(args.config, args.overrides)
-    _state["log"] = os.path.join(cfg["output_dir"], "train.log")
+    _state["log"] = RunLayout(cfg["output_dir"]).log_path
+    _state["checkpoints"] = RunLayout(cfg["output_dir"]).checkpoint_dir
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     result = train_from_config(cfg, progress=progress, command=_train_command(args))
     if int(os.environ.get("RANK", 0)) != 0:
@@ -146,8 +150,8 @@ def _train(args: argparse.Namespace) -> int:
         safe_print(f"best checkpoint: {result['best_checkpoint']}")
     if result["tensorboard_dir"]:
         tb = os.path.normpath(result["tensorboard_dir"])
-        safe_print(f"TensorBoard logs: {tb}  (open with: tensorboard --logdir {os.path.dirname(tb) or '.'}; "
-                   f"the run is named {os.path.basename(tb)})")
+        safe_print(f"dashboard: tensorboard --logdir {os.path.dirname(tb) or '.'}, then open "
+                   f"http://localhost:6006/#custom_scalars&_smoothingWeight=0 (run \"{os.path.basename(tb)}\")")
     return 0
 
 
@@ -168,6 +172,12 @@ def one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
+def _checkpoint_kept() -> bool:
+    """Whether the run being trained has a checkpoint on disk (what "resume" would load)."""
+    folder = _state.get("checkpoints")
+    return bool(folder) and os.path.isdir(folder) and any(n.endswith(".pt") for n in os.listdir(folder))
+
+
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
     from ignite_amp.checkpoint_io import disk_full
@@ -179,8 +189,9 @@ def describe(exc: BaseException) -> Tuple[int, str]:
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
     if disk_full(exc):
         where = getattr(exc, "filename", None) or "writing the run"
-        return 1, (f"ignite-amp: stopped: no space left on device ({where}); "
-                   f"the last checkpoint is kept: free space and run the same command to resume")
+        then = ("the last checkpoint is kept: free space and run the same command to resume" if _checkpoint_kept() else
+                "no checkpoint was written yet: free space and run the same command again")
+        return 1, f"ignite-amp: stopped: no space left on device ({where}); {then}"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
                                                    errno.ENOTDIR):
         # EISDIR/ENOTDIR: a directory where the run keeps a file (.lock, config.yaml), or the reverse
@@ -217,7 +228,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if log and os.path.exists(log):
             with open(log, "a") as f:
                 f.write(f"ignite-amp: {what}\n")
-        print(f"ignite-amp: {what}: run the same command to resume from the last checkpoint", file=sys.stderr)
+        if args.command != "train":
+            then = "nothing was kept: run the command again"
+        elif _checkpoint_kept():
+            then = "run the same command to resume from the last checkpoint"
+        else:
+            then = "no checkpoint was written yet: run the same command to start again"
+        print(f"ignite-amp: {what}: {then}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:
         if getattr(args, "debug", False):

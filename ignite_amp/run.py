@@ -53,6 +53,9 @@ class Run:
         self.history = []
         self.checkpoint: Optional[BestCheckpoint] = None
         self.closers: list = []
+        self.health: Callable[[], list] = list  # the end-of-run health summary (TensorBoardMetrics.health)
+        self.health_lines: list = []
+        self.traces: list = []  # the profiler's files
         self.resumed_from: Optional[str] = None
         self.command = "ignite-amp train CONFIG"
         self.batch_search = None  # the batch-size search's result when data.batch_size was auto
@@ -101,18 +104,32 @@ class Run:
                 try:
                     self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
                                      epoch_length=cfg["train"]["epoch_length"])
-                finally:  # also after an exception: stop the profiler, flush TensorBoard
+                finally:  # also after an exception: stop the profiler, flush TensorBoard, say how it went
                     for close in self.closers:
                         close()
+                    self._report_health()
         except BaseException as exc:
             self.files.log.traceback(f"the run stopped: {exc.__class__.__name__}: {exc}")
             raise
         finally:
             self.close()
-        return {"history": self.history, "final": self.history[-1] if self.history else {},
+        return {"history": self.history, "final": self.history[-1] if self.history else {}, "health": self.health_lines,
                 "output_dir": self.output_dir,
                 "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None,
                 "tensorboard_dir": self.tensorboard_dir if self.writes_tensorboard else None}
+
+    def _report_health(self) -> None:
+        try:
+            self.health_lines = self.health()
+        except Exception as exc:  # after a device fault the figures may be unreadable: the run's own error wins
+            self.files.log.line(f"no health summary: {exc.__class__.__name__}: {exc}")
+            return
+        if self.health_lines:
+            self.print("health of the run:")
+            for line in self.health_lines:
+                self.print(f"  {line}")
+        for trace in (t for t in self.traces if t.endswith(".json")):
+            self.print(f"profiler trace: {trace}: open it in https://ui.perfetto.dev (Open trace file)")
 
     def _more_epochs_hint(self, epoch: int) -> str:
         schedule = self.cfg["scheduler"]["name"]
@@ -314,11 +331,13 @@ def _attach_handlers(run: Run) -> None:
         tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts, **tensorboard)
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
+        run.health = tb.health
     profiler = _switched_on(cfg["profiler"])
     if profiler is not None:
         capture = ProfilerCapture(run.profiler_dir, **profiler)
         capture.attach(trainer)
         run.closers.append(capture.stop)
+        run.traces = capture.files
     checkpoint = {k: v for k, v in cfg["checkpoint"].items() if k != "resume"}  # resume: ignite_amp.resume's
     run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg, **checkpoint)
     run.checkpoint.attach(trainer, evaluator)

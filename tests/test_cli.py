@@ -35,7 +35,12 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     assert "Traceback" not in proc.stderr
     # The event files sit in output_dir: `tensorboard --logdir <its parent>` names the run "qs".
     assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
-    assert f"open with: tensorboard --logdir {tmp_path}; the run is named qs" in proc.stdout
+    assert not (out / ".lock").exists()  # a finished run leaves no lock file
+    # The last line names the dashboard; before it, the health summary, with no warning on the quickstart.
+    assert lines[-1] == f'dashboard: tensorboard --logdir {tmp_path}, then open http://localhost:6006/#custom_scalars&_smoothingWeight=0 (run "qs")'
+    health = lines[lines.index("health of the run:") + 1:lines.index(next(x for x in lines if x.startswith("done: ")))]
+    assert health[0].startswith("  precision: ") and any(x.startswith("  speed: median ") for x in health)
+    assert not [x for x in health if "warning" in x], health
 
 
 def test_train_from_config_learns_shapes(quick_cfg):

@@ -263,6 +263,41 @@ def test_a_lambda_summing_over_the_samples_is_refused_at_the_first_batch():
     reg.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
 
 
+def test_a_sum_over_a_dict_output_is_refused_too():
+    class DictOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            return {"out": self.net(x), "features": x}
+
+    model = DictOut()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 lambda o, y: cross_entropy(o["out"], y, reduction="sum"), device="cpu")
+    with pytest.raises(ValueError, match="loss_fn: its value doubles when the batch is doubled"):
+        trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+    mean = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              lambda o, y: cross_entropy(o["out"], y), device="cpu")
+    mean.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+
+
+def test_a_micro_batch_of_padding_only_leaves_the_loss_finite():
+    """num_items counts 0 in one chunk (its mean is 0/0): the batch's loss is the mean of the other items."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    x = torch.randn(4, 5)
+    y = torch.tensor([0, 2, -100, -100])  # the second micro-batch is padding only
+    loss_fn = lambda y_pred, y: cross_entropy(y_pred, y, ignore_index=-100)  # noqa: E731
+    count = lambda x, y: (y != -100).sum()  # noqa: E731
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn, device="cpu",
+                                 micro_batches=2, num_items=count, dtype="float32")
+    trainer.run([(x, y)], max_epochs=1)
+    expected = loss_fn(model(x), y)
+    assert torch.isfinite(trainer.amp_step.loss) and trainer.amp_step.loss.item() == pytest.approx(expected.item())
+    assert trainer.amp_step.items.item() == 2
+
+
 def bn_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
@@ -314,5 +349,6 @@ def test_handlers_work_whatever_output_transform_returns(tmp_path):
     losses = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: losses.append(e.amp_step.loss.item()))
     trainer.run([(torch.randn(4, 5), torch.randint(0, 3, (4,)))] * 4, max_epochs=1)
+    # The window after the log at 3 (read into the history at the run's end, for the health summary).
+    assert trainer.state.output == "the user's own" and len(losses) == 4 and tb.window.history[-1]["iterations"] == 1
     tb.close()
-    assert trainer.state.output == "the user's own" and len(losses) == 4 and tb.samples == 4  # the window after the log at 3

@@ -76,38 +76,48 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler"]
 
     tags = set(fetch(base, "/data/plugin/scalars/tags")["quick"])
-    assert {"train/loss", "train/grad_norm", "train/clip_max_norm", "train/clip_fraction", "train/lr/group_0",
-            "perf/samples_per_sec", "perf/data_wait_fraction", "perf/step_time_ms", "memory/rss_mb", "oom/events",
-            "val/accuracy", "val/loss", "val/best_accuracy", "val/best_loss"} == tags
-    # bfloat16: no GradScaler, so no amp/ tags; constant batch values live in the facts; no hparam/* dots.
+    assert {"loss/train", "loss/val", "loss/val_best", "accuracy/val", "accuracy/val_best", "optimizer/grad_norm",
+            "optimizer/clip_share", "optimizer/lr/group_0", "throughput/samples_per_sec",
+            "throughput/median_samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
+            "throughput/tflops", "memory/rss_mb"} == tags
+    # bfloat16: no GradScaler, so no precision/ tags; constant batch values live in the facts; no hparam/* dots.
 
     layout = fetch(base, "/data/plugin/custom_scalars/layout")
-    assert [c["title"] for c in layout["category"]] == list(LAYOUT)
+    assert [c["title"] for c in layout["category"]] == ["AMP health", "AMP details"]
     first = layout["category"][0]
-    assert [c["title"] for c in first["chart"]] == list(LAYOUT["AMP health"])
-    assert first["chart"][0]["multiline"]["tag"] == ["train/loss", "val/loss"]
+    assert [c["title"] for c in first["chart"]] == [
+        "loss: train, val", "val accuracy (and best so far)", "share of optimizer steps clipped (1.0: every step)",
+        "samples/s: each window, the median so far"]
+    assert first["chart"][0]["multiline"]["tag"] == ["^loss/(train|val)$"]
 
     text_tags = {run: sorted(tags) for run, tags in fetch(base, "/data/plugin/text/tags").items()}
-    assert text_tags == {"quick": ["run/facts"], "quick/profiler": ["profiler/step_breakdown", "profiler/top_ops"]}
+    assert text_tags == {"quick": ["run/facts", "run/health"],
+                         "quick/profiler": ["profiler/step_breakdown", "profiler/top_ops"]}
     facts = fetch(base, "/data/plugin/text/text?run=quick&tag=run/facts")[0]["text"]
     assert "bfloat16 autocast, no GradScaler, on cpu" in facts and "1 process, batch 32" in facts
     assert "<td>grad_scaler</td>\n<td>false</td>" in facts and "<td>batch_size_search</td>" in facts
+    health = fetch(base, "/data/plugin/text/text?run=quick&tag=run/health")[0]["text"]
+    assert "precision: bfloat16 autocast" in health and "speed: median" in health
+    assert health.count("<li>") == len(result["health"])
     breakdown = fetch(base, "/data/plugin/text/text?run=quick/profiler&tag=profiler/step_breakdown")[0]["text"]
-    assert "Iterations 2-3." in breakdown and "<td>backward</td>" in breakdown
+    assert "Iterations 2-3: the trace is" in breakdown and "<td>backward</td>" in breakdown
 
     experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
-    types = {h["name"]: h["type"] for h in experiment["hparamInfos"]}
+    types = {h["displayName"]: h["type"] for h in experiment["hparamInfos"]}
     metrics = [m["name"]["tag"] for m in experiment["metricInfos"]]
-    assert metrics == ["val/accuracy", "val/best_accuracy", "val/loss", "val/best_loss", "perf/samples_per_sec"]
-    assert len(types) + len(metrics) <= 25
+    assert metrics == ["accuracy/val", "accuracy/val_best", "loss/val", "loss/val_best",
+                       "throughput/median_samples_per_sec"]
+    assert list(types)[:5] == ["dtype", "device_type", "grad_scaler", "batch_size", "lr"]
     assert types["grad_scaler"] == "DATA_TYPE_BOOL" and types["dtype"] == "DATA_TYPE_STRING"
-    assert types["torch"] == "DATA_TYPE_STRING" and types["batch_size"] == "DATA_TYPE_FLOAT64"
+    assert types["batch_size"] == "DATA_TYPE_FLOAT64" and "torch" not in types  # open strings: text facts only
+    strings = [h for h in experiment["hparamInfos"] if h["type"] == "DATA_TYPE_STRING"]
+    assert all(h.get("domainDiscrete") for h in strings)  # no "without discrete domain values" warning
     groups = fetch(base, "/data/plugin/hparams/session_groups", {
         "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
                                                   "STATUS_RUNNING"],
         "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
     (group,) = groups
     assert group["name"] == "quick" and group["sessions"][0]["status"] == "STATUS_SUCCESS"
-    assert group["hparams"]["grad_scaler"] is False and group["hparams"]["dtype"] == "bfloat16"
+    assert group["hparams"]["02 grad_scaler"] is False and group["hparams"]["00 dtype"] == "bfloat16"
     values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
-    assert values["val/accuracy"] == pytest.approx(result["final"]["val_accuracy"])
+    assert values["accuracy/val"] == pytest.approx(result["final"]["val_accuracy"])

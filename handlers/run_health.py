@@ -1,0 +1,92 @@
+"""The end-of-run health summary: is this mixed-precision run healthy, and if not, what to change.
+
+:func:`health_lines` turns the run's figures (:class:`Health`, read from the TensorBoard windows
+and the step) into short lines: precision (skipped steps, final loss scale), clipping (with a
+warning when most steps clip), speed (median samples/s and step time, data-wait share with a
+warning when the loader is the bottleneck), compute (achieved TFLOP/s, MFU), memory, and
+out-of-memory retries. Pure: tested without a run.
+"""
+import math
+import statistics
+from typing import List, NamedTuple, Optional, Sequence
+
+__all__ = ["Health", "health_lines", "CLIP_WARN_SHARE", "DATA_WAIT_WARN_SHARE", "SKIP_WARN_SHARE"]
+
+CLIP_WARN_SHARE = 0.5  # most optimizer steps clipped: the bound is the learning rate's real limit
+DATA_WAIT_WARN_SHARE = 0.2  # a fifth of the wall time waiting for batches: the loader is the bottleneck
+SKIP_WARN_SHARE = 0.05  # float16: a healthy scaler skips a step now and then, not one in twenty
+
+
+class Health(NamedTuple):
+    dtype: str
+    scaler: bool
+    windows: Sequence[dict]  # TrainWindow.history
+    optimizer_steps: int
+    skipped_steps: int
+    loss_scale: Optional[float] = None
+    max_norm: Optional[float] = None  # None: no norm clipping
+    peak_memory_mb: Optional[float] = None
+    memory_kind: str = "allocated"  # "allocated" (CUDA) or "RSS" (CPU)
+    oom_retries: int = 0
+    micro_batches: int = 1
+    micro_batch_size: Optional[int] = None
+    flops_per_sample: Optional[float] = None
+    peak_name: Optional[str] = None
+    since: str = ""  # " since the resume at iteration N" when the counts are of this process's part of the run
+
+
+def _median(windows: Sequence[dict], key: str) -> Optional[float]:
+    values = [w[key] for w in windows if key in w and math.isfinite(w[key])]
+    return statistics.median(values) if values else None
+
+
+def _share(windows: Sequence[dict], key: str, weight: str) -> Optional[float]:
+    total = sum(w.get(weight, 0) for w in windows if key in w)
+    return sum(w[key] * w.get(weight, 0) for w in windows if key in w) / total if total else None
+
+
+def health_lines(h: Health) -> List[str]:
+    """The summary, one finding per line; lines starting with ``warning:`` ask for a change."""
+    lines = []
+    steps = h.optimizer_steps + h.skipped_steps
+    if h.scaler:
+        share = h.skipped_steps / steps if steps else 0.0
+        scale = f", final loss scale {h.loss_scale:g}" if h.loss_scale is not None else ""
+        lines.append(f"precision: {h.dtype} with GradScaler: {h.skipped_steps} of {steps} optimizer steps skipped "
+                     f"({share:.1%}){scale}{h.since}")
+        if steps and share > SKIP_WARN_SHARE:
+            lines.append(f"warning: {share:.0%} of float16 steps skipped for inf/NaN gradients: try amp.dtype "
+                         f"bfloat16 where the device has it, or lower the lr")
+    else:
+        what = "autocast off" if h.dtype == "float32" else "autocast, no GradScaler needed"
+        lines.append(f"precision: {h.dtype} {what}: {h.optimizer_steps} optimizer steps{h.since}")
+    clipped = _share(h.windows, "optimizer/clip_share", "clip_steps")
+    if h.max_norm is not None and clipped is not None:
+        norm = _median(h.windows, "optimizer/grad_norm")
+        median = f", median grad norm {norm:.3g}" if norm is not None else ""
+        lines.append(f"clipping: {clipped:.0%} of optimizer steps clipped at max_norm {h.max_norm:g}{median}")
+        if clipped > CLIP_WARN_SHARE:
+            lines.append("warning: most steps are clipped, so the bound, not the lr, sets the step size: raise "
+                         "handlers.clipping.max_norm" + (f" (to about {2 * norm:.2g})" if norm else "") +
+                         " or lower the lr")
+    speed = _median(h.windows, "throughput/samples_per_sec")
+    if speed is not None:
+        step_ms = _median(h.windows, "throughput/step_time_ms")
+        wait = _share(h.windows, "throughput/data_wait_share", "iterations") or 0.0
+        lines.append(f"speed: median {speed:.4g} samples/s, {step_ms:.3g} ms per iteration; data wait {wait:.1%} "
+                     f"of the time")
+        if wait > DATA_WAIT_WARN_SHARE:
+            lines.append(f"warning: {wait:.0%} of the time goes to waiting for batches: the loader is the "
+                         f"bottleneck; raise data.num_workers (DataLoader num_workers) or make the dataset cheaper")
+    tflops = _median(h.windows, "throughput/tflops")
+    if tflops is not None:
+        mfu = _median(h.windows, "throughput/mfu")
+        of_peak = f"; MFU {mfu:.1%} of the {h.peak_name}" if mfu is not None else ""
+        lines.append(f"compute: {tflops:.3g} TFLOP/s achieved ({h.flops_per_sample / 1e9:.3g} GFLOP per sample, "
+                     f"forward + backward){of_peak}")
+    if h.peak_memory_mb:
+        lines.append(f"memory: peak {h.peak_memory_mb:.0f} MB ({h.memory_kind})")
+    if h.oom_retries:
+        size = f", micro-batches of {h.micro_batch_size}" if h.micro_batch_size else ""
+        lines.append(f"out of memory: {h.oom_retries} retries; now {h.micro_batches} micro-batches per batch{size}")
+    return lines

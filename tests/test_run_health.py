@@ -1,0 +1,58 @@
+"""The end-of-run health summary's wording, from figures (no run needed)."""
+from ignite_amp.handlers.run_health import Health, health_lines
+
+
+def window(samples=100.0, step_ms=50.0, wait=0.01, clip=None, clip_steps=0, norm=None, tflops=None, mfu=None,
+           iterations=10):
+    w = {"throughput/samples_per_sec": samples, "throughput/step_time_ms": step_ms,
+         "throughput/data_wait_share": wait, "iterations": iterations, "clip_steps": clip_steps}
+    for key, value in (("optimizer/clip_share", clip), ("optimizer/grad_norm", norm), ("throughput/tflops", tflops),
+                       ("throughput/mfu", mfu)):
+        if value is not None:
+            w[key] = value
+    return w
+
+
+def test_a_healthy_bfloat16_run_has_no_warning():
+    lines = health_lines(Health("bfloat16", False, [window(clip=0.0, clip_steps=10, norm=2.0)] * 3, 30, 0,
+                                max_norm=5.0, peak_memory_mb=900.0, memory_kind="RSS"))
+    assert lines == ["precision: bfloat16 autocast, no GradScaler needed: 30 optimizer steps",
+                     "clipping: 0% of optimizer steps clipped at max_norm 5, median grad norm 2",
+                     "speed: median 100 samples/s, 50 ms per iteration; data wait 1.0% of the time",
+                     "memory: peak 900 MB (RSS)"]
+
+
+def test_clipping_most_steps_is_a_warning_with_what_to_do():
+    windows = [window(clip=1.0, clip_steps=10, norm=3.0), window(clip=0.8, clip_steps=10, norm=2.0)]
+    lines = health_lines(Health("float32", False, windows, 20, 0, max_norm=1.0))
+    assert "clipping: 90% of optimizer steps clipped at max_norm 1, median grad norm 2.5" in lines
+    (warning,) = [line for line in lines if line.startswith("warning:")]
+    assert "raise handlers.clipping.max_norm (to about 5) or lower the lr" in warning
+
+
+def test_float16_skips_and_loss_scale():
+    lines = health_lines(Health("float16", True, [window()], 90, 10, loss_scale=1024.0))
+    assert lines[0] == ("precision: float16 with GradScaler: 10 of 100 optimizer steps skipped (10.0%), final loss "
+                        "scale 1024")
+    assert lines[1].startswith("warning: 10% of float16 steps skipped") and "bfloat16" in lines[1]
+    assert not [x for x in health_lines(Health("float16", True, [window()], 99, 1)) if x.startswith("warning")]
+
+
+def test_a_data_bound_run_names_the_loader():
+    lines = health_lines(Health("bfloat16", False, [window(wait=0.5, iterations=30), window(wait=0.1)], 40, 0))
+    assert "data wait 40.0% of the time" in lines[1]  # weighted by the windows' iterations
+    assert lines[2].startswith("warning: 40% of the time goes to waiting for batches") and "num_workers" in lines[2]
+
+
+def test_compute_and_mfu_and_oom():
+    lines = health_lines(Health("bfloat16", False, [window(tflops=300.0, mfu=0.3)], 10, 0, oom_retries=2,
+                                micro_batches=4, micro_batch_size=16, flops_per_sample=3e9,
+                                peak_name="H100 bfloat16 dense peak"))
+    assert "compute: 300 TFLOP/s achieved (3 GFLOP per sample, forward + backward); MFU 30.0% of the H100 " \
+           "bfloat16 dense peak" in lines
+    assert lines[-1] == "out of memory: 2 retries; now 4 micro-batches per batch, micro-batches of 16"
+
+
+def test_a_run_stopped_before_its_first_window_still_says_its_precision():
+    assert health_lines(Health("bfloat16", False, [], 0, 0)) == [
+        "precision: bfloat16 autocast, no GradScaler needed: 0 optimizer steps"]
