@@ -1,5 +1,6 @@
 """torch.profiler capture of a few training steps: a Chrome trace, an operator table and a step breakdown."""
 import dataclasses
+import logging
 import os
 from typing import Dict, Iterable, List, Optional
 
@@ -10,6 +11,8 @@ from ignite.engine import Engine, Events
 
 from ignite_amp.fields import Boolean, Integer, argument, setting
 from ignite_amp.phases import PHASES as STEP_PHASES
+
+logger = logging.getLogger("ignite_amp")
 
 __all__ = ["ProfilerConfig", "ProfilerCapture", "step_breakdown", "format_breakdown"]
 
@@ -71,8 +74,9 @@ class ProfilerCapture:
     CPU activity always, CUDA activity when the trainer runs on a GPU. For each window it writes,
     in ``logdir`` (``N-M``: the window's iterations):
 
-    - ``trace_iterations_N-M.json``: a Chrome trace; open it in https://ui.perfetto.dev (works
-      offline once loaded, the file stays local) or ``chrome://tracing``;
+    - ``trace_iterations_N-M.json``: a Chrome trace whose ``ProfilerStep#N`` markers are the training
+      iterations; open it in https://ui.perfetto.dev (the file stays local; current Chromium has
+      turned ``chrome://tracing`` off);
     - ``profile_iterations_N-M.txt``: the per-iteration time breakdown (data wait, forward,
       backward, optimizer, other) and the top operators (by device time on GPU, CPU time on CPU);
     - the same two tables as TensorBoard text (``profiler/step_breakdown``, ``profiler/top_ops``):
@@ -116,6 +120,7 @@ class ProfilerCapture:
         self.options = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)
         self.row_limit = row_limit
         self.profiler: Optional[torch.profiler.profile] = None
+        self.last: Optional[int] = None
         self.traces = 0
         self.files: List[str] = []
         self.breakdown: Optional[Dict[str, float]] = None
@@ -140,14 +145,37 @@ class ProfilerCapture:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
         os.makedirs(self.logdir, exist_ok=True)
         self.iteration = engine.state.iteration  # the profiler's step 0: a resumed run does not start at 0
+        self._warn_if_unreachable(engine)
+        # The trace's ProfilerStep#N markers are the training iterations (the file names' numbers): the
+        # profiler's step count starts at the next iteration, and the schedule counts from there.
+        offset = self.iteration + 1
+        base = schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=self.repeat)
         self.profiler = profile(activities=activities, on_trace_ready=self._ready, **self.options,
-                                schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
-                                                  repeat=self.repeat))
+                                schedule=lambda step: base(max(step - offset, 0)))
+        self.profiler.step_num = self._offset = offset
         self.profiler.start()
+
+    def _warn_if_unreachable(self, engine: Engine) -> None:
+        length, epochs = engine.state.epoch_length, engine.state.max_epochs
+        self.last = length * epochs if length and epochs else None  # the run's last iteration
+        if self.last is None:
+            return
+        first = self.iteration + self.wait + self.warmup + 1
+        end = first + self.active - 1
+        if self.last < first:
+            logger.warning("profiler: its window (iterations %d-%d) starts after this run's last iteration (%d): no "
+                           "trace will be written; lower handlers.profiler.wait/warmup (ProfilerCapture's wait, "
+                           "warmup)", first, end, self.last)
+        elif self.last < end:
+            logger.warning("profiler: its window (iterations %d-%d) is cut short by the run's end: the trace will "
+                           "hold iterations %d-%d", first, end, first, self.last)
 
     def step(self, engine: Engine) -> None:
         if self.profiler is not None:
-            self.profiler.step()
+            if self.last is not None and engine.state.iteration >= self.last:
+                self.stop()  # the run's last iteration: what follows (the validation) is no training step
+            else:
+                self.profiler.step()
 
     def stop(self, engine: Optional[Engine] = None) -> None:
         if self.profiler is not None:
@@ -156,9 +184,10 @@ class ProfilerCapture:
 
     def _window(self, step_num: int) -> str:
         """``N-M``: the training iterations of the window that ended at the profiler's ``step_num``."""
+        done = step_num - self._offset  # iterations since start
         cycle = self.wait + self.warmup + self.active
-        first = (step_num - 1) // cycle * cycle + self.wait + self.warmup + 1
-        return f"{self.iteration + first}-{self.iteration + step_num}"
+        first = (done - 1) // cycle * cycle + self.wait + self.warmup + 1
+        return f"{self.iteration + first}-{self.iteration + done}"
 
     def _ready(self, profiler: torch.profiler.profile) -> None:
         from tensorboard.plugins.text.summary_v2 import text_pb
@@ -175,9 +204,10 @@ class ProfilerCapture:
         with open(table, "w", encoding="utf-8") as f:
             f.write(f"{breakdown}\nTop operators\n{ops}\n")
         with SummaryWriter(self.logdir) as writer:
-            step = self.iteration + profiler.step_num
-            writer.file_writer.add_summary(text_pb("profiler/step_breakdown", f"Iterations {window}. {breakdown}"),
-                                           step)
+            step = self.iteration + profiler.step_num - self._offset
+            where = (f"Iterations {window}: the trace is `{os.path.abspath(trace)}`; open it in "
+                     f"https://ui.perfetto.dev (Open trace file; read in the browser, not uploaded).")
+            writer.file_writer.add_summary(text_pb("profiler/step_breakdown", f"{where} {breakdown}"), step)
             # Markdown code block: keep the table's columns aligned in TensorBoard's text tab.
             writer.file_writer.add_summary(text_pb("profiler/top_ops", "```\n" + ops + "\n```"), step)
         self.files += [trace, table]

@@ -65,7 +65,38 @@ def test_writes_a_chrome_trace_the_breakdown_and_the_operator_table(tmp_path):
     acc.Reload()
     assert {"profiler/top_ops", "profiler/step_breakdown"} <= set(acc.Tags()["tensors"])
     text = acc.Tensors("profiler/step_breakdown")[0].tensor_proto.string_val[0].decode()
-    assert text.startswith("Iterations 3-4.") and "| backward |" in text
+    trace = os.path.join(str(tmp_path), "trace_iterations_3-4.json")
+    assert text.startswith(f"Iterations 3-4: the trace is `{trace}`; open it in https://ui.perfetto.dev")
+    assert "| backward |" in text
+    # The trace's step markers are the iterations the file is named after.
+    steps = sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#3", "ProfilerStep#4"], steps
+
+
+def test_a_window_the_run_cannot_reach_is_a_warning_at_the_start(tmp_path, caplog):
+    trainer, capture = trainer_with_profiler(tmp_path, wait=5, warmup=2, active=5)
+    with caplog.at_level("WARNING", logger="ignite_amp"):
+        trainer.run(id_batches(16, 8), max_epochs=1)  # 2 iterations
+    (record,) = [r for r in caplog.records if "profiler" in r.getMessage()]
+    assert record.getMessage().startswith("profiler: its window (iterations 8-12) starts after this run's last "
+                                          "iteration (2): no trace will be written")
+    assert capture.files == []
+
+
+def test_a_window_cut_short_says_so_and_holds_only_training_iterations(tmp_path, caplog):
+    trainer, capture = trainer_with_profiler(tmp_path, wait=1, warmup=1, active=5)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: [torch.linalg.qr(torch.randn(16, 16))
+                                                                 for _ in range(3)])  # "validation"
+    with caplog.at_level("WARNING", logger="ignite_amp"):
+        trainer.run(id_batches(32, 8), max_epochs=1)  # 4 iterations: the window 3-7 is cut at 4
+    (record,) = [r for r in caplog.records if "profiler" in r.getMessage()]
+    assert record.getMessage() == ("profiler: its window (iterations 3-7) is cut short by the run's end: the trace "
+                                   "will hold iterations 3-4")
+    (trace,) = [f for f in capture.files if f.endswith(".json")]
+    events = json.load(open(trace))["traceEvents"]
+    assert sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}) == [
+        "ProfilerStep#3", "ProfilerStep#4"]
+    assert not [e for e in events if "qr" in e.get("name", "")]  # the epoch-end work is not in it
 
 
 def test_a_run_ending_inside_the_window_still_writes(tmp_path):
