@@ -20,7 +20,8 @@ from ignite_amp.data import build_loaders
 from ignite_amp.errors import ConfigError
 from ignite_amp.events import AmpEvents
 from ignite_amp.models import build_model
-from ignite_amp.rundir import check_writable
+from ignite_amp.handlers.tensorboard_metrics import TensorBoardMetrics
+from ignite_amp.rundir import check_writable, move_aside
 from ignite_amp.engine import create_amp_trainer
 
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
@@ -94,7 +95,11 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     """
     cfg = load_config(cfg)
     device = config_device(cfg)
-    check_writable(os.path.join(cfg["output_dir"], "compare"))  # before minutes of training, not after
+    compare_dir = os.path.join(cfg["output_dir"], "compare")
+    moved = move_aside(compare_dir)  # a new comparison draws fresh curves
+    if moved:
+        print_fn(f"moved the previous comparison's TensorBoard runs to {moved}")
+    check_writable(compare_dir)  # before minutes of training, not after
     seed_everything(cfg["seed"])
     loader, _, n_classes = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device,
                                          cfg["seed"])
@@ -144,14 +149,21 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
             times[-1] = time.perf_counter() - times[-1]
 
         trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda _: skipped.__setitem__(0, skipped[0] + 1))
+        # What a training run of this dtype logs (loss scale and skipped steps with a scaler...), every step.
+        tb = TensorBoardMetrics(os.path.join(compare_dir, mode), log_every=1,
+                                facts={"mode": mode, "batch_size": loader.batch_size})
+        tb.attach(trainer)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        trainer.run(batches, max_epochs=1)
+        try:
+            trainer.run(batches, max_epochs=1)
+        finally:
+            tb.close()
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
         where = _find_non_finite_layer(make_trainer, batches) if not all(map(math.isfinite, losses)) else None
         results.append(ModeResult(mode, losses, skipped[0], statistics.median(times[1:] or times) * 1e3, peak,
                                   first_non_finite=where))
-        with SummaryWriter(os.path.join(cfg["output_dir"], "compare", mode)) as writer:
+        with SummaryWriter(os.path.join(compare_dir, mode)) as writer:
             for i, (loss, seconds) in enumerate(zip(losses, times), start=1):
                 writer.add_scalar("compare/loss", loss if math.isfinite(loss) else float("nan"), i)
                 writer.add_scalar("compare/step_ms", seconds * 1e3, i)
@@ -159,6 +171,12 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     reference = results[0].losses
     finished = []
     for r in results:
+        if r is results[0]:  # the reference: no difference from itself, even when it diverged
+            flag = "NON-FINITE" if not all(map(math.isfinite, r.losses)) else ""
+            if r.first_non_finite:
+                flag += f" (first: {r.first_non_finite})"
+            finished.append(r._replace(flag=flag))
+            continue
         abs_diffs = [abs(a - b) for a, b in zip(r.losses, reference)]
         rel_diffs = [d / max(abs(b), 1e-8) for d, b in zip(abs_diffs, reference)]
         max_abs = max(abs_diffs) if all(map(math.isfinite, abs_diffs)) else math.inf

@@ -18,7 +18,7 @@ except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
-           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short"]
+           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -67,7 +67,8 @@ class RunLock:
 
     A second run into the same directory gets :class:`~ignite_amp.errors.RunDirInUseError` at
     once, naming the holder's PID. The kernel drops the lock when the process dies, so a killed
-    run never leaves the directory locked.
+    run never leaves the directory locked (its ``.lock`` file stays, unlocked); a run that ends
+    removes the file.
     """
 
     def __init__(self, output_dir: str):
@@ -77,14 +78,21 @@ class RunLock:
     def acquire(self) -> "RunLock":
         if fcntl is None or self._fd is not None:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RunDirInUseError(f"output_dir: {os.path.dirname(self.path)} is in use by another run (PID "
+                                       f"{holder}); wait for it to end, or set another output_dir") from None
+            try:  # the file a run that just ended removed (after we opened it) locks nothing: open it again
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise RunDirInUseError(f"output_dir: {os.path.dirname(self.path)} is in use by another run (PID {holder}); "
-                                   f"wait for it to end, or set another output_dir") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         os.fsync(fd)
@@ -92,9 +100,14 @@ class RunLock:
         return self
 
     def release(self) -> None:
+        """Remove the file, then drop the lock (a run that opened it meanwhile sees it removed and retries)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)  # closing drops the flock; the file stays (unlinking would race a waiting run)
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(fd)
 
 
 def check_writable(path: str, key: str = "output_dir") -> None:
@@ -133,12 +146,7 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     found = _previous_artifacts(output_dir)
     if not found:
         return None
-    base = os.path.normpath(output_dir)
-    target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-    suffix = 1
-    while os.path.exists(target):
-        suffix += 1
-        target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}"
+    target = _aside(output_dir)
     try:
         os.makedirs(target)
         for path in found:
@@ -146,6 +154,29 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     except OSError as exc:
         raise ConfigError(f"output_dir: cannot move the previous run's files out of {output_dir} "
                           f"({exc.strerror or exc})") from None
+    return target
+
+
+def _aside(path: str) -> str:
+    """A free sibling name ``<path>.replaced-<time>[-N]``."""
+    base = os.path.normpath(path)
+    target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    suffix = 1
+    while os.path.exists(target):
+        suffix += 1
+        target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}"
+    return target
+
+
+def move_aside(path: str) -> Optional[str]:
+    """Rename the directory ``path``, if it holds a file, to a sibling ``<path>.replaced-<time>``; returns it."""
+    if not (os.path.isdir(path) and _holds_a_file(path)):
+        return None
+    target = _aside(path)
+    try:
+        os.rename(path, target)
+    except OSError as exc:
+        raise ConfigError(f"output_dir: cannot move {path} aside ({exc.strerror or exc})") from None
     return target
 
 

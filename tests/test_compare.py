@@ -20,6 +20,34 @@ def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
         assert os.listdir(os.path.join(quick_cfg["output_dir"], "compare", mode))
     table = format_table(results)
     assert table.splitlines()[0].startswith("mode") and len(table.splitlines()) == 5
+    # Each mode logs what a training run of its dtype logs: the scaler's figures only with the scaler.
+    tags = {mode: set(scalar_tags(os.path.join(quick_cfg["output_dir"], "compare", mode)))
+            for mode in ("float16", "float16+scaler", "bfloat16")}
+    assert {"precision/loss_scale", "precision/skipped_steps", "loss/train"} <= tags["float16+scaler"]
+    assert "loss/train" in tags["bfloat16"] and not {t for t in tags["bfloat16"] | tags["float16"]
+                                                        if t.startswith("precision/")}
+
+
+def scalar_tags(path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(path)
+    acc.Reload()
+    return acc.Tags()["scalars"]
+
+
+def test_a_second_comparison_starts_fresh_curves(quick_cfg):
+    compare(quick_cfg, steps=2, modes=[], print_fn=lambda *a: None)
+    said = []
+    compare(quick_cfg, steps=3, modes=[], print_fn=said.append)
+    out = quick_cfg["output_dir"]
+    (moved,) = [d for d in os.listdir(out) if d.startswith("compare.replaced-")]
+    assert said[0] == f"moved the previous comparison's TensorBoard runs to {os.path.join(out, moved)}"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(out, "compare", "float32"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("compare/loss")] == [1, 2, 3]  # this comparison's steps only
 
 
 def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
@@ -28,6 +56,7 @@ def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
     modes = ["float16", "float16+scaler", "bfloat16"]
     results = {r.mode: r for r in compare(cfg, steps=3, modes=modes, print_fn=lambda *a: None)}
     assert results["float32"].flag == "" and results["bfloat16"].flag == ""
+    assert results["float32"].max_abs_diff == 0 == results["float32"].max_rel_diff
     assert results["float16"].flag.startswith("NON-FINITE")
     assert results["float16"].first_non_finite == "layer blowup at step 1"
     # With the scaler, the same overflow in the forward is skipped step after step.

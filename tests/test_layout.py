@@ -98,7 +98,7 @@ def test_layers():
                                                                                  for d in deps)}
     # The run layer: the config tree gathers each handler's own declaration, resume finds its checkpoint,
     # the composition root attaches the handlers. Nothing below it imports a handler.
-    assert importers_of_handlers == {"ignite_amp.run", "ignite_amp.config", "ignite_amp.resume"}
+    assert importers_of_handlers == {"ignite_amp.run", "ignite_amp.config", "ignite_amp.resume", "ignite_amp.compare"}
     high = {"ignite_amp.cli", "ignite_amp.config", "ignite_amp.run", "ignite_amp.launcher", "ignite_amp.compare",
             "ignite_amp.resume"}
     for module, deps in graph.items():
