@@ -24,7 +24,8 @@ class ClippingConfig:
     @staticmethod
     def check_values(values: dict, path: str) -> None:
         if values["max_norm"] is not None and values["clip_value"] is not None:
-            raise ConfigError(f"{path}: set max_norm or clip_value, not both")
+            raise ConfigError(f"{path}: set max_norm or clip_value, not both (max_norm is {values['max_norm']:g} by "
+                              f"default: to clip by value, also set max_norm: null)")
 
 
 class GradientClipping:

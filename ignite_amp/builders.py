@@ -66,10 +66,14 @@ def build_optimizer(opt: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
     cls = getattr(torch.optim, opt["name"], None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer.name: unknown torch.optim optimizer {opt['name']!r}")
+    if opt["name"] == "LBFGS":
+        raise ConfigError("optimizer.name: LBFGS needs a closure that evaluates the loss again, which a training "
+                          "step does not give; use a first-order optimizer (AdamW, SGD...)")
     try:
         return cls(model.parameters(), lr=opt["lr"], **opt["kwargs"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc})") from None
+    except Exception as exc:  # TypeError, ValueError, an IndexError for betas=[0.9]...: the kwargs are wrong
+        raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc.__class__.__name__}: "
+                          f"{exc})") from None
 
 
 def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,

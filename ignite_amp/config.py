@@ -59,8 +59,8 @@ class Config:
     name: str = setting("ignite-amp", Text(r"[\w.\-]+", "a name of letters, digits, '.', '_' or '-'"),
                         "the run's name (default output_dir: runs/<name>)", NOT_COMPARED)
     seed: int = setting(0, Integer(0, 2**32 - 1), "orders the data and makes the synthetic data sets", FIXED)
-    device: str = setting("auto", Text(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", "auto, cpu, cuda or cuda:N"),
-                          "auto, cpu, cuda or cuda:N")
+    device: str = setting("auto", Text(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", "auto, cpu, cuda, cuda:N, mps or xpu"),
+                          "auto, cpu, cuda, cuda:N, mps or xpu")
     output_dir: str = setting(None, Text(nullable=True), "checkpoints/, config.yaml, train.log and the "
                               "TensorBoard files go here; default runs/<name>; ~ is expanded", NOT_COMPARED)
     amp: AmpConfig = section(AmpConfig, AmpConfig.__doc__)
@@ -157,7 +157,7 @@ def _read_yaml(path: str) -> Any:
     if os.path.isdir(path):
         raise ConfigError(f"{path}: is a directory, expected a YAML file")
     if os.path.getsize(path) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: {os.path.getsize(path) / 2**20:.1f} MiB is not a config (the limit is "
+        raise ConfigError(f"{path}: {os.path.getsize(path)} bytes is not a config (the limit is "
                           f"{MAX_CONFIG_BYTES // 2**20} MiB)")
     try:
         with open(path, encoding="utf-8") as f:
@@ -169,6 +169,8 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not a config (nested too deeply)") from None
 
 
 def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: Iterable[str] = ()) -> dict:

@@ -45,13 +45,28 @@ def check_scalar(loss: Any) -> None:
 def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, autocast: Callable) -> None:
     """Refuse a loss that doubles on the batch doubled: it sums over the samples (one host sync).
 
-    Only where the loss is ``loss_fn(y_pred, y)`` over tensors; a loss the model computed itself
-    (``y`` None, dict outputs) cannot be doubled here, and the README states the rule for it.
+    Where the loss is ``loss_fn(y_pred, y)`` with a tensor ``y``: ``y_pred`` a tensor, or a mapping or
+    sequence of outputs whose tensors with a batch dimension are doubled. A loss the model computed
+    itself (``y`` None) cannot be doubled here, and the README states the rule for it.
     """
-    if not (torch.is_tensor(y_pred) and torch.is_tensor(y) and y_pred.dim() and y.dim() and len(y_pred) == len(y)):
+    if not (torch.is_tensor(y) and y.dim()):
         return
+    if torch.is_tensor(y_pred):
+        if not (y_pred.dim() and len(y_pred) == len(y)):
+            return
+        twice = torch.cat([y_pred, y_pred])
+    else:  # a mapping or sequence of outputs (logits and more): each output with a batch dimension, doubled
+        from ignite_amp.batching import join_chunks
+
+        n = len(y)
+        twice = join_chunks([y_pred, y_pred], [n, n])
     with torch.no_grad(), autocast():
-        doubled = loss_fn(torch.cat([y_pred, y_pred]), torch.cat([y, y]))
+        try:
+            doubled = loss_fn(twice, torch.cat([y, y]))
+        except Exception:  # outputs that do not double along the batch: nothing to compare
+            return
+    if not torch.is_tensor(doubled) or doubled.dim():
+        return
     single, double = float(loss.detach()), float(doubled)
     if abs(single) > 1e-12 and math.isclose(double, 2 * single, rel_tol=1e-3):
         raise ValueError("loss_fn: its value doubles when the batch is doubled, so it sums over the samples; "

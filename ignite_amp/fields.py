@@ -131,7 +131,10 @@ class Number(Check):
         return super().argument(value, name)
 
     def schema(self):
-        base = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": _FLOAT_TEXT}]}
+        text = _FLOAT_TEXT
+        if self.allow_inf:  # float("inf") reads these too
+            text = r"^[+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|Inf|INF|infinity|Infinity)$"
+        base = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": text}]}
         if self.nullable:
             base["anyOf"].append({"type": "null"})
         return base
@@ -310,8 +313,9 @@ def json_schema(cls: type, doc: str = "") -> dict:
     """A JSON Schema (draft 07) of ``cls``'s config: types, bounds, choices, defaults and docs."""
     properties = {}
     for name, f in _fields(cls).items():
-        if "section" in f.metadata:
-            properties[name] = json_schema(f.metadata["section"], f.metadata["doc"])
+        if "section" in f.metadata:  # null, as in YAML's "amp:" with nothing under it, is the defaults
+            section_schema = json_schema(f.metadata["section"])
+            properties[name] = {"description": f.metadata["doc"], "anyOf": [section_schema, {"type": "null"}]}
             continue
         resume = f.metadata["resume"]
         rule = "" if resume in (APPLIED, NOT_COMPARED) else f" (resume: {resume})"

@@ -248,6 +248,11 @@ class AmpStep(StepBase, Serializable):
                 else:
                     weight = count / self._item_ref if self._weighs_items else 1
                     part = loss.detach() * count
+                    # A chunk of padding only has no mean (0/0): it adds nothing to the batch's.
+                    if torch.is_tensor(count):
+                        part = torch.where(count > 0, part, torch.zeros_like(part))
+                    elif count == 0:
+                        part = torch.zeros_like(part)
                     items = items + count
                 with label(BACKWARD):
                     # (a tensor weight is never compared: that would wait for the device)

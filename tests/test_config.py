@@ -46,7 +46,7 @@ BAD = [
     ({"data": {"name": "mnist"}}, "data.name: expected one of"),
     ({"train": {"epochs": "five"}}, "train.epochs: expected a positive integer"),
     ({"train": []}, "train: expected a mapping, got a list"),
-    ({"device": "gpu"}, 'device: expected auto, cpu, cuda or cuda:N, got "gpu"'),
+    ({"device": "gpu"}, 'device: expected auto, cpu, cuda, cuda:N, mps or xpu, got "gpu"'),
     ({"model": {"kwargs": [1]}}, "model.kwargs: expected a mapping, got a list"),
     ({"handlers": {"profiler": {"enabled": "yes please"}}}, "handlers.profiler.enabled: expected true or false"),
     ({"bogus": 1}, "bogus: unknown key"),

@@ -103,6 +103,24 @@ def test_the_schema_and_the_loader_agree_on_every_key():
             checked += 1
     assert checked == len(CANDIDATES) * len(RULES) > 1000
     assert not accepts(schema, {"amp": {"dtyp": "float16"}}) and not accepts(schema, {"bogus": 1})
+    for raw in ({"amp": None}, {"handlers": {"clipping": None}}, {"handlers": {"clipping": {"norm_type": "inf"}}}):
+        load_config(raw)
+        assert accepts(schema, raw), raw
+
+
+def test_schema_to_a_file_in_place_and_bad_places_in_one_line(tmp_path, capsys):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert main(["schema", "-o", str(link)]) == 0
+    assert link.is_symlink() and json.loads(target.read_text()) == config_schema()  # followed, not replaced
+    for bad in (tmp_path, tmp_path / "no" / "such" / "dir.json"):
+        assert main(["schema", "-o", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ignite-amp: error: -o {bad}: cannot write (") and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "real.json"]  # no temp file left
+    assert main(["schema", "-o", "-"]) == 0 and json.loads(capsys.readouterr().out) == config_schema()
 
 
 def test_every_key_is_documented_and_has_a_resume_rule():

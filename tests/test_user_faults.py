@@ -297,3 +297,36 @@ def test_disk_full_while_saving_names_the_file_and_keeps_the_previous(tmp_path, 
     assert digests(ckpts) == before
     monkeypatch.setattr(saver.torch, "save", real)
     assert main(["train", path, "--set", "train.epochs=2"]) == 0
+
+
+def test_disk_full_outside_a_save_says_whether_a_checkpoint_is_kept(tmp_path):
+    """Disk full while TensorBoard or the log writes: the line is true about what is on disk."""
+    import errno as errnos
+
+    from ignite_amp import cli
+
+    full = OSError(errnos.ENOSPC, "No space left on device", str(tmp_path / "events.out.tfevents.1"))
+    cli._state.update(checkpoints=str(tmp_path / "checkpoints"))
+    try:
+        code, line = cli.describe(full)
+        assert code == 1 and line.endswith("no checkpoint was written yet: free space and run the same command again")
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "last_checkpoint_1.pt").write_bytes(b"x")
+        assert cli.describe(full)[1].endswith("the last checkpoint is kept: free space and run the same command to "
+                                              "resume")
+    finally:
+        cli._state.clear()
+
+
+def test_interrupting_compare_promises_no_resume(quick_cfg, tmp_path, capsys, monkeypatch):
+    import ignite_amp.compare as compare_module
+    from ignite_amp.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare_module, "compare", interrupted)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(quick_cfg))
+    assert main(["compare", str(path), "--steps", "2"]) == 130
+    assert capsys.readouterr().err == "ignite-amp: interrupted: nothing was kept: run the command again\n"
