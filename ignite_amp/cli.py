@@ -137,6 +137,7 @@ def _train(args: argparse.Namespace) -> int:
     from ignite_amp.rundir import RunLayout
 
     cfg = load_config(args.config, args.overrides)
+    _refuse_to_replace_the_source(args.config, RunLayout(cfg["output_dir"]).config_path, cfg["output_dir"])
     _state["log"] = RunLayout(cfg["output_dir"]).log_path
     _state["checkpoints"] = RunLayout(cfg["output_dir"]).checkpoint_dir
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -170,6 +171,22 @@ def one_line(exc: BaseException) -> str:
         name, sep, message = last.partition(": ")
         text = message if sep and re.fullmatch(r"[\w.]+", name) else last
     return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -> None:
+    """The run writes its resolved config to ``output_dir/config.yaml``: when that is the file trained from,
+    it must be a resolved config already (rerunning a run's own config.yaml resumes it), not the user's."""
+    import yaml
+
+    from ignite_amp.config import ConfigError, load_config
+
+    if not (os.path.exists(resolved) and os.path.samefile(source, resolved)):
+        return
+    with open(source, encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    if raw != load_config(raw):  # partial, or commented into a different shape: hand-written
+        raise ConfigError(f"output_dir: {output_dir} holds the config you train from ({source}), where the run "
+                          f"writes its resolved config; keep yours elsewhere, or choose another output_dir")
 
 
 def _checkpoint_kept() -> bool:

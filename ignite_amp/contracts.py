@@ -42,6 +42,17 @@ def check_scalar(loss: Any) -> None:
 
 
 
+def check_requires_grad(loss: torch.Tensor, model: nn.Module) -> None:
+    """A loss backward cannot go through: say why, rather than torch's "element 0 of tensors does not require grad"."""
+    if loss.requires_grad:
+        return
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("loss_fn: the loss does not require grad: no parameter of the model requires grad (a frozen "
+                         "model?); unfreeze what should train")
+    raise ValueError("loss_fn: the loss does not require grad: it was computed without the model's parameters (an "
+                     "integer or argmax-based loss, .detach(), torch.no_grad()); return a differentiable loss")
+
+
 def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, autocast: Callable) -> None:
     """Refuse a loss that doubles on the batch doubled: it sums over the samples (one host sync).
 

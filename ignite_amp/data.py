@@ -5,6 +5,7 @@ ring, square, frame, triangle, diamond, plus, cross, bars) at random places, siz
 colours, with noise. It is learnable in a few CPU epochs, so the quickstart runs anywhere.
 """
 import dataclasses
+import logging
 import os
 import pickle
 from typing import Optional, Sequence, Tuple
@@ -15,9 +16,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ignite_amp.collectives import adopt_ignite_loggers
 from ignite_amp.errors import ConfigError
+from ignite_amp.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
 
 __all__ = ["DataConfig", "EpochShuffleSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+
+logger = logging.getLogger("ignite_amp")
 
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -44,6 +48,14 @@ class DataConfig:
     train_size: int = setting(None, Integer(1, 10**8, nullable=True),
                               "default: shapes 8000, fake 1024; cifar: a prefix of the set", FIXED_UNDER_SCHEDULE)
     val_size: int = setting(None, Integer(1, 10**8, nullable=True), "default: shapes 2000, fake 256")
+
+    @staticmethod
+    def check_values(values: dict, path: str) -> None:
+        if values["name"] == "imagefolder":
+            for key in ("train_size", "val_size"):
+                if values[key] is not None:
+                    raise ConfigError(f"{path}.{key}: imagefolder takes every image under root/train; leave it null "
+                                      f"(and {path}.val_size too)")
 
 
 class TensorImageDataset(Dataset):
@@ -152,39 +164,6 @@ def _download_cifar(root: str, fine: bool) -> None:
                           f"{'cifar-100-python' if fine else 'cifar-10-batches-py'} folder there yourself") from None
 
 
-class ImageReadError(ConfigError):
-    """An image file that cannot be decoded: a user error whose message names the file."""
-
-
-def read_image(path: str):
-    """torchvision's default image loader, with an error that names the file."""
-    from torchvision.datasets.folder import default_loader
-
-    try:
-        return default_loader(path)
-    except Exception as exc:
-        raise ImageReadError(f"data.root: cannot read image {path} ({exc.__class__.__name__}: "
-                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}); "
-                             f"remove or replace the file") from None
-
-
-def _imagefolder(root: str, split: str, image_size: int, augment: bool):
-    from torchvision import datasets, transforms
-
-    path = os.path.join(root, split)
-    if not os.path.isdir(path):
-        raise ConfigError(f"data.root: {path} is not a directory (imagefolder expects root/train and root/val)")
-    if augment and split == "train":
-        resize = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
-    else:
-        resize = [transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
-    tf = transforms.Compose([*resize, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    try:
-        return datasets.ImageFolder(path, transform=tf, loader=read_image)
-    except (FileNotFoundError, RuntimeError) as exc:
-        raise ConfigError(f"data.root: {path}: {str(exc).splitlines()[0]}") from None
-
-
 def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]):
     return (images, labels) if size is None else (images[:size], labels[:size])
 
@@ -216,14 +195,18 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
         mean, std, classes = (0.5,) * 3, (0.29,) * 3, [str(i) for i in range(num_classes)]
     elif name == "imagefolder":
         size = data["image_size"] or 224
-        train_set = _imagefolder(root, "train", size, augment)
-        val_set = _imagefolder(root, "val", size, False)
+        train_set = image_folder(root, "train", size, augment, IMAGENET_MEAN, IMAGENET_STD)
+        if len(train_set.classes) < 2:
+            raise ConfigError(f"data.root: {root}/train has one class folder ({train_set.classes[0]}); a "
+                              f"classifier needs at least two")
+        val_set = image_folder(root, "val", size, False, IMAGENET_MEAN, IMAGENET_STD)
         if val_set.classes != train_set.classes:  # labels are indices into the sorted class list
             missing = sorted(set(train_set.classes) - set(val_set.classes))
             extra = sorted(set(val_set.classes) - set(train_set.classes))
             raise ConfigError(f"data.root: {root}/val has other classes than {root}/train (missing in val: "
                               f"{', '.join(missing) or 'none'}; only in val: {', '.join(extra) or 'none'}); "
                               f"the labels would not match")
+        check_images([p for p, _ in train_set.samples + val_set.samples], data["num_workers"])
         return train_set, val_set, len(train_set.classes)
     else:  # the config schema already refused other names
         raise ConfigError(f"data.name: unknown data set {name!r}")
@@ -273,7 +256,7 @@ class EvenShardSampler(DistributedSampler):
 
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
-                seed: int = 0) -> DataLoader:
+                seed: int = 0, no_single_last: bool = False) -> DataLoader:
     """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
 
     ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
@@ -281,6 +264,8 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     training order is drawn from ``seed + epoch`` (``set_epoch``), the same permutation in one
     process (:class:`EpochShuffleSampler`) as over N (``DistributedSampler``), so the global
     batches are the same sets of samples. Validation is sharded without padding.
+    ``no_single_last``: a training epoch whose last batch would hold one sample (which BatchNorm
+    cannot train on) leaves it out, with a warning; the order is shuffled, so not the same sample.
     """
     adopt_ignite_loggers()
     world = idist.get_world_size()
@@ -291,20 +276,32 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         sampler = DistributedSampler(dataset, shuffle=True, seed=seed) if train else EvenShardSampler(dataset)
     else:
         sampler = EpochShuffleSampler(len(dataset), seed) if train else None
+    drop_last = False
+    if train and no_single_last and len(sampler) % (batch_size // world) == 1:
+        drop_last = True
+        logger.warning("data: the last batch of each epoch would hold 1 sample, which BatchNorm layers cannot train "
+                       "on: it is left out (a different sample each epoch: the order is shuffled); change "
+                       "data.batch_size or data.train_size to keep it")
     return idist.auto_dataloader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
+        drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
     )
 
 
-def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0):
-    """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here."""
-    train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
+def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False):
+    """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here.
+
+    ``batch_norm``: the model has BatchNorm layers (training batches of one sample are refused or left out)."""
     batch = data["batch_size"]
-    train = make_loader(train_set, batch, True, data["num_workers"], device, seed)
+    if batch_norm and batch // idist.get_world_size() == 1:
+        raise ConfigError("data.batch_size: 1 sample per batch (per process), but the model has BatchNorm layers, "
+                          "whose training statistics need at least 2")
+    train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
+    train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm)
     val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device)
     return train, val, n_classes

@@ -19,6 +19,8 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -143,6 +145,7 @@ def _die_with_parent(parent: int) -> None:
 def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, parent: int, args: tuple) -> None:
     """Body of a spawned process: run ``fn``, leave its result or its error for the parent."""
     _die_with_parent(parent)
+    signal.signal(signal.SIGINT, _interrupt_once)
     logging.getLogger().addHandler(terminal_log_handler(log_level))
     sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
@@ -188,6 +191,33 @@ def _collect(outbox: str, nproc: int) -> Any:
     return outcomes[0][1]
 
 
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """A rank's SIGINT: stop as on Ctrl-C; a second one (the terminal's and the launcher's) changes nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _stop_ranks(grace: float = 120.0) -> None:
+    """Send SIGINT to every spawned rank (each stops as on Ctrl-C), wait for them, kill what remains."""
+    import multiprocessing
+
+    if threading.current_thread() is threading.main_thread():
+        for number in (signal.SIGINT, signal.SIGTERM):  # stopping already: no second interruption here
+            signal.signal(number, signal.SIG_IGN)
+    children = multiprocessing.active_children()
+    for child in children:
+        try:
+            os.kill(child.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
 def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
     """Run ``fn(*args)`` on every rank the config (or ``torchrun``) asks for; return rank 0's result.
 
@@ -228,6 +258,9 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
                 parallel.run(_spawned, fn, outbox, logging.getLogger().getEffectiveLevel(), os.getpid(), args)
         except ProcessException:
             pass  # a rank failed (and torch stopped the others): its error is in the outbox
+        except KeyboardInterrupt:  # Ctrl-C, or a scheduler's SIGTERM to this launcher alone
+            _stop_ranks()
+            raise
         return _collect(outbox, nproc)
     finally:
         shutil.rmtree(outbox, ignore_errors=True)

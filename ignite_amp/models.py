@@ -58,10 +58,15 @@ def build_model(name: str, num_classes: int, kwargs: dict) -> nn.Module:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"model.name: cannot import {name!r} ({exc.__class__.__name__}: {exc})") from None
+        if not callable(factory):
+            raise ConfigError(f"model.name: {name} is a {type(factory).__name__}, not a callable that builds a "
+                              f"torch.nn.Module")
         try:
             model = factory(num_classes=num_classes, **kwargs)
         except TypeError as exc:
             raise ConfigError(f"model.kwargs: {name} refused its arguments ({exc})") from None
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model.name: {name} built a {type(model).__name__}, not a torch.nn.Module")
     else:
         from torchvision import models
 

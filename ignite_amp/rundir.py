@@ -159,7 +159,7 @@ def move_previous_run(output_dir: str) -> Optional[str]:
 
 def _aside(path: str) -> str:
     """A free sibling name ``<path>.replaced-<time>[-N]``."""
-    base = os.path.normpath(path)
+    base = os.path.abspath(path)  # "." moves beside the current directory, not into it
     target = f"{base}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
     suffix = 1
     while os.path.exists(target):

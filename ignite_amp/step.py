@@ -48,7 +48,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ignite_amp.batching import detach, join_chunks, prepare_batch, to_float32
 from ignite_amp.collectives import (all_reduce_gradients, is_distributed, max_across_ranks, no_buffer_sync_in_forward,
                                     sum_across_ranks)
-from ignite_amp.contracts import check_mean_reduction, check_optimizer, check_scalar, refuse_a_sum
+from ignite_amp.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
+                                  refuse_a_sum)
 from ignite_amp.device import is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
@@ -238,6 +239,8 @@ class AmpStep(StepBase, Serializable):
                     y_pred = self._forward(x)
                     loss = self.loss_fn(y_pred, y)
                 check_scalar(loss)
+                if not loss.requires_grad:
+                    check_requires_grad(loss, self.model)
                 if not self._reduction_checked:  # the first batch: one host sync
                     self._reduction_checked = True
                     refuse_a_sum(self.loss_fn, loss, y_pred, y, self.autocast)

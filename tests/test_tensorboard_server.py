@@ -12,7 +12,6 @@ import urllib.request
 import pytest
 
 from ignite_amp import train_from_config
-from ignite_amp.handlers.tensorboard_metrics import LAYOUT
 
 
 def free_port() -> int:
