@@ -229,6 +229,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     handler = terminal_log_handler()
     logging.getLogger().addHandler(handler)
     _state.clear()
+    # A full disk in a writer thread (TensorBoard's) or in train.log's handler: the command's one line
+    # reports it (the main thread's next write raises it), not a thread traceback or "--- Logging error ---".
+    quiet = (threading.excepthook, logging.raiseExceptions)
+    _state["excepthook"] = quiet[0]
+    threading.excepthook = _thread_failed
+    logging.raiseExceptions = False
     signals = threading.current_thread() is threading.main_thread()
     if signals:  # a scheduler's SIGTERM stops the run like Ctrl-C does: one line, the checkpoints kept
         previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
@@ -260,10 +266,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line, file=sys.stderr)
         return code
     finally:
+        threading.excepthook, logging.raiseExceptions = quiet
         logging.getLogger().removeHandler(handler)
         if signals and not _exiting:  # the console command keeps ignoring a late Ctrl-C until it exits
             for number, before in previous.items():
                 signal.signal(number, before)
+
+
+def _thread_failed(args: "threading.ExceptHookArgs") -> None:
+    """A thread's error: a full disk goes to train.log only (the run stops on it in one line); others as usual."""
+    from ignite_amp.checkpoint_io import disk_full
+
+    if not disk_full(args.exc_value):
+        _state.get("excepthook", threading.__excepthook__)(args)
+        return
+    log = _state.get("log")
+    try:
+        with open(log, "a") as f:
+            f.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+    except (OSError, TypeError):
+        pass
 
 
 class Terminated(KeyboardInterrupt):

@@ -91,8 +91,10 @@ class Run:
         state = self.trainer.state
         try:
             if self.resumed_from and state.epoch >= cfg["train"]["epochs"]:
-                self.print(f"already trained {state.epoch} epochs (checkpoint {self.resumed_from}); to train "
-                           f"more: {self._more_epochs_hint(state.epoch)}")
+                fewer = (f", more than the {cfg['train']['epochs']} train.epochs asks for"
+                         if state.epoch > cfg["train"]["epochs"] else "")
+                self.print(f"already trained {state.epoch} epochs (checkpoint {self.resumed_from}{fewer}); nothing "
+                           f"to train; to train more: {self._more_epochs_hint(state.epoch)}")
             else:
                 step, world = self.trainer.amp_step, idist.get_world_size()
                 where = (f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1

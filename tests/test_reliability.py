@@ -175,3 +175,24 @@ def test_sigterm_to_the_launcher_of_spawned_ranks_stops_every_rank(quick_cfg, tm
     children = [pid for pid in leftover if os.path.exists(f"/proc/{pid}") and
                 str(proc.pid) in open(f"/proc/{pid}/stat").read().split()[3:4]]
     assert not children  # no rank trains on
+
+
+def test_disk_full_in_tensorboard_s_writer_thread_is_one_true_line(quick_cfg, tmp_path, capsys, monkeypatch):
+    """TensorBoard writes from a thread: its ENOSPC used to print a raw traceback before the one line."""
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    import threading
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # as outside pytest: print to stderr
+    path = write(tmp_path, dict(quick_cfg, train={"epochs": 2}))
+    assert main(["train", path]) == 1
+    err = capsys.readouterr().err
+    assert error_lines(err) == ["ignite-amp: stopped: no space left on device (writing the run); no checkpoint was "
+                                "written yet: free space and run the same command again"], err
+    assert "Traceback" not in err and "Logging error" not in err
