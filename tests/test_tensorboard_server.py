@@ -120,3 +120,22 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     assert group["hparams"]["02 grad_scaler"] is False and group["hparams"]["00 dtype"] == "bfloat16"
     values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
     assert values["accuracy/val"] == pytest.approx(result["final"]["val_accuracy"])
+
+
+def test_in_a_real_browser_the_dashboard_renders_without_console_warnings(served, tmp_path):
+    """Headless Chromium (from the OS packages; skipped without it) opens the URL the CLI prints and the
+    HParams tab: pages render, and the console has no HParams domain warning."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium: install it from the OS packages to run this check")
+    base, _ = served
+    for view in ("custom_scalars&_smoothingWeight=0", "hparams"):
+        shot = tmp_path / f"{view.split('&')[0]}.png"
+        proc = subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                               "--v=0", "--window-size=1400,1000", "--virtual-time-budget=15000",
+                               f"--screenshot={shot}", f"{base}/#{view}"], capture_output=True, text=True, timeout=180)
+        console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line]
+        assert shot.exists() and shot.stat().st_size > 20_000, (view, proc.stderr[-2000:])  # a page, not a blank
+        assert not [line for line in console if "domain" in line.lower()], console
