@@ -33,6 +33,7 @@ class Health(NamedTuple):
     flops_per_sample: Optional[float] = None
     peak_name: Optional[str] = None
     since: str = ""  # " since the resume at iteration N" when the counts are of this process's part of the run
+    processes: int = 1  # speed and compute are this process's: said when there are several
 
 
 def _median(windows: Sequence[dict], key: str) -> Optional[float]:
@@ -73,8 +74,9 @@ def health_lines(h: Health) -> List[str]:
     if speed is not None:
         step_ms = _median(h.windows, "throughput/step_time_ms")
         wait = _share(h.windows, "throughput/data_wait_share", "iterations") or 0.0
-        lines.append(f"speed: median {speed:.4g} samples/s, {step_ms:.3g} ms per iteration; data wait {wait:.1%} "
-                     f"of the time")
+        each = f" per process ({h.processes} processes)" if h.processes > 1 else ""
+        lines.append(f"speed: median {speed:.4g} samples/s{each}, {step_ms:.3g} ms per iteration; data wait "
+                     f"{wait:.1%} of the time")
         if wait > DATA_WAIT_WARN_SHARE:
             lines.append(f"warning: {wait:.0%} of the time goes to waiting for batches: the loader is the "
                          f"bottleneck; raise data.num_workers (DataLoader num_workers) or make the dataset cheaper")
@@ -82,8 +84,9 @@ def health_lines(h: Health) -> List[str]:
     if tflops is not None:
         mfu = _median(h.windows, "throughput/mfu")
         of_peak = f"; MFU {mfu:.1%} of the {h.peak_name}" if mfu is not None else ""
-        lines.append(f"compute: {tflops:.3g} TFLOP/s achieved ({h.flops_per_sample / 1e9:.3g} GFLOP per sample, "
-                     f"forward + backward){of_peak}")
+        each = " per process" if h.processes > 1 else ""
+        lines.append(f"compute: {tflops:.3g} TFLOP/s achieved{each} ({h.flops_per_sample / 1e9:.3g} GFLOP per "
+                     f"sample, forward + backward){of_peak}")
     if h.peak_memory_mb:
         lines.append(f"memory: peak {h.peak_memory_mb:.0f} MB ({h.memory_kind})")
     if h.oom_retries:

@@ -329,7 +329,8 @@ class TensorBoardMetrics:
             oom_retries=step.oom_count, micro_batches=step.micro_batches,
             micro_batch_size=-(-step.batch_size // micro) if micro else None,
             flops_per_sample=step.flops_per_sample, peak_name=window.peak[1] if window.peak else None,
-            since=f" since the resume at iteration {window.start_iteration}" if window.start_iteration else ""))
+            since=f" since the resume at iteration {window.start_iteration}" if window.start_iteration else "",
+            processes=idist.get_world_size()))
 
     def _write_health(self, iteration: int) -> None:
         self.memory.read()

@@ -146,7 +146,9 @@ def _train(args: argparse.Namespace) -> int:
         return 0  # under torchrun, rank 0 reports
     final = result["final"]
     if final:
-        safe_print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {final['epoch']} epochs")
+        epochs = final["epoch"]
+        safe_print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {epochs} "
+                   f"epoch{'' if epochs == 1 else 's'}")
     if result["best_checkpoint"]:
         safe_print(f"best checkpoint: {result['best_checkpoint']}")
     if result["tensorboard_dir"]:

@@ -146,6 +146,7 @@ def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, parent:
     """Body of a spawned process: run ``fn``, leave its result or its error for the parent."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, _interrupt_once)
+    open(os.path.join(outbox, f"started-{os.getpid()}"), "w").close()  # from now on, SIGINT stops it cleanly
     logging.getLogger().addHandler(terminal_log_handler(log_level))
     sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
@@ -197,8 +198,11 @@ def _interrupt_once(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _stop_ranks(grace: float = 120.0) -> None:
-    """Send SIGINT to every spawned rank (each stops as on Ctrl-C), wait for them, kill what remains."""
+def _stop_ranks(outbox: str, grace: float = 120.0) -> None:
+    """Send SIGINT to every spawned rank (each stops as on Ctrl-C), wait for them, kill what remains.
+
+    A rank still starting (importing torch, joining the process group) has nothing to save and would
+    print a traceback, or a C++ one, on SIGINT: it is killed quietly instead."""
     import multiprocessing
 
     if threading.current_thread() is threading.main_thread():
@@ -206,8 +210,9 @@ def _stop_ranks(grace: float = 120.0) -> None:
             signal.signal(number, signal.SIG_IGN)
     children = multiprocessing.active_children()
     for child in children:
+        started = os.path.exists(os.path.join(outbox, f"started-{child.pid}"))
         try:
-            os.kill(child.pid, signal.SIGINT)
+            os.kill(child.pid, signal.SIGINT if started else signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
@@ -259,7 +264,7 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         except ProcessException:
             pass  # a rank failed (and torch stopped the others): its error is in the outbox
         except KeyboardInterrupt:  # Ctrl-C, or a scheduler's SIGTERM to this launcher alone
-            _stop_ranks()
+            _stop_ranks(outbox)
             raise
         return _collect(outbox, nproc)
     finally:

@@ -65,6 +65,8 @@ def build_model(name: str, num_classes: int, kwargs: dict) -> nn.Module:
             model = factory(num_classes=num_classes, **kwargs)
         except TypeError as exc:
             raise ConfigError(f"model.kwargs: {name} refused its arguments ({exc})") from None
+        except Exception as exc:  # the user's own code failed: name it (the traceback goes to train.log)
+            raise ConfigError(f"model.name: {name} raised {exc.__class__.__name__}: {exc}") from exc
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model.name: {name} built a {type(model).__name__}, not a torch.nn.Module")
     else:

@@ -195,3 +195,7 @@ def warns_when_built(num_classes: int = 10, heads: int = None) -> nn.Module:
 def three_outputs(num_classes: int = 10) -> nn.Module:
     """A model whose head has 3 outputs whatever num_classes says."""
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3))
+
+
+def raises_when_built(num_classes: int = 10, **kwargs) -> nn.Module:
+    raise ValueError("the user's model code failed")

@@ -63,6 +63,33 @@ def test_a_symlink_loop_in_an_image_folder_is_not_followed(quick_cfg, tmp_path):
     assert len(train) == 3 + 3 + 3  # a: its 3 images once; b: its 3 and the 3 behind the link
 
 
+def test_links_into_another_class_are_left_out_with_a_warning(quick_cfg, tmp_path, caplog):
+    from ignite_amp.data import build_datasets
+
+    image_tree(tmp_path / "data")
+    train = tmp_path / "data" / "train"
+    os.symlink("../b", train / "a" / "linkb")  # a's folder links to b's: b's images would be a's too
+    os.symlink(train / "a" / "0.png", train / "b" / "froma.png")
+    os.symlink(train / "a" / "1.png", train / "a" / "again.png")  # the same image twice in one class
+    with caplog.at_level("WARNING", logger="ignite_amp"):
+        train_set, _, _ = build_datasets(load_config(folder_cfg(quick_cfg, tmp_path / "data"))["data"], 2)
+    assert sorted(label for _, label in train_set.samples) == [0, 0, 0, 1, 1, 1]
+    assert any("left out 2 link(s) to another class's folder" in r.getMessage() for r in caplog.records)
+
+
+def test_a_truncated_jpeg_is_refused_before_training(quick_cfg, tmp_path, capsys):
+    image_tree(tmp_path / "data")
+    bad = tmp_path / "data" / "train" / "a" / "photo.jpg"
+    Image.effect_noise((200, 200), 64).convert("RGB").save(bad, quality=95)
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])  # the header is intact: only decoding finds it
+    assert main(["train", write(tmp_path, folder_cfg(quick_cfg, tmp_path / "data"))]) == 2
+    out, err = capsys.readouterr()
+    (line,) = error_lines(err)
+    assert line.startswith(f"ignite-amp: error: data.root: cannot read image {bad} (OSError: image file is "
+                           f"truncated") and "epoch 1/" not in out and "health" not in out
+
+
 def test_one_class_and_train_size_on_an_image_folder_are_one_line(quick_cfg, tmp_path, capsys):
     image_tree(tmp_path / "one", classes=("a",))
     assert main(["train", write(tmp_path, folder_cfg(quick_cfg, tmp_path / "one"))]) == 2
@@ -82,6 +109,8 @@ def test_one_class_and_train_size_on_an_image_folder_are_one_line(quick_cfg, tmp
     ("model.name=math:pi", "model.name: math:pi is a float, not a callable that builds a torch.nn.Module"),
     ("model.name=collections:OrderedDict", "model.name: collections:OrderedDict built a OrderedDict, not a "
                                            "torch.nn.Module"),
+    ("model.name=conftest:raises_when_built", "model.name: conftest:raises_when_built raised ValueError: the user's "
+                                              "model code failed"),
 ])
 def test_user_mistakes_are_user_errors(quick_cfg, tmp_path, capsys, override, message):
     assert main(["train", write(tmp_path, quick_cfg), "--set", override]) == 2
@@ -196,3 +225,19 @@ def test_disk_full_in_tensorboard_s_writer_thread_is_one_true_line(quick_cfg, tm
     assert error_lines(err) == ["ignite-amp: stopped: no space left on device (writing the run); no checkpoint was "
                                 "written yet: free space and run the same command again"], err
     assert "Traceback" not in err and "Logging error" not in err
+
+
+def test_a_signal_while_the_ranks_start_is_one_line_too(quick_cfg, tmp_path):
+    """SIGTERM while the spawned ranks still import torch or join the process group: no rank traceback."""
+    cfg = dict(quick_cfg, train={"epochs": 3}, distributed={"nproc_per_node": 2, "backend": "gloo"}, device="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", "train", write(tmp_path, cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(3)  # the launcher has spawned; the ranks are starting
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert len(error_lines(err)) == 1 and "Traceback" not in err and "KeyboardInterrupt" not in err, err

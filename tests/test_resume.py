@@ -144,7 +144,7 @@ def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys,
     capsys.readouterr()
     assert main(["train", path, *elsewhere]) == 0
     out = capsys.readouterr().out
-    assert "already trained 1 epochs" in out
+    assert "already trained 1 epoch (" in out
     hint = re.search(r"(ignite-amp train .*)", out).group(1).split(" (")[0].replace("=N", "=2")
     assert ("resume=never" in hint) == (schedule == "cosine")
     assert main(shlex.split(hint)[1:]) == 0

@@ -56,3 +56,8 @@ def test_compute_and_mfu_and_oom():
 def test_a_run_stopped_before_its_first_window_still_says_its_precision():
     assert health_lines(Health("bfloat16", False, [], 0, 0)) == [
         "precision: bfloat16 autocast, no GradScaler needed: 0 optimizer steps"]
+
+
+def test_speed_and_compute_say_per_process_under_data_parallel():
+    lines = health_lines(Health("bfloat16", False, [window(tflops=2.0)], 10, 0, flops_per_sample=1e9, processes=2))
+    assert "samples/s per process (2 processes)" in lines[1] and "TFLOP/s achieved per process" in lines[2]
