@@ -259,7 +259,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             then = "run the same command to resume from the last checkpoint"
         else:
             then = "no checkpoint was written yet: run the same command to start again"
-        print(f"ignite-amp: {what}: {then}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal: rank 0 says it
+            print(f"ignite-amp: {what}: {then}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:
         if getattr(args, "debug", False):

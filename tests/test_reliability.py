@@ -241,3 +241,38 @@ def test_a_signal_while_the_ranks_start_is_one_line_too(quick_cfg, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, err
     assert len(error_lines(err)) == 1 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_sigterm_to_torchrun_stops_its_ranks_with_one_line_of_ours(quick_cfg, tmp_path):
+    """torchrun forwards SIGTERM to its workers: they stop as on Ctrl-C, and rank 0 alone says so."""
+    cfg = dict(quick_cfg, train={"epochs": 8}, data=dict(quick_cfg["data"], train_size=4096, batch_size=32),
+               device="cpu")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(port), "-m", "ignite_amp", "train", write(tmp_path, cfg)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("epoch 1/"):
+            break
+    assert any(x.startswith("epoch 1/") for x in lines), lines
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    epochs = [x for x in lines + out.splitlines() if x.startswith("epoch ")]
+    assert len(epochs) <= 3, epochs
+    ours = [x for x in err.splitlines() if x.startswith("ignite-amp:")]
+    assert ours == ["ignite-amp: terminated (SIGTERM): run the same command to resume from the last checkpoint"], err
+    assert not subprocess.run(["pgrep", "-f", f"ignite_amp train {tmp_path}"], capture_output=True).stdout
