@@ -138,6 +138,9 @@ class AmpStep(StepBase, Serializable):
         self.num_items = num_items
         self._accumulation_steps = accumulation_steps
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        # A model sharded with FSDP2 (torch.distributed.fsdp.fully_shard): its gradients are reduce-scattered
+        # only on the backward that ends an optimizer step, as DDP's no_sync does for all-reduces.
+        self.fsdp = model if hasattr(model, "set_requires_gradient_sync") else None
         if self.ddp is not None:
             no_buffer_sync_in_forward(self.ddp)
         self._scaler = torch.amp.GradScaler(
@@ -300,7 +303,11 @@ class AmpStep(StepBase, Serializable):
         return output
 
     def _no_sync(self, skip: bool):
-        return self.ddp.no_sync() if skip and self.ddp is not None else contextlib.nullcontext()
+        if self.ddp is not None:
+            return self.ddp.no_sync() if skip else contextlib.nullcontext()
+        if self.fsdp is not None:
+            self.fsdp.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
 
     def _optimizer_step(self, engine: Engine) -> None:
         with phase_label()(OPTIMIZER):
