@@ -44,12 +44,12 @@ MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; a larger file is a mis
 class HandlersConfig:
     """handlers: the run's handlers, each declared by its own module."""
 
-    clipping: ClippingConfig = section(ClippingConfig, ClippingConfig.__doc__)
-    checkpoint: CheckpointConfig = section(CheckpointConfig, CheckpointConfig.__doc__)
-    oom_backoff: OOMBackoffConfig = section(OOMBackoffConfig, OOMBackoffConfig.__doc__)
-    non_finite: NonFiniteConfig = section(NonFiniteConfig, NonFiniteConfig.__doc__)
-    profiler: ProfilerConfig = section(ProfilerConfig, ProfilerConfig.__doc__)
-    tensorboard: TensorBoardConfig = section(TensorBoardConfig, TensorBoardConfig.__doc__)
+    clipping: ClippingConfig = section(ClippingConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    oom_backoff: OOMBackoffConfig = section(OOMBackoffConfig)
+    non_finite: NonFiniteConfig = section(NonFiniteConfig)
+    profiler: ProfilerConfig = section(ProfilerConfig)
+    tensorboard: TensorBoardConfig = section(TensorBoardConfig)
 
 
 @dataclasses.dataclass
@@ -63,14 +63,14 @@ class Config:
                           "auto, cpu, cuda, cuda:N, mps or xpu")
     output_dir: str = setting(None, Text(nullable=True), "checkpoints/, config.yaml, train.log and the "
                               "TensorBoard files go here; default runs/<name>; ~ is expanded", NOT_COMPARED)
-    amp: AmpConfig = section(AmpConfig, AmpConfig.__doc__)
-    data: DataConfig = section(DataConfig, DataConfig.__doc__)
-    model: ModelConfig = section(ModelConfig, ModelConfig.__doc__)
-    optimizer: OptimizerConfig = section(OptimizerConfig, OptimizerConfig.__doc__)
-    scheduler: SchedulerConfig = section(SchedulerConfig, SchedulerConfig.__doc__)
-    train: TrainConfig = section(TrainConfig, TrainConfig.__doc__)
-    distributed: DistributedConfig = section(DistributedConfig, DistributedConfig.__doc__)
-    handlers: HandlersConfig = section(HandlersConfig, HandlersConfig.__doc__)
+    amp: AmpConfig = section(AmpConfig)
+    data: DataConfig = section(DataConfig)
+    model: ModelConfig = section(ModelConfig)
+    optimizer: OptimizerConfig = section(OptimizerConfig)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
+    train: TrainConfig = section(TrainConfig)
+    distributed: DistributedConfig = section(DistributedConfig)
+    handlers: HandlersConfig = section(HandlersConfig)
 
     @staticmethod
     def check_values(cfg: dict, path: str) -> None:

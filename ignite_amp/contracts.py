@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ignite_amp.batching import join_chunks
+
 __all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum"]
 
 
@@ -67,8 +69,6 @@ def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, aut
             return
         twice = torch.cat([y_pred, y_pred])
     else:  # a mapping or sequence of outputs (logits and more): each output with a batch dimension, doubled
-        from ignite_amp.batching import join_chunks
-
         n = len(y)
         twice = join_chunks([y_pred, y_pred], [n, n])
     with torch.no_grad(), autocast():

@@ -63,7 +63,10 @@ class Check:
         try:
             return self.normalize(value)
         except _Invalid:
-            raise ValueError(f"Argument {name} should be {self.what.replace('null', 'None')}, got {value!r}.") from None
+            self.refuse_argument(value, name)
+
+    def refuse_argument(self, value: Any, name: str) -> None:
+        raise ValueError(f"Argument {name} should be {self.what.replace('null', 'None')}, got {value!r}.") from None
 
     def schema(self) -> dict:
         return {}
@@ -127,7 +130,7 @@ class Number(Check):
 
     def argument(self, value, name):
         if isinstance(value, str):  # text is for YAML 1.1's sake; a Python caller passes a number
-            raise ValueError(f"Argument {name} should be {self.what.replace('null', 'None')}, got {value!r}.")
+            self.refuse_argument(value, name)
         return super().argument(value, name)
 
     def schema(self):
@@ -231,7 +234,8 @@ class ResumeValue(Check):
 
 def setting(default: Any, check: Check, doc: str, resume: str = APPLIED) -> Any:
     """A config key: its default, its check, a one-line doc and what a resume may do with it."""
-    assert resume in RULES, resume
+    if resume not in RULES:
+        raise ValueError(f"Argument resume should be one of {', '.join(RULES)}, got {resume!r}.")
     if isinstance(default, (list, dict)):
         kind = {"default_factory": lambda: copy.deepcopy(default)}
     else:
@@ -239,9 +243,9 @@ def setting(default: Any, check: Check, doc: str, resume: str = APPLIED) -> Any:
     return dataclasses.field(metadata={"check": check, "doc": doc, "resume": resume}, **kind)
 
 
-def section(cls: type, doc: str) -> Any:
-    """A nested component's config."""
-    return dataclasses.field(default_factory=cls, metadata={"section": cls, "doc": doc})
+def section(cls: type, doc: Optional[str] = None) -> Any:
+    """A nested component's config, documented by ``doc`` (default: the class's docstring)."""
+    return dataclasses.field(default_factory=cls, metadata={"section": cls, "doc": doc or cls.__doc__})
 
 
 def argument(cls: type, name: str, value: Any) -> Any:
@@ -262,10 +266,7 @@ def defaults(cls: type) -> dict:
     """The config of ``cls`` with every default, as a plain nested dict."""
     out = {}
     for name, f in _fields(cls).items():
-        if "section" in f.metadata:
-            out[name] = defaults(f.metadata["section"])
-        else:
-            out[name] = f.default_factory() if f.default is dataclasses.MISSING else copy.deepcopy(f.default)
+        out[name] = defaults(f.metadata["section"]) if "section" in f.metadata else defaults_of(f)
     return out
 
 

@@ -1,11 +1,14 @@
 """Image folders (``data.name: imagefolder``): reading files with errors that name them, checking every
 image before training, and a directory walk that symlink loops cannot fool."""
+import logging
 import os
 from typing import Optional, Sequence
 
 from ignite_amp.errors import ConfigError
 
 __all__ = ["ImageReadError", "read_image", "check_images", "image_folder"]
+
+logger = logging.getLogger("ignite_amp")
 
 
 class ImageReadError(ConfigError):
@@ -75,9 +78,7 @@ def _loop_safe_make_dataset(directory, class_to_idx, extensions=None, is_valid_f
         if not found:
             empty.append(name)
     if skipped:
-        import logging
-
-        logging.getLogger("ignite_amp").warning(
+        logger.warning(
             "data.root: left out %d link(s) to another class's folder or to a folder holding the class (%s%s): an "
             "image gets one label", len(skipped), skipped[0], " ..." if len(skipped) > 1 else "")
     if empty and not allow_empty:

@@ -170,13 +170,10 @@ def test_a_hand_written_config_in_output_dir_is_not_replaced(quick_cfg, tmp_path
     assert mine.read_text() == text
 
 
-def test_sigterm_to_the_launcher_of_spawned_ranks_stops_every_rank(quick_cfg, tmp_path):
-    """A scheduler's SIGTERM goes to the launcher alone: the ranks stop as on Ctrl-C, the launcher exits 143."""
-    cfg = dict(quick_cfg, train={"epochs": 8}, data=dict(quick_cfg["data"], train_size=4096, batch_size=32),
-               distributed={"nproc_per_node": 2, "backend": "gloo"}, device="cpu")
-    path = write(tmp_path, cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", "train", path], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def sigterm_after_first_epoch(cmd):
+    """Start ``cmd``, send SIGTERM once it printed epoch 1; (return code, epoch lines, stderr, seconds to exit)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     lines = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -194,15 +191,23 @@ def test_sigterm_to_the_launcher_of_spawned_ranks_stops_every_rank(quick_cfg, tm
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    took = time.monotonic() - stopped
     epochs = [x for x in lines + out.splitlines() if x.startswith("epoch ")]
-    assert proc.returncode == 143, err
+    return proc.returncode, epochs, err, time.monotonic() - stopped, proc.pid
+
+
+def test_sigterm_to_the_launcher_of_spawned_ranks_stops_every_rank(quick_cfg, tmp_path):
+    """A scheduler's SIGTERM goes to the launcher alone: the ranks stop as on Ctrl-C, the launcher exits 143."""
+    cfg = dict(quick_cfg, train={"epochs": 8}, data=dict(quick_cfg["data"], train_size=4096, batch_size=32),
+               distributed={"nproc_per_node": 2, "backend": "gloo"}, device="cpu")
+    code, epochs, err, took, pid = sigterm_after_first_epoch([sys.executable, "-m", "ignite_amp", "train",
+                                                              write(tmp_path, cfg)])
+    assert code == 143, err
     assert len(epochs) <= 3 and took < 100, (epochs, took)  # not epochs 2-8 first
     assert "ignite-amp: terminated (SIGTERM): run the same command to resume" in err
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
-    children = [pid for pid in leftover if os.path.exists(f"/proc/{pid}") and
-                str(proc.pid) in open(f"/proc/{pid}/stat").read().split()[3:4]]
+    children = [child for child in leftover if os.path.exists(f"/proc/{child}") and
+                str(pid) in open(f"/proc/{child}/stat").read().split()[3:4]]
     assert not children  # no rank trains on
 
 
@@ -252,26 +257,9 @@ def test_sigterm_to_torchrun_stops_its_ranks_with_one_line_of_ours(quick_cfg, tm
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(port), "-m", "ignite_amp", "train", write(tmp_path, cfg)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("epoch 1/"):
-            break
-    assert any(x.startswith("epoch 1/") for x in lines), lines
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    epochs = [x for x in lines + out.splitlines() if x.startswith("epoch ")]
+    _, epochs, err, _, _ = sigterm_after_first_epoch([sys.executable, "-m", "torch.distributed.run",
+                                                      "--nproc_per_node", "2", "--master_port", str(port), "-m",
+                                                      "ignite_amp", "train", write(tmp_path, cfg)])
     assert len(epochs) <= 3, epochs
     ours = [x for x in err.splitlines() if x.startswith("ignite-amp:")]
     assert ours == ["ignite-amp: terminated (SIGTERM): run the same command to resume from the last checkpoint"], err
