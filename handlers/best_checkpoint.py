@@ -4,17 +4,20 @@ import logging
 import math
 import os
 import re
+import shutil
 from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 
-from ignite_amp.checkpoint_io import SafeDiskSaver, StoredValue, load_checkpoint
+from ignite_amp.checkpoint_io import SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint
+from ignite_amp.collectives import any_rank, is_distributed
 from ignite_amp.errors import CheckpointError, NonFiniteError
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
+from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
@@ -39,12 +42,18 @@ def _load_table(checkpoint: Checkpoint, items: List[Tuple[float, str]]) -> None:
 
 
 def all_finite(modules: List[torch.nn.Module]) -> bool:
-    """Whether every floating-point parameter and buffer is finite: one reduction, one host sync."""
-    tensors = [t.detach() for m in modules for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()]
-    if not tensors:
-        return True
+    """Whether every floating-point parameter and buffer is finite: one reduction, one host sync.
+
+    Of a sharded model each rank checks its shards, and the ranks agree (one all-reduce)."""
+    tensors, shards = [], False
+    for t in (t.detach() for m in modules for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()):
+        if hasattr(t, "to_local"):  # a DTensor: this rank's shard
+            t, shards = t.to_local(), True
+        tensors.append(t)
     # The max-abs norm is inf or NaN exactly when some element is.
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)).item())
+    finite = bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)).item()) if tensors \
+        else True
+    return not any_rank(not finite) if shards and is_distributed() else finite
 
 
 class BestCheckpoint:
@@ -73,6 +82,9 @@ class BestCheckpoint:
             perplexity, error, nll, mse, mae, rmse, wer or cer, else ``"max"``. Pass it for any other
             lower-is-better metric, and give ``TensorBoardMetrics`` the same (``modes=``).
         config: the resolved config, stored in every checkpoint.
+        sharded: save sharded checkpoints (directories written by every rank with
+            ``torch.distributed.checkpoint``, loadable on any number of processes; see
+            :mod:`ignite_amp.sharding`). Default: when ``to_save["model"]`` is sharded (FSDP2).
 
     Example:
         >>> import tempfile, torch
@@ -98,7 +110,7 @@ class BestCheckpoint:
     UNREADABLE = ".unreadable"
 
     def __init__(self, dirname: str, to_save: Mapping[str, Any], metric: str = "accuracy", n_saved: int = 2,
-                 mode: Optional[str] = None, config: Optional[dict] = None):
+                 mode: Optional[str] = None, config: Optional[dict] = None, sharded: Optional[bool] = None):
         argument(CheckpointConfig, "n_saved", n_saved)
         mode = metric_mode(metric, mode)
         for reserved in ("rng", "config", "best_table"):
@@ -108,6 +120,9 @@ class BestCheckpoint:
         self.metric, self.mode = metric, mode
         self.score_name = metric if mode == "max" else f"neg_{metric}"
         self.config = StoredValue(config)
+        self.sharded = is_sharded(to_save.get("model")) if sharded is None else bool(sharded)
+        if self.sharded:
+            to_save = sharded_objects(to_save)
         self.to_save = dict(to_save, rng=RNGState(), config=self.config)
         self.resumed_config: Optional[dict] = None
         self.best: Optional[Checkpoint] = None
@@ -121,13 +136,15 @@ class BestCheckpoint:
         """
         for name in SafeDiskSaver.remove_temp_files(self.dirname):
             logger.warning("removed %s in %s: the temp file of a save that was killed", name, self.dirname)
-        saver = SafeDiskSaver(self.dirname)
+        saver = (ShardedDiskSaver if self.sharded else SafeDiskSaver)(self.dirname)
         step = global_step_from_engine(trainer)
         score = Checkpoint.get_default_score_fn(self.metric, 1.0 if self.mode == "max" else -1.0)
         self.best = Checkpoint(self.to_save, saver, filename_prefix=self.BEST_PREFIX, score_function=score,
                                score_name=self.score_name, n_saved=self.n_saved, global_step_transform=step)
         self.last = Checkpoint(dict(self.to_save, best_table=self.best), saver, filename_prefix=self.LAST_PREFIX,
                                n_saved=1, global_step_transform=step, include_self=True)
+        if self.sharded:  # a directory per checkpoint
+            self.best.ext = self.last.ext = "dcp"
         self._trainer = trainer
         evaluator.add_event_handler(Events.COMPLETED, self._refuse_non_finite)
         evaluator.add_event_handler(Events.COMPLETED, self.best)
@@ -141,7 +158,8 @@ class BestCheckpoint:
         if bad:
             raise NonFiniteError(f"validation {', '.join(bad)} non-finite after epoch {epoch}: stopping without "
                                  f"saving; the checkpoints on disk are kept")
-        modules = [obj for obj in self.to_save.values() if isinstance(obj, torch.nn.Module)]
+        modules = [getattr(obj, "module", obj) for obj in self.to_save.values()]
+        modules = [m for m in modules if isinstance(m, torch.nn.Module)]
         if not all_finite(modules):
             raise NonFiniteError(f"non-finite parameters after epoch {epoch}: stopping without saving; the "
                                  f"checkpoints on disk are kept")
@@ -157,7 +175,7 @@ class BestCheckpoint:
             return []
         found = []
         for name in os.listdir(dirname):
-            match = re.fullmatch(rf"{prefix}_checkpoint_(\d+){pattern}\.pt", name)
+            match = re.fullmatch(rf"{prefix}_checkpoint_(\d+){pattern}\.(?:pt|dcp)", name)
             if match:
                 found.append((int(match.group(1)), name, match))
         return sorted(found)
@@ -203,7 +221,8 @@ class BestCheckpoint:
         return None, None
 
     def _check_keys(self, path: str, state: dict) -> None:
-        missing = [k for k in self.to_save if k not in state]  # a last file also has best_table, checkpointer
+        # A last file also has best_table and checkpointer; a sharded one keeps SHARDED_KEYS in its shards.
+        missing = [k for k in self.to_save if k not in state and not (os.path.isdir(path) and k in SHARDED_KEYS)]
         if missing:
             raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing {', '.join(missing)})")
 
@@ -228,15 +247,28 @@ class BestCheckpoint:
         stored = state["config"]
         self.resumed_config = stored.get("value") if isinstance(stored, dict) else None
         for key, obj in self.to_save.items():
-            if key == "config":
+            if key == "config" or key not in state:  # a sharded checkpoint's model and optimizer: below
                 continue
             try:
                 Checkpoint.load_objects({key: obj}, {key: state[key]})
             except Exception as exc:  # shape/key mismatch, wrong optimizer...: name the object, first line
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
                 raise CheckpointError(f"checkpoint {path}: {key} does not fit this run ({first})") from None
+        if os.path.isdir(path):
+            if not self.sharded:
+                raise CheckpointError(f"checkpoint {path}: a sharded checkpoint, and this run's model is not sharded "
+                                      f"(distributed.strategy: fsdp)")
+            try:
+                load_sharded(path, {key: self.to_save[key] for key in SHARDED_KEYS})
+            except Exception as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+                raise CheckpointError(f"checkpoint {path}: its model or optimizer shards do not load ({first})") \
+                    from None
+        elif self.sharded:
+            raise CheckpointError(f"checkpoint {path}: a single-file checkpoint, and this run saves sharded ones "
+                                  f"(distributed.strategy: fsdp)")
         # The file's number is the trainer's epoch when it was saved (global_step_from_engine).
-        match = re.fullmatch(rf"{self.LAST_PREFIX}_checkpoint_(\d+)\.pt", os.path.basename(path))
+        match = re.fullmatch(rf"{self.LAST_PREFIX}_checkpoint_(\d+)\.(?:pt|dcp)", os.path.basename(path))
         epoch = int(match.group(1)) if match else None
         if match and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname):
             _load_table(self.last, [(epoch, os.path.basename(path))])
@@ -250,7 +282,7 @@ class BestCheckpoint:
         for file_epoch, name, match in self._files(self.dirname, self.BEST_PREFIX,
                                                    rf"_{re.escape(self.score_name)}=(\S+?)"):
             if epoch is not None and file_epoch > epoch:
-                os.remove(os.path.join(self.dirname, name))
+                _remove(os.path.join(self.dirname, name))
                 logger.warning("removed %s: saved after the checkpoint resumed from (epoch %d), whose epochs are "
                                "trained again", name, epoch)
                 continue
@@ -261,6 +293,17 @@ class BestCheckpoint:
         table.sort()
         while len(table) > self.n_saved:  # left by a removal that failed (or a smaller n_saved now)
             _, name = table.pop(0)
-            os.remove(os.path.join(self.dirname, name))
+            _remove(os.path.join(self.dirname, name))
             logger.warning("removed %s: more best checkpoints than n_saved %d", name, self.n_saved)
         return table
+
+
+def _remove(path: str) -> None:
+    """A checkpoint file, or a sharded checkpoint's directory (every rank resumes: another may have removed it)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass

@@ -18,12 +18,14 @@ _EXPORTS = {
     "load_config": "ignite_amp.config",
     "train_from_config": "ignite_amp.run",
     "find_batch_size": "ignite_amp.batch_search",
+    "shard_model": "ignite_amp.sharding",
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
 _SUBMODULES = ("batch_search", "batching", "builders", "checkpoint_io", "cli", "collectives", "compare", "config",
                "config_search", "contracts", "data", "device", "engine", "epochs", "errors", "eval_step", "events",
-               "facts", "launcher", "metric_modes", "models", "phases", "rng", "run", "scaler", "step", "step_base")
+               "facts", "launcher", "metric_modes", "models", "phases", "rng", "run", "scaler", "sharding", "step",
+               "step_base")
 
 __all__ = list(_EXPORTS)
 

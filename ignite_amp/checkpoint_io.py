@@ -3,23 +3,30 @@
 The storage half of checkpointing (Ignite's ``DiskSaver`` made crash-safe); the policy, which
 files to keep and which to resume from, is :class:`ignite_amp.handlers.BestCheckpoint`.
 """
+import contextlib
 import errno
 import logging
 import os
-from typing import Any, List, Mapping, Optional
+import shutil
+import warnings
+from typing import Any, Iterator, List, Mapping, Optional
 
 import ignite.distributed as idist
 import torch
 from ignite.base.mixins import Serializable
 from ignite.handlers import DiskSaver
 
+from ignite_amp.collectives import any_rank, is_distributed
 from ignite_amp.errors import CheckpointError, CheckpointWriteError
 
-__all__ = ["SafeDiskSaver", "StoredValue", "load_checkpoint", "disk_full", "TEMP_MARK"]
+__all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "disk_full", "TEMP_MARK",
+           "STATE_FILE"]
 
 logger = logging.getLogger("ignite_amp")
 
 TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>"
+STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: what is not in its DCP shards
+SHARDED_KEYS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
 
 
 class StoredValue(Serializable):
@@ -107,11 +114,75 @@ class SafeDiskSaver(DiskSaver):
             return []
         left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n]
         for name in left:
+            path = os.path.join(dirname, name)
             try:
-                os.remove(os.path.join(dirname, name))
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
             except OSError:
                 pass
         return left
+
+
+class ShardedDiskSaver(SafeDiskSaver):
+    """Crash-safe saves of a sharded model's checkpoint: a directory per checkpoint.
+
+    Every rank writes its shards of ``model`` and ``optimizer`` with ``torch.distributed.checkpoint``
+    into ``.<name>.tmp-save`` (torch fsyncs them), rank 0 adds the rest as ``state.pt`` (fsynced),
+    then renames the directory into place and only then removes the checkpoints it replaces. The
+    ranks agree on the outcome, so a failed write (disk full on any rank) raises
+    :class:`~ignite_amp.errors.CheckpointWriteError` on every rank and keeps the old checkpoints.
+    """
+
+    def __call__(self, checkpoint: Mapping, filename: str, metadata: Optional[Mapping] = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        main = idist.get_rank() == self.save_on_rank
+        path = os.path.join(self.dirname, filename)
+        tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}save")
+        error: Optional[BaseException] = None
+        try:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            with single_process_quiet():
+                dcp.save({k: v for k, v in checkpoint.items() if k in SHARDED_KEYS}, checkpoint_id=tmp,
+                         no_dist=not is_distributed())
+            if main:
+                with open(os.path.join(tmp, STATE_FILE), "wb") as f:
+                    torch.save({k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}, f, **self.kwargs)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _fsync_dir(tmp)
+                old = os.path.join(self.dirname, f".{filename}{TEMP_MARK}old")
+                if os.path.exists(path):  # Ignite overwrites a name it saved before: keep it until the new one is in
+                    os.replace(path, old)
+                os.replace(tmp, path)
+                _fsync_dir(str(self.dirname))
+                shutil.rmtree(old, ignore_errors=True)
+        except Exception as exc:
+            error = exc
+        if (any_rank(error is not None) if is_distributed() else error is not None):
+            self._pending.clear()
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if error is None or disk_full(error):
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device (or another rank "
+                                           f"failed to write its shard); the previous checkpoints are kept: free space "
+                                           f"and run the same command to resume") from None
+            raise error
+        pending, self._pending = self._pending, []
+        for old in pending if main else ():
+            if old != filename:
+                shutil.rmtree(os.path.join(self.dirname, old), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Around ``torch.distributed.checkpoint`` calls: no warning that one process saves or loads alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _fsync_dir(dirname: str) -> None:
@@ -128,7 +199,14 @@ def _fsync_dir(dirname: str) -> None:
 
 
 def load_checkpoint(path: str) -> dict:
-    """``torch.load(path, weights_only=True)`` on the CPU; a missing or unreadable file is a CheckpointError."""
+    """``torch.load(path, weights_only=True)`` on the CPU; a missing or unreadable file is a CheckpointError.
+
+    A sharded checkpoint (a directory) gives what its ``state.pt`` holds: all but the sharded
+    model and optimizer state, which :func:`ignite_amp.sharding.load_sharded` loads."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError(f"checkpoint {path}: not a complete sharded checkpoint (no .metadata)")
+        return load_checkpoint(os.path.join(path, STATE_FILE))
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:

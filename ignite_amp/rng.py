@@ -4,7 +4,10 @@ import random
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 from ignite.base.mixins import Serializable
+
+from ignite_amp.collectives import is_distributed
 
 __all__ = ["get_rng_state", "set_rng_state", "RNGState"]
 
@@ -40,13 +43,25 @@ def set_rng_state(state: dict) -> None:
 
 
 class RNGState(Serializable):
-    """Python and torch (CPU and CUDA) random states, so a resumed run draws the same numbers."""
+    """Python and torch (CPU and CUDA) random states, so a resumed run draws the same numbers.
+
+    In a process group every rank's states are kept (``ranks``, gathered on every rank: call
+    ``state_dict`` on all of them) and each rank gets its own back; resumed on another number of
+    processes, every rank starts from rank 0's."""
 
     _state_dict_all_req_keys = ("python", "torch")
 
     def state_dict(self) -> dict:
-        return get_rng_state()
+        state = get_rng_state()
+        if is_distributed():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, state)
+            state = dict(state, ranks=ranks)
+        return state
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         super().load_state_dict(state_dict)
+        ranks = state_dict.get("ranks") or []
+        if is_distributed() and len(ranks) == dist.get_world_size():
+            state_dict = ranks[dist.get_rank()]
         set_rng_state(state_dict)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["found_inf", "scale_tensor"]
+__all__ = ["found_inf", "agree_found_inf", "scale_tensor"]
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -21,6 +21,15 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
                            "(or torch changed GradScaler's internals)")
     values = list(flags.values())
     return values[0] if len(values) == 1 else torch.stack([v.to(values[0].device) for v in values]).sum()
+
+
+def agree_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """After ``unscale_`` on sharded gradients: make the inf/NaN flag the maximum over the ranks, in
+    place, so every rank skips the same steps and ``scaler.update()`` moves every scale alike."""
+    import torch.distributed as dist
+
+    for flag in scaler._found_inf_per_device(optimizer).values():  # private, as in found_inf
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
 
 def scale_tensor(scaler: torch.amp.GradScaler) -> Optional[torch.Tensor]:

@@ -55,7 +55,7 @@ from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
-from ignite_amp.scaler import found_inf
+from ignite_amp.scaler import agree_found_inf, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
 
 __all__ = ["AmpStep"]
@@ -335,13 +335,17 @@ class AmpStep(StepBase, Serializable):
         skip = False
         if scaler.is_enabled():
             scaler.unscale_(self._optimizer)
+            if self.fsdp is not None and is_distributed():  # each rank checked its shards: skip together
+                agree_found_inf(scaler, self._optimizer)
             # The one host sync of a float16 step: GradScaler.step would make the same read
             # (after the clipping kernels, and once more); here it is made once, before them.
             skip = bool(found_inf(scaler, self._optimizer).item())
         if not skip:
             if self._track_norm:
                 grads = [p.grad for p in self._params if p.grad is not None]
-                self._grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+                norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+                # Of sharded gradients (DTensors), the norm over every rank's shards.
+                self._grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             _fire(engine, AmpEvents.GRADS_READY)
             try:
                 self._optimizer.step()

@@ -1,0 +1,183 @@
+"""Sharded data parallel (FSDP2): shard a model, and checkpoint its state shard by shard.
+
+:func:`shard_model` applies ``torch.distributed.fsdp.fully_shard`` to the model's repeated blocks,
+then to the whole model, with a ``MixedPrecisionPolicy``: parameters are all-gathered in the run's
+dtype (bfloat16: half the bytes of float32) and gradients reduce-scattered in float32. The step
+keeps autocast on over it, for the operators autocast runs in float32 (softmax, norms, losses).
+
+A sharded model's checkpoint is a directory (``*.dcp``) written with ``torch.distributed.checkpoint``:
+each rank writes its shards of the model and optimizer state, rank 0 the rest (``state.pt``).
+It loads on any number of processes, one included (DCP reshards).
+"""
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+from ignite.base.mixins import Serializable
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ignite_amp.checkpoint_io import SHARDED_KEYS, single_process_quiet
+from ignite_amp.collectives import is_distributed
+from ignite_amp.device import resolve_dtype
+
+__all__ = ["shard_model", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
+           "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state"]
+
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` was sharded with FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def block_names(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:
+    """The submodules :func:`shard_model` shards one by one, outermost first, as module paths.
+
+    ``blocks``: class names (``["TransformerEncoderLayer"]``): every submodule of one of these
+    classes that is not inside another. ``None``: the repeated blocks, i.e. each child of an
+    ``nn.ModuleList`` or ``nn.Sequential`` whose two or more children all share one class and hold
+    parameters (a transformer's layers, a ResNet stage's residual blocks).
+    """
+    chosen: List[str] = []
+
+    def inside(name: str) -> bool:
+        return any(name.startswith(parent + ".") for parent in chosen)
+
+    if blocks is not None:
+        wanted = set(blocks)
+        known = {type(m).__name__ for m in model.modules()}
+        missing = sorted(wanted - known)
+        if missing:
+            raise ValueError(f"blocks: the model has no submodule of class {', '.join(map(repr, missing))}")
+        for name, module in model.named_modules():
+            if name and type(module).__name__ in wanted and not inside(name):
+                chosen.append(name)
+        return chosen
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or inside(name):
+            continue
+        children = list(module.children())
+        if len(children) >= 2 and len({type(c) for c in children}) == 1 and \
+                all(any(True for _ in c.parameters()) for c in children):
+            prefix = f"{name}." if name else ""
+            chosen.extend(f"{prefix}{child}" for child, _ in module.named_children())
+    return chosen
+
+
+def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
+                blocks: Optional[Sequence[str]] = None, reshard_after_forward: bool = True,
+                fp32_modules: Iterable[str] = (), device: Union[str, torch.device, None] = None) -> nn.Module:
+    """Shard ``model`` over the process group with FSDP2 and return it (sharded in place).
+
+    Call it inside a process group (``torchrun``, ``idist.Parallel``) before building the optimizer
+    (sharding replaces the parameters). Each block of :func:`block_names` is sharded on its own (its
+    parameters are gathered just before its forward and freed after), then the whole model.
+
+    Args:
+        dtype: the parameters' dtype in forward and backward (``MixedPrecisionPolicy.param_dtype``):
+            ``bfloat16``, ``float16`` or ``float32`` (no policy). Gradients are reduced in float32
+            and the optimizer updates float32 shards.
+        blocks: class names of the blocks to shard one by one (default: the repeated blocks).
+        reshard_after_forward: free each block's gathered parameters after its forward (least
+            memory; the backward gathers them again); False keeps them until the backward.
+        fp32_modules: names of submodules kept in float32 (their own float32 policy); BatchNorm
+            layers always are (their running statistics are float32).
+        device: where the model goes first (default: ``idist.device()``).
+    """
+    import ignite.distributed as idist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = torch.device(device) if device is not None else idist.device()
+    dtype = resolve_dtype(dtype, device)
+    if is_sharded(model):
+        raise ValueError("shard_model: this model is sharded already")
+    model.to(device)
+    policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    full_precision = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    # BatchNorm computes with its float32 running statistics, so it keeps float32 parameters (as FSDP1 did).
+    fp32_modules = list(fp32_modules) + [name for name, m in model.named_modules()
+                                         if isinstance(m, _BatchNorm) and policy.param_dtype is not None]
+    for name in fp32_modules:  # a float32 module keeps its own policy inside a block
+        try:
+            fully_shard(model.get_submodule(name), mp_policy=full_precision, reshard_after_forward=reshard_after_forward)
+        except AttributeError:
+            raise ValueError(f"fp32_modules: the model has no submodule {name!r}") from None
+    for name in block_names(model, blocks):
+        if name not in fp32_modules:
+            fully_shard(model.get_submodule(name), mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+class ShardedModelState(Serializable):
+    """A model's state by parameter name, sharded if the model is (``get_model_state_dict``): what a
+    sharded checkpoint stores, loadable into the same model sharded over any number of processes."""
+
+    def __init__(self, model: nn.Module):
+        self.module = model
+
+    def state_dict(self) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, dict(state_dict))
+
+
+class ShardedOptimizerState(Serializable):
+    """An optimizer's state keyed by parameter name (``get_optimizer_state_dict``), so that it reshards."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = model, optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, dict(state_dict))
+
+
+def sharded_objects(to_save: Mapping[str, Any]) -> Dict[str, Any]:
+    """``to_save`` with its ``model`` and ``optimizer`` wrapped for a sharded checkpoint."""
+    model, optimizer = to_save.get("model"), to_save.get("optimizer")
+    if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("a sharded checkpoint needs to_save['model'] (the model) and to_save['optimizer'] (its "
+                         "optimizer)")
+    return dict(to_save, model=ShardedModelState(model), optimizer=ShardedOptimizerState(model, optimizer))
+
+
+def load_sharded(path: str, objects: Mapping[str, Any]) -> None:
+    """Load the DCP shards of the checkpoint directory ``path`` into ``objects`` (every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    template = {key: obj.state_dict() for key, obj in objects.items()}
+    with single_process_quiet():
+        dcp.load(template, checkpoint_id=path, no_dist=not is_distributed())
+    for key, obj in objects.items():
+        obj.load_state_dict(template[key])
+
+
+def load_full_model_state(path: str) -> Dict[str, torch.Tensor]:
+    """The full (unsharded) model state dict of the sharded checkpoint directory ``path``, in one
+    process without a process group: e.g. to export it, ``torch.save(load_full_model_state(p), "model.pt")``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {key[len("model."):]: value for key, value in state.items()}
