@@ -14,6 +14,7 @@ from ignite_amp.events import AmpEvents
 from ignite_amp.engine import amp_step_of
 from ignite_amp.fields import POSITIVE_INT, Boolean, Choice, Integer, argument, setting
 from ignite_amp.step import AmpStep
+from ignite_amp.sharding import is_sharded
 
 __all__ = ["OOMBackoffConfig", "OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
 
@@ -94,6 +95,9 @@ class OOMBackoff(Serializable):
 
     def attach(self, engine: Engine) -> None:
         self.step = amp_step_of(engine)
+        if is_sharded(self.step.model) and idist.get_world_size() > 1:
+            raise ValueError("OOMBackoff cannot retry a sharded (FSDP2) model's batch: an out-of-memory error inside "
+                             "a sharded forward leaves the other ranks waiting in a collective")
         if isinstance(self.step, AmpStep):  # every rank attaches it: every rank agrees on out of memory
             self.step.oom_agreement = True
         engine.add_event_handler(AmpEvents.OUT_OF_MEMORY, self)

@@ -103,9 +103,9 @@ LAYOUT = layout()  # every chart a run can have (a CPU run has the RSS chart ins
 # HParams columns, in this order (TensorBoard ticks the first ones); strings only with a closed set of
 # values, so every run's value is in the filter's list. The rest of the facts are in the text tab.
 HPARAMS = ("dtype", "device_type", "grad_scaler", "batch_size", "lr", "accumulation_steps", "micro_batches",
-           "world_size", "channels_last", "compile", "scheduler", "epochs", "seed", "batch_size_search")
+           "world_size", "strategy", "channels_last", "compile", "scheduler", "epochs", "seed", "batch_size_search")
 _DOMAINS = {"dtype": ("float32", "float16", "bfloat16"), "device_type": ("cpu", "cuda", "mps", "xpu"),
-            "scheduler": ("none", "cosine", "onecycle")}
+            "scheduler": ("none", "cosine", "onecycle"), "strategy": ("none", "ddp", "fsdp")}
 
 _FACT_TYPES = (bool, int, float, str, type(None))
 

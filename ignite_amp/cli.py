@@ -83,10 +83,14 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _find_batch_size(args: argparse.Namespace) -> int:
     from ignite_amp.config import load_config, write_batch_size
+    from ignite_amp.errors import ConfigError
     from ignite_amp.launcher import launch
     from ignite_amp.config_search import search_config
 
     cfg = load_config(args.config, args.overrides)
+    if cfg["distributed"]["strategy"] == "fsdp":
+        raise ConfigError("find-batch-size: not with distributed.strategy fsdp (a trial that runs out of memory "
+                          "inside a sharded forward cannot be retried safely); give data.batch_size a number")
     # Progress: one line per trial on stderr as it finishes; then the table on stdout.
     result, device_name, world = launch(cfg, search_config, cfg, args.objective, True)
     if int(os.environ.get("RANK", 0)) != 0:

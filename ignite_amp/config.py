@@ -75,6 +75,9 @@ class Config:
     @staticmethod
     def check_values(cfg: dict, path: str) -> None:
         """Rules between sections."""
+        if cfg["distributed"]["strategy"] == "fsdp" and cfg["data"]["batch_size"] == "auto":
+            raise ConfigError("data.batch_size: auto is not available with distributed.strategy fsdp (a trial that "
+                              "runs out of memory inside a sharded forward cannot be retried safely); give a number")
         backoff = cfg["handlers"]["oom_backoff"]
         if not (backoff["enabled"] and backoff["mode"] == "batch"):
             return

@@ -255,8 +255,32 @@ class EvenShardSampler(DistributedSampler):
         return self.num_samples
 
 
+class LockstepBatches:
+    """One rank's validation batches (its :class:`EvenShardSampler` shard, in order), as many on every rank.
+
+    A sharded model's forward is a collective, so every rank must run as many of them: the shards
+    differ by one sample at most, and the last batch takes what is left (up to ``batch_size + 1``).
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: Optional[int] = None,
+                 rank: Optional[int] = None):
+        shard = EvenShardSampler(dataset, num_replicas=num_replicas, rank=rank)
+        self.indices = list(shard)
+        self.batch_size = batch_size
+        self.count = max(1, -(-(len(dataset) // shard.num_replicas) // batch_size))
+
+    def __iter__(self):
+        b, last = self.batch_size, self.count - 1
+        for i in range(last):
+            yield self.indices[i * b:(i + 1) * b]
+        yield self.indices[last * b:]
+
+    def __len__(self) -> int:
+        return self.count
+
+
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
-                seed: int = 0, no_single_last: bool = False) -> DataLoader:
+                seed: int = 0, no_single_last: bool = False, lockstep: bool = False) -> DataLoader:
     """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
 
     ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
@@ -266,9 +290,17 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     batches are the same sets of samples. Validation is sharded without padding.
     ``no_single_last``: a training epoch whose last batch would hold one sample (which BatchNorm
     cannot train on) leaves it out, with a warning; the order is shuffled, so not the same sample.
+    ``lockstep``: validation batches as many on every rank (:class:`LockstepBatches`), for a sharded model.
     """
     adopt_ignite_loggers()
     world = idist.get_world_size()
+    if lockstep and not train and world > 1:
+        if len(dataset) < world:
+            raise ConfigError(f"data: {len(dataset)} validation samples for {world} processes; a sharded model needs "
+                              f"one per process at least")
+        workers = -(-num_workers // idist.get_nproc_per_node())
+        return DataLoader(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
+                          num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
     if world > 1:
         if train and batch_size % world:
             raise ConfigError(f"data.batch_size: {batch_size} is the global batch and should divide evenly over "
@@ -293,15 +325,17 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     )
 
 
-def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False):
+def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False,
+                  lockstep: bool = False):
     """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here.
 
-    ``batch_norm``: the model has BatchNorm layers (training batches of one sample are refused or left out)."""
+    ``batch_norm``: the model has BatchNorm layers (training batches of one sample are refused or left out).
+    ``lockstep``: the model is sharded (validation batches as many on every rank)."""
     batch = data["batch_size"]
     if batch_norm and batch // idist.get_world_size() == 1:
         raise ConfigError("data.batch_size: 1 sample per batch (per process), but the model has BatchNorm layers, "
                           "whose training statistics need at least 2")
     train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
     train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm)
-    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device)
+    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device, lockstep=lockstep)
     return train, val, n_classes

@@ -47,12 +47,16 @@ def step_facts(step: Any) -> Dict[str, Any]:
     fresh run, the checkpoint's on a resume); None without a scaler.
     """
     scaler = step.scaler.is_enabled()
+    world = idist.get_world_size()
+    sharded = hasattr(step.model, "set_requires_gradient_sync")  # FSDP2 (fully_shard)
     return {
         "dtype": dtype_name(step.dtype),
         "grad_scaler": scaler,
         "init_scale": float(step.scaler.get_scale()) if scaler else None,
         "device": device_name(step.device),
-        "world_size": idist.get_world_size(),
+        "world_size": world,
+        "strategy": ("fsdp" if sharded else "ddp") if world > 1 else "none",
+        "shards": world if sharded else 1,
         "micro_batches": step.micro_batches,
         "accumulation_steps": step.accumulation_steps,
         "torch": str(torch.__version__),  # a str subclass: plain str for the HParams plugin
@@ -102,7 +106,8 @@ def summary_line(facts: Dict[str, Any]) -> str:
     if facts.get("device"):
         parts.append(f"on {facts['device']}")
     if facts.get("world_size"):
-        parts.append(f"{facts['world_size']} process{'es' if facts['world_size'] != 1 else ''}")
+        sharded = f" ({facts['strategy']}, {facts['shards']} shards)" if facts.get("strategy") == "fsdp" else ""
+        parts.append(f"{facts['world_size']} process{'es' if facts['world_size'] != 1 else ''}{sharded}")
     if facts.get("batch_size"):
         searched = " (chosen by the batch-size search)" if facts.get("batch_size_search") else ""
         parts.append(f"batch {facts['batch_size']}{searched}")

@@ -31,7 +31,7 @@ from torch.multiprocessing.spawn import ProcessException
 from ignite_amp.builders import config_device
 from ignite_amp.collectives import adopt_ignite_loggers
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError
-from ignite_amp.fields import Choice, Integer, setting
+from ignite_amp.fields import FIXED, Boolean, Choice, Integer, Names, setting
 from ignite_amp.rundir import terminal_log_handler
 
 __all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
@@ -46,6 +46,14 @@ class DistributedConfig:
     backend: str = setting("auto", Choice(*BACKENDS), "auto (nccl on GPUs, gloo on CPU), nccl or gloo")
     nproc_per_node: int = setting(None, Integer(1, 1024, nullable=True),
                                   "processes to spawn on this machine; null: one, or what torchrun started")
+    strategy: str = setting("ddp", Choice("ddp", "fsdp"),
+                            "ddp: every process holds the whole model; fsdp: the model, its gradients and the "
+                            "optimizer state are sharded over the processes (FSDP2), checkpoints too", FIXED)
+    reshard_after_forward: bool = setting(True, Boolean(),
+                                          "fsdp: free each block's gathered parameters after its forward (least "
+                                          "memory; the backward gathers them again)")
+    blocks: list = setting([], Names(), "fsdp: class names of the blocks sharded one by one; []: the repeated "
+                                        "blocks (children of a ModuleList or Sequential of one class)")
 
 
 def under_torchrun() -> bool:

@@ -27,6 +27,7 @@ from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuar
                                  TensorBoardMetrics)
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
+from ignite_amp.sharding import shard_model
 from ignite_amp.rundir import RunFiles, RunLayout, check_writable, warn_if_disk_is_short
 from ignite_amp.device import describe_device, dtype_name
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
@@ -97,10 +98,14 @@ class Run:
                            f"to train; to train more: {self._more_epochs_hint(state.epoch)}")
             else:
                 step, world = self.trainer.amp_step, idist.get_world_size()
-                where = (f"{world} processes ({idist.backend()}), {step.device.type}" if world > 1
+                sharded = step.fsdp is not None
+                shards = f", FSDP2: the model in {world} shards" if sharded else ""
+                where = (f"{world} processes ({idist.backend()}{shards}), {step.device.type}" if world > 1
                          else describe_device(step.device))
                 precision = ("float32 (autocast off)" if step.dtype == torch.float32
                              else f"{dtype_name(step.dtype)} autocast")
+                if sharded and step.dtype != torch.float32:
+                    precision += f" over {dtype_name(step.dtype)} parameters"
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
@@ -207,7 +212,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         else None
     batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
-                                                        cfg["seed"], batch_norm=batch_norm)
+                                                        cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg))
     check_classes(cfg, n_classes)
     trainer, evaluator, optimizer = _engines(cfg, model, optimizer, device, files)
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
@@ -266,16 +271,21 @@ def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim
 
 def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
              files: RunFiles):
-    """The trainer and evaluator of ``amp:`` (DDP-wrapped in a process group); checks the model runs once."""
+    """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
+    optimizer over the shards); checks the model runs once."""
     amp = dict(cfg["amp"])
     accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
     cudnn_benchmark = amp.pop("cudnn_benchmark")
     loss_fn = torch.nn.functional.cross_entropy
     trained = model
-    if is_distributed():  # DDP wraps the model in its final place and memory format
+    if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format
         model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
-        trained = idist.auto_model(model)
-        optimizer = idist.auto_optim(optimizer)
+        if _sharded(cfg):
+            trained = model = _shard(cfg, model, device)
+            optimizer = build_optimizer(cfg["optimizer"], model)  # sharding replaced the parameters
+        else:
+            trained = idist.auto_model(model)
+            optimizer = idist.auto_optim(optimizer)
     try:
         trainer = create_amp_trainer(trained, optimizer, loss_fn, device=device, accumulation_steps=accumulation_steps,
                                      micro_batches=micro_batches, **amp)
@@ -290,6 +300,20 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
         files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
     return trainer, evaluator, optimizer
+
+
+def _sharded(cfg: dict) -> bool:
+    return cfg["distributed"]["strategy"] == "fsdp"
+
+
+def _shard(cfg: dict, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``distributed.strategy: fsdp``: the model sharded over the processes (:func:`ignite_amp.sharding.shard_model`)."""
+    dist = cfg["distributed"]
+    try:
+        return shard_model(model, cfg["amp"]["dtype"], dist["blocks"] or None, dist["reshard_after_forward"],
+                           cfg["amp"]["fp32_modules"], device)
+    except ValueError as exc:
+        raise ConfigError(f"{'distributed' if str(exc).startswith('blocks') else 'amp'}.{exc}") from None
 
 
 def _schedule(cfg: dict, trainer: Engine, optimizer: torch.optim.Optimizer, epoch_length: int):
@@ -319,6 +343,10 @@ def _attach_handlers(run: Run) -> None:
     Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
     summary.attach_report(trainer)  # then the epoch's line
     backoff = _switched_on(cfg["oom_backoff"])
+    if backoff is not None and _sharded(run.cfg):  # also on one process: its checkpoints resume on N
+        run.print("handlers.oom_backoff: off under distributed.strategy fsdp (an out-of-memory error inside a sharded "
+                  "forward leaves the other processes in a collective, so it cannot be retried safely)")
+        backoff = None
     if backoff is not None:
         train_backoff = OOMBackoff(**backoff)
         train_backoff.attach(trainer)
@@ -342,7 +370,8 @@ def _attach_handlers(run: Run) -> None:
         run.closers.append(capture.stop)
         run.traces = capture.files
     checkpoint = {k: v for k, v in cfg["checkpoint"].items() if k != "resume"}  # resume: ignite_amp.resume's
-    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg, **checkpoint)
+    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg, sharded=_sharded(run.cfg),
+                                    **checkpoint)
     run.checkpoint.attach(trainer, evaluator)
 
 

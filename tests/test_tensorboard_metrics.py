@@ -185,7 +185,8 @@ def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
     assert names == sorted(names)  # TensorBoard orders the columns by name
     domains = {i.display_name: [v.string_value for v in i.domain_discrete.values] for i in experiment.hparam_infos
                if i.type == api_pb2.DATA_TYPE_STRING}
-    assert domains == {"dtype": ["float32", "float16", "bfloat16"], "device_type": ["cpu", "cuda", "mps", "xpu"]}
+    assert domains == {"dtype": ["float32", "float16", "bfloat16"], "device_type": ["cpu", "cuda", "mps", "xpu"],
+                       "strategy": ["none", "ddp", "fsdp"]}
     assert "model" not in shown  # an open set of strings: in the text facts, not a column without a domain
     metrics = [m.name.tag for m in experiment.metric_infos]
     assert metrics == ["accuracy/val", "accuracy/val_best", "loss/val", "loss/val_best", "throughput/median_samples_per_sec"]
