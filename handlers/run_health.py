@@ -27,6 +27,7 @@ class Health(NamedTuple):
     max_norm: Optional[float] = None  # None: no norm clipping
     peak_memory_mb: Optional[float] = None
     memory_kind: str = "allocated"  # "allocated" (CUDA) or "RSS" (CPU)
+    max_rank_memory_mb: Optional[float] = None  # the largest rank's peak, when the ranks were asked
     oom_retries: int = 0
     micro_batches: int = 1
     micro_batch_size: Optional[int] = None
@@ -88,7 +89,8 @@ def health_lines(h: Health) -> List[str]:
         lines.append(f"compute: {tflops:.3g} TFLOP/s achieved{each} ({h.flops_per_sample / 1e9:.3g} GFLOP per "
                      f"sample, forward + backward){of_peak}")
     if h.peak_memory_mb:
-        lines.append(f"memory: peak {h.peak_memory_mb:.0f} MB ({h.memory_kind})")
+        largest = f"; the largest rank's {h.max_rank_memory_mb:.0f} MB" if h.max_rank_memory_mb else ""
+        lines.append(f"memory: peak {h.peak_memory_mb:.0f} MB ({h.memory_kind}){largest}")
     if h.oom_retries:
         size = f", micro-batches of {h.micro_batch_size}" if h.micro_batch_size else ""
         lines.append(f"out of memory: {h.oom_retries} retries; now {h.micro_batches} micro-batches per batch{size}")

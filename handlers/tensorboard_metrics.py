@@ -23,7 +23,8 @@ from ignite_amp.facts import format_facts, step_facts
 from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.run_health import Health, health_lines
-from ignite_amp.handlers.tensorboard_scalars import BatchShape, DeviceMemory, TrainWindow, Validation
+from ignite_amp.handlers.tensorboard_scalars import (BatchShape, DeviceMemory, RanksMemory, TrainWindow, Validation,
+                                                     layout)
 from ignite_amp.metric_modes import metric_mode
 
 __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG", "HEALTH_TAG", "layout",
@@ -47,6 +48,8 @@ TAGS = {
     "memory/peak_mb": "peak memory allocated by tensors during the window (CUDA)",
     "memory/reserved_mb": "memory held by the caching allocator (CUDA)",
     "memory/rss_mb": "resident memory of the process (CPU runs)",
+    "memory/max_rank_peak_mb": "the largest rank's peak allocated in the window (CUDA; ranks_memory)",
+    "memory/max_rank_rss_mb": "the largest rank's resident memory (CPU runs; ranks_memory)",
     "optimizer/grad_norm": "mean pre-clip total gradient norm (L2) over the optimizer steps of the window",
     "optimizer/clip_share": "share of the window's optimizer steps whose pre-clip norm was above max_norm",
     "optimizer/lr/group_<N>": "learning rate of each param group (Ignite's OptimizerParamsHandler)",
@@ -66,36 +69,6 @@ TAGS = {
 
 FACTS_TAG = "run/facts"
 HEALTH_TAG = "run/health"
-
-
-def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping: bool = True, cuda: bool = True,
-           flops: bool = True, mfu: bool = True) -> dict:
-    """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills.
-
-    ``tensorboard --logdir runs`` merges the runs' layouts (same categories, charts unioned)."""
-    health = {"loss: train, val": ["Multiline", [r"^loss/(train|val)$"]]}
-    for name in metrics:
-        if name != "loss":
-            health[f"val {name} (and best so far)"] = ["Multiline", [rf"^{name}/val(_best)?$"]]
-    if scaler:
-        health["loss scale (float16)"] = ["Multiline", [r"^precision/loss_scale$"]]
-        health["skipped optimizer steps (float16, since the start)"] = ["Multiline", [r"^precision/skipped_steps$"]]
-    if clipping:
-        health["share of optimizer steps clipped (1.0: every step)"] = ["Multiline", [r"^optimizer/clip_share$"]]
-    health["samples/s: each window, the median so far"] = ["Multiline", [r"^throughput/(median_)?samples_per_sec$"]]
-    details = {"grad norm (pre-clip, L2)": ["Multiline", [r"^optimizer/grad_norm$"]],
-               "learning rate": ["Multiline", [r"^optimizer/lr/group_\d+$"]],
-               "share of wall time waiting for data": ["Multiline", [r"^throughput/data_wait_share$"]],
-               "ms per iteration": ["Multiline", [r"^throughput/step_time_ms$"]]}
-    if flops:
-        details["achieved TFLOP/s"] = ["Multiline", [r"^throughput/tflops$"]]
-    if mfu:
-        details["MFU (share of the dense peak)"] = ["Multiline", [r"^throughput/mfu$"]]
-    if cuda:
-        details["device memory MB: allocated, reserved, peak"] = ["Multiline", [r"^memory/(allocated|reserved|peak)_mb$"]]
-    else:
-        details["process memory MB (RSS)"] = ["Multiline", [r"^memory/rss_mb$"]]
-    return {"AMP health": health, "AMP details": details}
 
 
 LAYOUT = layout()  # every chart a run can have (a CPU run has the RSS chart instead of device memory)
@@ -175,7 +148,7 @@ class TensorBoardMetrics:
     sync, and at the first log the Custom Scalars layout (:func:`layout`). At the end (also of a
     failed run, through :meth:`close`) it writes the health summary (``HEALTH_TAG``,
     :func:`~ignite_amp.handlers.run_health.health_lines`), which :meth:`health` returns too.
-    Rank 0 only. The tags are in ``TAGS``.
+    Rank 0 writes (with ``ranks_memory``, every rank attaches it). The tags are in ``TAGS``.
 
     Args:
         logdir: directory of the event files: one TensorBoard run (``tensorboard --logdir`` its parent).
@@ -191,6 +164,8 @@ class TensorBoardMetrics:
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
         modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/val_best``, as given to ``BestCheckpoint``;
             other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
+        ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
+            one all-reduce per log): then attach on every rank, not on rank 0 only.
 
     Example:
         >>> import tempfile, torch
@@ -213,7 +188,8 @@ class TensorBoardMetrics:
 
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,
                  clipping: Optional[GradientClipping] = None, hparam_metrics: Sequence[str] = ("accuracy", "loss"),
-                 texts: Optional[Dict[str, str]] = None, modes: Optional[Dict[str, str]] = None):
+                 texts: Optional[Dict[str, str]] = None, modes: Optional[Dict[str, str]] = None,
+                 ranks_memory: bool = False):
         argument(TensorBoardConfig, "log_every", log_every)
         if facts is not None:
             if not isinstance(facts, dict):
@@ -234,6 +210,8 @@ class TensorBoardMetrics:
         self.logdir, self.log_every = str(logdir), log_every
         self.facts = dict(facts or {})
         self.clipping = clipping
+        self.ranks_memory = bool(ranks_memory)
+        self.ranks: Optional[RanksMemory] = None
         self.hparam_metrics = tuple(hparam_metrics)
         self.tb: Optional[TensorboardLogger] = None
         self.step = self.window = self.memory = self.run_facts = None
@@ -262,6 +240,9 @@ class TensorBoardMetrics:
 
     def attach(self, trainer: Engine, evaluator: Optional[Engine] = None,
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        if self.ranks_memory and idist.get_world_size() > 1:  # every rank takes part, before DeviceMemory
+            self.ranks = RanksMemory(amp_step_of(trainer).device, self.log_every)
+            self.ranks.attach(trainer)
         if idist.get_rank() != 0:
             return
         self.step = step = amp_step_of(trainer)
@@ -271,7 +252,7 @@ class TensorBoardMetrics:
         self.tb = tb = TensorboardLogger(log_dir=self.logdir)
         self.window = TrainWindow(step, self.clipping)
         self.window.attach(trainer)  # before the log's handlers: the log's iteration is in its window
-        self.memory = DeviceMemory(step.device)
+        self.memory = DeviceMemory(step.device, self.ranks)
         self.memory.attach(trainer)
         metrics = {}
         if evaluator is not None:
@@ -308,7 +289,8 @@ class TensorBoardMetrics:
             logger.writer.add_custom_scalars(layout(
                 [m for m in self.hparam_metrics if self.validation.trainer is not None], step.scaler.is_enabled(),
                 self.clipping is not None and self.clipping.max_norm is not None, step.device.type == "cuda",
-                bool(step.flops_per_sample), bool(step.flops_per_sample) and self.window.peak is not None))
+                bool(step.flops_per_sample), bool(step.flops_per_sample) and self.window.peak is not None,
+                self.ranks is not None))
             self._layout_written = True
         logger.writer.flush()
 
@@ -325,6 +307,7 @@ class TensorBoardMetrics:
             skipped_steps=window.skipped, loss_scale=step.scaler.get_scale() if scaler else None,
             max_norm=self.clipping.max_norm if self.clipping is not None else None,
             peak_memory_mb=self.memory.peak_mb or None,
+            max_rank_memory_mb=(self.ranks.peak_mb or None) if self.ranks is not None else None,
             memory_kind="allocated" if step.device.type == "cuda" else "RSS",
             oom_retries=step.oom_count, micro_batches=step.micro_batches,
             micro_batch_size=-(-step.batch_size // micro) if micro else None,

@@ -3,25 +3,27 @@
 Each is an Ignite log handler, ``handler(engine, logger, event_name)``, attached with
 ``logger.attach(trainer, handler, event)``; those that need every iteration's values also
 ``attach`` a plain trainer handler that keeps them on the device until the log. Each keeps what
-it logged in ``history`` for the end-of-run health summary (:mod:`.run_health`).
+it logged in ``history`` for the end-of-run health summary (:mod:`.run_health`). :func:`layout`
+is the Custom Scalars layout of the charts they fill.
 """
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
+from ignite_amp.collectives import max_across_ranks
 from ignite_amp.device import peak_tflops
 from ignite_amp.events import AmpEvents
 from ignite_amp.metric_modes import better, metric_mode
 from ignite_amp.scaler import scale_tensor
 from ignite_amp.step import AmpStep
 
-__all__ = ["TrainWindow", "DeviceMemory", "BatchShape", "Validation", "rss_mb"]
+__all__ = ["TrainWindow", "DeviceMemory", "RanksMemory", "BatchShape", "Validation", "rss_mb", "layout"]
 
 
 def rss_mb() -> float:
@@ -34,6 +36,38 @@ def rss_mb() -> float:
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+
+
+def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping: bool = True, cuda: bool = True,
+           flops: bool = True, mfu: bool = True, ranks: bool = False) -> dict:
+    """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills.
+
+    ``tensorboard --logdir runs`` merges the runs' layouts (same categories, charts unioned)."""
+    health = {"loss: train, val": ["Multiline", [r"^loss/(train|val)$"]]}
+    for name in metrics:
+        if name != "loss":
+            health[f"val {name} (and best so far)"] = ["Multiline", [rf"^{name}/val(_best)?$"]]
+    if scaler:
+        health["loss scale (float16)"] = ["Multiline", [r"^precision/loss_scale$"]]
+        health["skipped optimizer steps (float16, since the start)"] = ["Multiline", [r"^precision/skipped_steps$"]]
+    if clipping:
+        health["share of optimizer steps clipped (1.0: every step)"] = ["Multiline", [r"^optimizer/clip_share$"]]
+    health["samples/s: each window, the median so far"] = ["Multiline", [r"^throughput/(median_)?samples_per_sec$"]]
+    details = {"grad norm (pre-clip, L2)": ["Multiline", [r"^optimizer/grad_norm$"]],
+               "learning rate": ["Multiline", [r"^optimizer/lr/group_\d+$"]],
+               "share of wall time waiting for data": ["Multiline", [r"^throughput/data_wait_share$"]],
+               "ms per iteration": ["Multiline", [r"^throughput/step_time_ms$"]]}
+    if flops:
+        details["achieved TFLOP/s"] = ["Multiline", [r"^throughput/tflops$"]]
+    if mfu:
+        details["MFU (share of the dense peak)"] = ["Multiline", [r"^throughput/mfu$"]]
+    if cuda:
+        details["device memory MB: allocated, reserved, peak"] = ["Multiline", [r"^memory/(allocated|reserved|peak)_mb$"]]
+    else:
+        details["process memory MB (RSS)"] = ["Multiline", [r"^memory/rss_mb$"]]
+    if ranks:
+        details["the largest rank's memory MB"] = ["Multiline", [r"^memory/max_rank_(peak|rss)_mb$"]]
+    return {"AMP health": health, "AMP details": details}
 
 class TrainWindow:
     """The window's training scalars (loss, grad norm, clip share, loss scale, skipped steps, speed,
@@ -153,8 +187,8 @@ class DeviceMemory:
     """Device memory at the log (CUDA: allocated, reserved, the window's peak), or the process's RSS;
     ``peak_mb`` is the run's peak so far."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, ranks: Optional["RanksMemory"] = None):
+        self.device, self.ranks = device, ranks
         self.peak_mb = 0.0
 
     def attach(self, trainer: Engine) -> None:
@@ -178,8 +212,45 @@ class DeviceMemory:
         return values
 
     def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
-        for tag, value in self.read().items():
+        values = self.read()
+        for tag, value in values.items():
             logger.writer.add_scalar(tag, value, engine.state.iteration)
+        if self.ranks is not None and self.ranks.last is not None:  # rank 0's own, read a moment later, included
+            own = values.get("memory/peak_mb", values.get("memory/rss_mb", 0.0))
+            logger.writer.add_scalar(self.ranks.tag, max(self.ranks.last, own), engine.state.iteration)
+
+
+class RanksMemory:
+    """The largest rank's memory at each log, for runs whose ranks differ (a sharded model's, say): every
+    rank reads its own (CUDA: the window's peak allocated; CPU: RSS) and the ranks take the maximum, one
+    all-reduce of one number per log. Attach it on every rank, before :class:`DeviceMemory`."""
+
+    def __init__(self, device: torch.device, every: int):
+        self.device, self.every = device, every
+        self.last: Optional[float] = None  # MB, the maximum over the ranks at the last log
+        self.peak_mb = 0.0
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=self.every), self._gather)
+        trainer.add_event_handler(Events.COMPLETED, self._last)
+
+    def _last(self, engine: Engine) -> None:  # the run's last window (all of a run shorter than a window)
+        if engine.state.iteration % self.every:
+            self._gather(engine)
+
+    def _gather(self, engine: Engine) -> None:
+        if self.device.type == "cuda":
+            value = torch.cuda.max_memory_allocated(self.device) / 2**20
+            if idist.get_rank() != 0:  # rank 0's DeviceMemory resets its own after reading it
+                torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            value = rss_mb()
+        self.last = max_across_ranks(value)
+        self.peak_mb = max(self.peak_mb, self.last)
+
+    @property
+    def tag(self) -> str:
+        return "memory/max_rank_peak_mb" if self.device.type == "cuda" else "memory/max_rank_rss_mb"
 
 
 class BatchShape:

@@ -109,6 +109,15 @@ def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
     assert len(pids) == 1 and len(logs) == 4, logs  # two event files, one trace, one table
     assert sum(os.path.basename(f).startswith("trace_iterations_") for f in logs) == 1
 
+    # Rank 0's memory, and the largest rank's (every rank reads its own; one all-reduce per log).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "two"))
+    acc.Reload()
+    own, largest = ([e.value for e in acc.Scalars(t)] for t in ("memory/rss_mb", "memory/max_rank_rss_mb"))
+    assert len(largest) == len(own) > 0 and all(m >= o for m, o in zip(largest, own))
+    assert "the largest rank's" in two.stdout
+
 
 def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_path):
     """Launched by torchrun. Without OOM backoff DDP overlaps its all-reduce with the last backward
