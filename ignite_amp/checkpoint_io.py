@@ -13,6 +13,7 @@ from typing import Any, Iterator, List, Mapping, Optional
 
 import ignite.distributed as idist
 import torch
+import torch.distributed as dist
 from ignite.base.mixins import Serializable
 from ignite.handlers import DiskSaver
 
@@ -144,7 +145,9 @@ class ShardedDiskSaver(SafeDiskSaver):
         error: Optional[BaseException] = None
         try:
             if main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save
+            if is_distributed():
+                idist.barrier()  # no rank writes into tmp before it is clean
             with single_process_quiet():
                 dcp.save({k: v for k, v in checkpoint.items() if k in SHARDED_KEYS}, checkpoint_id=tmp,
                          no_dist=not is_distributed())
@@ -156,25 +159,46 @@ class ShardedDiskSaver(SafeDiskSaver):
                 _fsync_dir(tmp)
                 old = os.path.join(self.dirname, f".{filename}{TEMP_MARK}old")
                 if os.path.exists(path):  # Ignite overwrites a name it saved before: keep it until the new one is in
+                    shutil.rmtree(old, ignore_errors=True)
                     os.replace(path, old)
                 os.replace(tmp, path)
                 _fsync_dir(str(self.dirname))
                 shutil.rmtree(old, ignore_errors=True)
         except Exception as exc:
             error = exc
-        if (any_rank(error is not None) if is_distributed() else error is not None):
-            self._pending.clear()
+        failures = _gather_failures(error)
+        if failures:
+            self._pending.clear()  # the checkpoints it would replace are the good ones now
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if error is None or disk_full(error):
-                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device (or another rank "
-                                           f"failed to write its shard); the previous checkpoints are kept: free space "
-                                           f"and run the same command to resume") from None
-            raise error
+            if is_distributed():
+                idist.barrier()  # every rank stops with the directory as it was
+            rank, text, full = failures[0]
+            if full:
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
+                                           f"checkpoints are kept: free space and run the same command to resume"
+                                           ) from None
+            if error is not None and rank == idist.get_rank():
+                raise error
+            raise CheckpointWriteError(f"cannot write checkpoint {path}: rank {rank} failed ({text}); the previous "
+                                       f"checkpoints are kept") from None
         pending, self._pending = self._pending, []
         for old in pending if main else ():
             if old != filename:
                 shutil.rmtree(os.path.join(self.dirname, old), ignore_errors=True)
+
+
+def _gather_failures(error: Optional[BaseException]) -> List[tuple]:
+    """Every rank's failure as ``(rank, first line, disk full)``, the same list on every rank."""
+    mine = None if error is None else (idist.get_rank(), (str(error).strip().splitlines() or [type(error).__name__])[0],
+                                       disk_full(error))
+    if not is_distributed():
+        return [mine] if mine else []
+    if not any_rank(mine is not None):  # the usual case: one integer, no pickling
+        return []
+    everyone: List[Any] = [None] * idist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [f for f in everyone if f is not None]
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """FSDP2 (issue 22), on 2 CPU gloo processes: the step reduce-scatters once per optimizer step and trains a
 sharded model as DDP trains the unsharded one, the mixed-precision policy, float16 skips agreed across ranks,
 and sharded checkpoints that survive kill -9 and resume on another number of processes."""
+import errno
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from ignite.engine import Engine, Events
 from torch.distributed.fsdp import fully_shard
 from torch.nn.functional import cross_entropy
 
@@ -19,7 +21,8 @@ from conftest import ROOT, error_lines, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer, load_config
 from ignite_amp.cli import main
 from ignite_amp.data import LockstepBatches
-from ignite_amp.handlers import GradientClipping
+from ignite_amp.errors import CheckpointWriteError
+from ignite_amp.handlers import BestCheckpoint, GradientClipping
 from ignite_amp.run import build_run
 from ignite_amp.sharding import block_names, load_full_model_state, shard_model
 
@@ -265,3 +268,54 @@ def test_fsdp_on_two_gpus_with_nccl_trains_and_resumes(tmp_path):
                           timeout=600)
     assert more.returncode == 0 and "resumed from" in more.stdout, more.stderr
     assert last(cfg["output_dir"]).endswith("last_checkpoint_3.dcp")
+
+
+def _disk_full_on_rank_0(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = shard_model(build(), "float32", device="cpu")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", dtype="float32")
+        evaluator, scores = Engine(lambda e, b: None), iter([0.5, 0.9])
+        evaluator.add_event_handler(Events.COMPLETED, lambda e: e.state.metrics.update(accuracy=next(scores)))
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run([0]))
+        ckpts = os.path.join(out, "ckpts")
+        BestCheckpoint(ckpts, {"model": model, "optimizer": optimizer, "trainer": trainer}, n_saved=1).attach(
+            trainer, evaluator)
+        save = torch.save
+
+        def full_disk(obj, f, **kwargs):  # rank 0's state.pt of epoch 2 finds the disk full
+            if rank == 0 and trainer.state.epoch == 2 and getattr(f, "name", "").endswith("state.pt"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return save(obj, f, **kwargs)
+
+        torch.save = full_disk
+        message = None
+        g = torch.Generator().manual_seed(rank)
+        try:
+            trainer.run([(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))] * 2, max_epochs=2)
+        except CheckpointWriteError as exc:
+            message = str(exc)
+        torch.save = save
+        torch.save({"message": message, "files": sorted(os.listdir(ckpts))}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_in_one_line_and_keeps_the_sharded_checkpoints(tmp_path):
+    torch.multiprocessing.spawn(_disk_full_on_rank_0, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert "no space left on device; the previous checkpoints are kept" in result["message"]
+        assert result["files"] == ["best_checkpoint_1_accuracy=0.5000.dcp", "last_checkpoint_1.dcp"]  # no temp dir
+    # From Python on one process: BestCheckpoint resumes the sharded checkpoint into the unsharded model.
+    model, trainer = build(), Engine(lambda e, b: None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint = BestCheckpoint(tmp_path / "ckpts", {"model": model, "optimizer": optimizer, "trainer": trainer},
+                                n_saved=1, sharded=True)
+    checkpoint.attach(trainer, Engine(lambda e, b: None))
+    assert checkpoint.resume().endswith("last_checkpoint_1.dcp") and trainer.state.epoch == 1
+    saved = load_full_model_state(str(tmp_path / "ckpts" / "last_checkpoint_1.dcp"))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert not torch.equal(saved["0.weight"], build().state_dict()["0.weight"])  # trained, not the initial weights
