@@ -7,9 +7,11 @@ import re
 import shutil
 from typing import Any, List, Mapping, Optional, Tuple
 
+import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ignite_amp.checkpoint_io import SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint
 from ignite_amp.collectives import any_rank, is_distributed
@@ -134,7 +136,7 @@ class BestCheckpoint:
 
         Temp files that killed saves left in ``dirname`` are removed first.
         """
-        for name in SafeDiskSaver.remove_temp_files(self.dirname):
+        for name in SafeDiskSaver.remove_temp_files(self.dirname) if idist.get_rank() == 0 else ():  # rank 0 says so
             logger.warning("removed %s in %s: the temp file of a save that was killed", name, self.dirname)
         saver = (ShardedDiskSaver if self.sharded else SafeDiskSaver)(self.dirname)
         step = global_step_from_engine(trainer)
@@ -260,7 +262,7 @@ class BestCheckpoint:
                                       f"(distributed.strategy: fsdp)")
             try:
                 load_sharded(path, {key: self.to_save[key] for key in SHARDED_KEYS})
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
                 raise CheckpointError(f"checkpoint {path}: its model or optimizer shards do not load ({first})") \
                     from None

@@ -307,7 +307,7 @@ class TensorBoardMetrics:
             skipped_steps=window.skipped, loss_scale=step.scaler.get_scale() if scaler else None,
             max_norm=self.clipping.max_norm if self.clipping is not None else None,
             peak_memory_mb=self.memory.peak_mb or None,
-            max_rank_memory_mb=(self.ranks.peak_mb or None) if self.ranks is not None else None,
+            max_rank_memory_mb=max(self.ranks.peak_mb, self.memory.peak_mb) if self.ranks is not None else None,
             memory_kind="allocated" if step.device.type == "cuda" else "RSS",
             oom_retries=step.oom_count, micro_batches=step.micro_batches,
             micro_batch_size=-(-step.batch_size // micro) if micro else None,

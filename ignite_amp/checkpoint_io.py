@@ -164,7 +164,7 @@ class ShardedDiskSaver(SafeDiskSaver):
                 os.replace(tmp, path)
                 _fsync_dir(str(self.dirname))
                 shutil.rmtree(old, ignore_errors=True)
-        except Exception as exc:
+        except (Exception, _checkpoint_exception()) as exc:
             error = exc
         failures = _gather_failures(error)
         if failures:
@@ -178,18 +178,37 @@ class ShardedDiskSaver(SafeDiskSaver):
                 raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
                                            f"checkpoints are kept: free space and run the same command to resume"
                                            ) from None
-            if error is not None and rank == idist.get_rank():
-                raise error
-            raise CheckpointWriteError(f"cannot write checkpoint {path}: rank {rank} failed ({text}); the previous "
-                                       f"checkpoints are kept") from None
+            if error is not None and rank == idist.get_rank() and not isinstance(error, (OSError, _checkpoint_exception())):
+                raise error  # not a storage fault: the run's own error
+            who = f"rank {rank}: " if is_distributed() else ""
+            raise CheckpointWriteError(f"cannot write checkpoint {path} ({who}{text}); the previous checkpoints are "
+                                       f"kept") from None
         pending, self._pending = self._pending, []
         for old in pending if main else ():
             if old != filename:
                 shutil.rmtree(os.path.join(self.dirname, old), ignore_errors=True)
 
 
+def _checkpoint_exception() -> type:
+    """torch.distributed.checkpoint's CheckpointException: a BaseException, which ``except Exception`` misses."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The error inside DCP's CheckpointException (the first failing rank's), else ``error`` itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, _checkpoint_exception()) and failures:
+        first = next(iter(failures.values()))  # (exception, its frames), as torch wraps it
+        first = first[0] if isinstance(first, tuple) and first else first
+        return first if isinstance(first, BaseException) else error
+    return error
+
+
 def _gather_failures(error: Optional[BaseException]) -> List[tuple]:
     """Every rank's failure as ``(rank, first line, disk full)``, the same list on every rank."""
+    error = _cause(error) if error is not None else None
     mine = None if error is None else (idist.get_rank(), (str(error).strip().splitlines() or [type(error).__name__])[0],
                                        disk_full(error))
     if not is_distributed():
@@ -222,14 +241,34 @@ def _fsync_dir(dirname: str) -> None:
         os.close(fd)
 
 
+def _check_shards(path: str) -> None:
+    """Every shard file a sharded checkpoint's metadata names is there, as long as the metadata says."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        needed: dict = {}
+        for info in (metadata.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except (Exception, _checkpoint_exception()) as exc:
+        raise CheckpointError(f"checkpoint {path}: unreadable .metadata ({exc.__class__.__name__})") from None
+    for name, size in sorted(needed.items()):
+        shard = os.path.join(path, name)
+        have = os.path.getsize(shard) if os.path.isfile(shard) else None
+        if have is None or have < size:
+            raise CheckpointError(f"checkpoint {path}: shard {name} is {'missing' if have is None else 'truncated'}")
+
+
 def load_checkpoint(path: str) -> dict:
     """``torch.load(path, weights_only=True)`` on the CPU; a missing or unreadable file is a CheckpointError.
 
     A sharded checkpoint (a directory) gives what its ``state.pt`` holds: all but the sharded
     model and optimizer state, which :func:`ignite_amp.sharding.load_sharded` loads."""
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise CheckpointError(f"checkpoint {path}: not a complete sharded checkpoint (no .metadata)")
+        for name in (".metadata", STATE_FILE):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise CheckpointError(f"checkpoint {path}: not a complete sharded checkpoint (no {name})")
+        _check_shards(path)
         return load_checkpoint(os.path.join(path, STATE_FILE))
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")

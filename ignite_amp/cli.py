@@ -198,7 +198,8 @@ def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -
 def _checkpoint_kept() -> bool:
     """Whether the run being trained has a checkpoint on disk (what "resume" would load)."""
     folder = _state.get("checkpoints")
-    return bool(folder) and os.path.isdir(folder) and any(n.endswith(".pt") for n in os.listdir(folder))
+    return bool(folder) and os.path.isdir(folder) and any(
+        n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(folder))
 
 
 def describe(exc: BaseException) -> Tuple[int, str]:

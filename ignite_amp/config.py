@@ -75,6 +75,9 @@ class Config:
     @staticmethod
     def check_values(cfg: dict, path: str) -> None:
         """Rules between sections."""
+        if cfg["distributed"]["strategy"] == "fsdp" and cfg["amp"]["channels_last"]:
+            raise ConfigError("amp.channels_last: not with distributed.strategy fsdp (FSDP2 shards contiguous "
+                              "parameters only)")
         if cfg["distributed"]["strategy"] == "fsdp" and cfg["data"]["batch_size"] == "auto":
             raise ConfigError("data.batch_size: auto is not available with distributed.strategy fsdp (a trial that "
                               "runs out of memory inside a sharded forward cannot be retried safely); give a number")

@@ -156,6 +156,8 @@ def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, parent:
     signal.signal(signal.SIGINT, _interrupt_once)
     open(os.path.join(outbox, f"started-{os.getpid()}"), "w").close()  # from now on, SIGINT stops it cleanly
     logging.getLogger().addHandler(terminal_log_handler(log_level))
+    # As in the CLI's process: a log line that cannot be written (disk full) is not a page of "Logging error".
+    logging.raiseExceptions = False
     sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does (N x all cores thrashes)

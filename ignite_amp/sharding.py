@@ -98,17 +98,24 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
     model.to(device)
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     full_precision = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    # BatchNorm computes with its float32 running statistics, so it keeps float32 parameters (as FSDP1 did).
-    fp32_modules = list(fp32_modules) + [name for name, m in model.named_modules()
-                                         if isinstance(m, _BatchNorm) and policy.param_dtype is not None]
-    for name in fp32_modules:  # a float32 module keeps its own policy inside a block
+    units = block_names(model, blocks)  # before any fully_shard: it renames the classes (FSDPLinear)
+    fp32 = set(fp32_modules)
+    for name in fp32:
         try:
-            fully_shard(model.get_submodule(name), mp_policy=full_precision, reshard_after_forward=reshard_after_forward)
+            model.get_submodule(name)
         except AttributeError:
             raise ValueError(f"fp32_modules: the model has no submodule {name!r}") from None
-    for name in block_names(model, blocks):
-        if name not in fp32_modules:
-            fully_shard(model.get_submodule(name), mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if policy.param_dtype is not None:  # BatchNorm computes with float32 running statistics: float32 parameters
+        fp32.update(name for name, m in model.named_modules() if isinstance(m, _BatchNorm))
+
+    def in_fp32(name: str) -> bool:
+        return name in fp32 or any(name.startswith(f"{parent}.") for parent in fp32)
+
+    # Innermost first (FSDP2 shards a module's own parameters, those its sharded children do not hold);
+    # a block inside a float32 module is float32 too.
+    for name in sorted(set(units) | fp32, key=lambda n: n.count("."), reverse=True):
+        fully_shard(model.get_submodule(name), mp_policy=full_precision if in_fp32(name) else policy,
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 

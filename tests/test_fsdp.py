@@ -21,7 +21,8 @@ from conftest import ROOT, error_lines, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer, load_config
 from ignite_amp.cli import main
 from ignite_amp.data import LockstepBatches
-from ignite_amp.errors import CheckpointWriteError
+from ignite_amp.checkpoint_io import load_checkpoint
+from ignite_amp.errors import CheckpointError, CheckpointWriteError
 from ignite_amp.handlers import BestCheckpoint, GradientClipping
 from ignite_amp.run import build_run
 from ignite_amp.sharding import block_names, load_full_model_state, shard_model
@@ -245,6 +246,8 @@ def test_a_sharded_checkpoint_refuses_a_change_of_strategy_in_one_line(tmp_path,
     assert main(["train", path, "--set", "distributed.strategy=ddp", "--set", "train.epochs=2"]) == 2
     err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and "distributed.strategy fsdp -> ddp cannot change under a resume" in err[0], err
+    assert main(["train", path, "--set", "amp.channels_last=true"]) == 2
+    assert "amp.channels_last: not with distributed.strategy fsdp" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n, world, batch", [(33, 2, 16), (32, 2, 16), (101, 4, 8), (7, 3, 1), (5, 2, 100)])
@@ -319,3 +322,33 @@ def test_a_full_disk_on_one_rank_stops_every_rank_in_one_line_and_keeps_the_shar
     saved = load_full_model_state(str(tmp_path / "ckpts" / "last_checkpoint_1.dcp"))
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     assert not torch.equal(saved["0.weight"], build().state_dict()["0.weight"])  # trained, not the initial weights
+
+
+def test_float32_modules_and_blocks_are_sharded_innermost_first_with_their_own_precision():
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        # (fp32_modules, blocks, expected weight dtype inside model[2][0]'s forward)
+        for fp32, blocks, inner in ((["1"], None, torch.bfloat16),  # a BatchNorm named too: sharded once
+                                    (["2"], None, torch.float32),  # a parent of the blocks: its blocks in float32
+                                    (["3"], ["Linear", "BatchNorm1d"], torch.bfloat16)):  # classes before renaming
+            model, seen = shard_model(build_blocks(), "bfloat16", blocks=blocks, fp32_modules=fp32, device="cpu"), []
+            model[2][0].register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(4, 8)).float().sum().backward()
+            assert seen == [inner], (fp32, blocks, seen)
+            assert all(p.grad is not None and p.dtype == torch.float32 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_truncated_shard_is_skipped_for_the_previous_checkpoint_and_named_when_asked_for(tmp_path):
+    path, cfg = fsdp_config(tmp_path, "cut", epochs=2, nproc=1)
+    assert main(["train", path]) == 0
+    ckpts = os.path.join(cfg["output_dir"], "checkpoints")
+    shard = os.path.join(ckpts, "last_checkpoint_2.dcp", "__0_0.distcp")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match=r"last_checkpoint_2.dcp: shard __0_0.distcp is truncated"):
+        load_checkpoint(os.path.dirname(shard))
+    found, _ = BestCheckpoint.find_resumable(ckpts)
+    assert os.path.basename(found).startswith("best_checkpoint_2_")  # the newest that loads
+    assert os.path.isdir(os.path.join(ckpts, "last_checkpoint_2.dcp.unreadable"))
