@@ -2,6 +2,7 @@
 sharded model as DDP trains the unsharded one, the mixed-precision policy, float16 skips agreed across ranks,
 and sharded checkpoints that survive kill -9 and resume on another number of processes."""
 import errno
+import gc
 import os
 import signal
 import socket
@@ -56,36 +57,45 @@ def train_items(model, rank):
     trainer.run(batches)
 
 
+def in_group(rank, world, port, work, out):
+    """A spawned rank: ``work(rank, out)`` inside a gloo group of ``world``. Its objects are freed (gc: the
+    engines hold the model in reference cycles) while the group exists; freed at exit instead, gloo's
+    teardown aborted now and then ("terminate called without an active exception"), as the launcher's
+    ``_call`` avoids for runs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        work(rank, out)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _compare(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        sharded, syncs = build(), []
-        fully_shard(sharded)
-        train(sharded, rank, syncs)
-        full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
-        plain = build()
-        train(torch.nn.parallel.DistributedDataParallel(plain), rank)
-        diff = max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in plain.state_dict().items())
-        # A padded token mean (num_items): the item counts are summed over the ranks as under DDP.
-        sharded, plain = shard_model(build(), "float32", device="cpu"), build()
-        train_items(sharded, rank)
-        train_items(torch.nn.parallel.DistributedDataParallel(plain), rank)
-        full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
-        items = max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in plain.state_dict().items())
-        torch.save({"diff": diff, "syncs": syncs, "items": items}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _compare(rank, out):
+    sharded, syncs = build(), []
+    fully_shard(sharded)
+    train(sharded, rank, syncs)
+    full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    plain = build()
+    train(torch.nn.parallel.DistributedDataParallel(plain), rank)
+    diff = max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in plain.state_dict().items())
+    # A padded token mean (num_items): the item counts are summed over the ranks as under DDP.
+    sharded, plain = shard_model(build(), "float32", device="cpu"), build()
+    train_items(sharded, rank)
+    train_items(torch.nn.parallel.DistributedDataParallel(plain), rank)
+    full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    items = max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in plain.state_dict().items())
+    torch.save({"diff": diff, "syncs": syncs, "items": items}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def test_fsdp2_trains_like_ddp_with_one_reduce_scatter_per_optimizer_step_and_token_means(tmp_path):
-    torch.multiprocessing.spawn(_compare, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _compare, str(tmp_path)), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["diff"] < 1e-6, result["diff"]  # float32: the same sums in another order
@@ -109,21 +119,16 @@ def test_the_repeated_blocks_are_sharded_one_by_one():
         block_names(build_blocks(), ["Block"])
 
 
-def _policy_vs_ddp(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        sharded = shard_model(build_blocks(), "bfloat16", device="cpu")
-        dtypes = {p.dtype for m in sharded.modules() for p in m.parameters(recurse=False)}
-        run_bf16(sharded, rank)
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sharded.state_dict().items()}
-        plain = build_blocks()
-        run_bf16(torch.nn.parallel.DistributedDataParallel(plain), rank)
-        diff = max(float((full[k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
-                   for k, v in plain.state_dict().items() if v.is_floating_point())
-        torch.save({"diff": diff, "dtypes": dtypes, "bn": str(sharded[1].weight.dtype)}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _policy_vs_ddp(rank, out):
+    sharded = shard_model(build_blocks(), "bfloat16", device="cpu")
+    dtypes = {p.dtype for m in sharded.modules() for p in m.parameters(recurse=False)}
+    run_bf16(sharded, rank)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sharded.state_dict().items()}
+    plain = build_blocks()
+    run_bf16(torch.nn.parallel.DistributedDataParallel(plain), rank)
+    diff = max(float((full[k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
+               for k, v in plain.state_dict().items() if v.is_floating_point())
+    torch.save({"diff": diff, "dtypes": dtypes, "bn": str(sharded[1].weight.dtype)}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def run_bf16(model, rank):
@@ -134,7 +139,7 @@ def run_bf16(model, rank):
 
 
 def test_bfloat16_parameters_by_the_policy_train_like_ddp_under_autocast(tmp_path):
-    torch.multiprocessing.spawn(_policy_vs_ddp, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _policy_vs_ddp, str(tmp_path)), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         # Between the optimizer steps the shards stay float32 (the policy casts them for each forward), and
@@ -145,34 +150,29 @@ def test_bfloat16_parameters_by_the_policy_train_like_ddp_under_autocast(tmp_pat
         assert result["dtypes"] == {torch.float32} and result["bn"] == "torch.float32"
 
 
-def _float16_skips(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = shard_model(build(), "float16", device="cpu")
-        trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
-                                     dtype="float16")
-        step, skipped = trainer.amp_step, []
-        trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda e: skipped.append(e.state.iteration))
-        unscale = step.scaler.unscale_
+def _float16_skips(rank, out):
+    model = shard_model(build(), "float16", device="cpu")
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float16")
+    step, skipped = trainer.amp_step, []
+    trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda e: skipped.append(e.state.iteration))
+    unscale = step.scaler.unscale_
 
-        def overflow_on_rank_0_only(optimizer):  # an inf in one element of rank 0's shard, at iteration 2
-            if rank == 0 and trainer.state.iteration == 2:
-                model[0].weight.grad.to_local()[0, 0] = float("inf")
-            unscale(optimizer)
+    def overflow_on_rank_0_only(optimizer):  # an inf in one element of rank 0's shard, at iteration 2
+        if rank == 0 and trainer.state.iteration == 2:
+            model[0].weight.grad.to_local()[0, 0] = float("inf")
+        unscale(optimizer)
 
-        step.scaler.unscale_ = overflow_on_rank_0_only
-        g = torch.Generator().manual_seed(rank)
-        trainer.run([(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)])
-        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        torch.save({"skipped": skipped, "scale": step.scaler.get_scale(), "weights": full},
-                   os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    step.scaler.unscale_ = overflow_on_rank_0_only
+    g = torch.Generator().manual_seed(rank)
+    trainer.run([(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)])
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    torch.save({"skipped": skipped, "scale": step.scaler.get_scale(), "weights": full},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 def test_float16_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
-    torch.multiprocessing.spawn(_float16_skips, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _float16_skips, str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for result in results:
         assert result["skipped"] == [2]
@@ -273,41 +273,36 @@ def test_fsdp_on_two_gpus_with_nccl_trains_and_resumes(tmp_path):
     assert last(cfg["output_dir"]).endswith("last_checkpoint_3.dcp")
 
 
-def _disk_full_on_rank_0(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _disk_full_on_rank_0(rank, out):
+    model = shard_model(build(), "float32", device="cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", dtype="float32")
+    evaluator, scores = Engine(lambda e, b: None), iter([0.5, 0.9])
+    evaluator.add_event_handler(Events.COMPLETED, lambda e: e.state.metrics.update(accuracy=next(scores)))
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run([0]))
+    ckpts = os.path.join(out, "ckpts")
+    BestCheckpoint(ckpts, {"model": model, "optimizer": optimizer, "trainer": trainer}, n_saved=1).attach(
+        trainer, evaluator)
+    save = torch.save
+
+    def full_disk(obj, f, **kwargs):  # rank 0's state.pt of epoch 2 finds the disk full
+        if rank == 0 and trainer.state.epoch == 2 and getattr(f, "name", "").endswith("state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, **kwargs)
+
+    torch.save = full_disk
+    message = None
+    g = torch.Generator().manual_seed(rank)
     try:
-        model = shard_model(build(), "float32", device="cpu")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", dtype="float32")
-        evaluator, scores = Engine(lambda e, b: None), iter([0.5, 0.9])
-        evaluator.add_event_handler(Events.COMPLETED, lambda e: e.state.metrics.update(accuracy=next(scores)))
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run([0]))
-        ckpts = os.path.join(out, "ckpts")
-        BestCheckpoint(ckpts, {"model": model, "optimizer": optimizer, "trainer": trainer}, n_saved=1).attach(
-            trainer, evaluator)
-        save = torch.save
-
-        def full_disk(obj, f, **kwargs):  # rank 0's state.pt of epoch 2 finds the disk full
-            if rank == 0 and trainer.state.epoch == 2 and getattr(f, "name", "").endswith("state.pt"):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return save(obj, f, **kwargs)
-
-        torch.save = full_disk
-        message = None
-        g = torch.Generator().manual_seed(rank)
-        try:
-            trainer.run([(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))] * 2, max_epochs=2)
-        except CheckpointWriteError as exc:
-            message = str(exc)
-        torch.save = save
-        torch.save({"message": message, "files": sorted(os.listdir(ckpts))}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        trainer.run([(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))] * 2, max_epochs=2)
+    except CheckpointWriteError as exc:
+        message = str(exc)
+    torch.save = save
+    torch.save({"message": message, "files": sorted(os.listdir(ckpts))}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def test_a_full_disk_on_one_rank_stops_every_rank_in_one_line_and_keeps_the_sharded_checkpoints(tmp_path):
-    torch.multiprocessing.spawn(_disk_full_on_rank_0, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _disk_full_on_rank_0, str(tmp_path)), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert "no space left on device; the previous checkpoints are kept" in result["message"]
