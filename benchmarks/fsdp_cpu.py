@@ -12,6 +12,7 @@ against autocast, see the README).
     python benchmarks/fsdp_cpu.py --nproc 4 --width 2048 --blocks 8
 """
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -67,25 +68,30 @@ def body(rank, world, port, args, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = {}
-        for dtype in args.dtypes:
-            for repeat in range(args.repeats):
-                for strategy in ("fsdp", "ddp"):
-                    model = build(args.width, args.blocks)
-                    if strategy == "fsdp":
-                        model = shard_model(model, dtype, device="cpu")
-                        trained = model
-                    else:
-                        trained = torch.nn.parallel.DistributedDataParallel(model)
-                    step, params, state = train(trained, args, rank, dtype)
-                    weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                               for k, v in model.state_dict().items()}
-                    entry = results.setdefault((dtype, strategy), {"times": [], "params": params, "state": state})
-                    entry["times"].append(step)
-                    entry["weights"] = weights
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        measure(rank, args, out)
     finally:
+        gc.collect()  # the sharded models (in reference cycles through the engines) go while the group exists
         dist.destroy_process_group()
+
+
+def measure(rank, args, out):
+    results = {}
+    for dtype in args.dtypes:
+        for repeat in range(args.repeats):
+            for strategy in ("fsdp", "ddp"):
+                model = build(args.width, args.blocks)
+                if strategy == "fsdp":
+                    model = shard_model(model, dtype, device="cpu")
+                    trained = model
+                else:
+                    trained = torch.nn.parallel.DistributedDataParallel(model)
+                step, params, state = train(trained, args, rank, dtype)
+                weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                           for k, v in model.state_dict().items()}
+                entry = results.setdefault((dtype, strategy), {"times": [], "params": params, "state": state})
+                entry["times"].append(step)
+                entry["weights"] = weights
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 def main() -> None:
