@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ignite_amp.checkpoint_io import SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint
 from ignite_amp.collectives import any_rank, is_distributed
-from ignite_amp.errors import CheckpointError, NonFiniteError
+from ignite_amp.errors import CheckpointError, NonFiniteError, first_line
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
@@ -254,7 +254,7 @@ class BestCheckpoint:
             try:
                 Checkpoint.load_objects({key: obj}, {key: state[key]})
             except Exception as exc:  # shape/key mismatch, wrong optimizer...: name the object, first line
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+                first = first_line(exc)
                 raise CheckpointError(f"checkpoint {path}: {key} does not fit this run ({first})") from None
         if os.path.isdir(path):
             if not self.sharded:
@@ -263,7 +263,7 @@ class BestCheckpoint:
             try:
                 load_sharded(path, {key: self.to_save[key] for key in SHARDED_KEYS})
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+                first = first_line(exc)
                 raise CheckpointError(f"checkpoint {path}: its model or optimizer shards do not load ({first})") \
                     from None
         elif self.sharded:

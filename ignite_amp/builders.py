@@ -11,7 +11,7 @@ import torch
 from ignite.utils import manual_seed
 
 from ignite_amp.collectives import is_distributed
-from ignite_amp.errors import ConfigError
+from ignite_amp.errors import ConfigError, first_line
 from ignite_amp.device import is_oom_error, resolve_device
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
 
@@ -131,7 +131,7 @@ def check_model_runs(cfg: dict, step) -> None:
     except RuntimeError as exc:
         if is_oom_error(exc):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        first = first_line(exc)
         raise ConfigError(f"model.name: {cfg['model']['name']} cannot run on {shape[1]}x{shape[2]}x{shape[3]} images "
                           f"({first}); check data.image_size and model.kwargs") from None
     finally:

@@ -18,7 +18,7 @@ from ignite.base.mixins import Serializable
 from ignite.handlers import DiskSaver
 
 from ignite_amp.collectives import any_rank, is_distributed
-from ignite_amp.errors import CheckpointError, CheckpointWriteError
+from ignite_amp.errors import CheckpointError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "disk_full", "TEMP_MARK",
            "STATE_FILE"]
@@ -209,8 +209,7 @@ def _cause(error: BaseException) -> BaseException:
 def _gather_failures(error: Optional[BaseException]) -> List[tuple]:
     """Every rank's failure as ``(rank, first line, disk full)``, the same list on every rank."""
     error = _cause(error) if error is not None else None
-    mine = None if error is None else (idist.get_rank(), (str(error).strip().splitlines() or [type(error).__name__])[0],
-                                       disk_full(error))
+    mine = None if error is None else (idist.get_rank(), first_line(error), disk_full(error))
     if not is_distributed():
         return [mine] if mine else []
     if not any_rank(mine is not None):  # the usual case: one integer, no pickling

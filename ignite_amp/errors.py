@@ -8,8 +8,14 @@ Two families, told apart by the CLI:
   a non-finite loss): one line, exit 1; the checkpoints on disk stay as they were.
 """
 
-__all__ = ["ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError", "OptimizerOutOfMemoryError",
-           "NonFiniteError", "CheckpointWriteError", "USER_ERRORS", "RUN_STOPPED"]
+__all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
+           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "USER_ERRORS", "RUN_STOPPED"]
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line, or its class name when it has no message: for one-line reports."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
 
 
 class ConfigError(ValueError):
