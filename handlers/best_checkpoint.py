@@ -4,7 +4,6 @@ import logging
 import math
 import os
 import re
-import shutil
 from typing import Any, List, Mapping, Optional, Tuple
 
 import ignite.distributed as idist
@@ -13,7 +12,8 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.checkpoint_io import SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint
+from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint,
+                                      remove_path)
 from ignite_amp.collectives import any_rank, is_distributed
 from ignite_amp.errors import CheckpointError, NonFiniteError, first_line
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
@@ -284,7 +284,7 @@ class BestCheckpoint:
         for file_epoch, name, match in self._files(self.dirname, self.BEST_PREFIX,
                                                    rf"_{re.escape(self.score_name)}=(\S+?)"):
             if epoch is not None and file_epoch > epoch:
-                _remove(os.path.join(self.dirname, name))
+                remove_path(os.path.join(self.dirname, name))
                 logger.warning("removed %s: saved after the checkpoint resumed from (epoch %d), whose epochs are "
                                "trained again", name, epoch)
                 continue
@@ -295,17 +295,6 @@ class BestCheckpoint:
         table.sort()
         while len(table) > self.n_saved:  # left by a removal that failed (or a smaller n_saved now)
             _, name = table.pop(0)
-            _remove(os.path.join(self.dirname, name))
+            remove_path(os.path.join(self.dirname, name))
             logger.warning("removed %s: more best checkpoints than n_saved %d", name, self.n_saved)
         return table
-
-
-def _remove(path: str) -> None:
-    """A checkpoint file, or a sharded checkpoint's directory (every rank resumes: another may have removed it)."""
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass

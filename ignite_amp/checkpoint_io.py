@@ -14,14 +14,16 @@ from typing import Any, Iterator, List, Mapping, Optional
 import ignite.distributed as idist
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from ignite.base.mixins import Serializable
 from ignite.handlers import DiskSaver
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ignite_amp.collectives import any_rank, is_distributed
 from ignite_amp.errors import CheckpointError, CheckpointWriteError, first_line
 
-__all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "disk_full", "TEMP_MARK",
-           "STATE_FILE"]
+__all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
+           "TEMP_MARK", "STATE_FILE"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -93,14 +95,16 @@ class SafeDiskSaver(DiskSaver):
                                            f"checkpoints are kept: free space and run the same command to resume"
                                            ) from None
             raise
+        self._remove_pending(filename)
+
+    def _remove_pending(self, saved: str) -> None:
+        """After ``saved`` is in place: remove the checkpoints it replaces."""
         pending, self._pending = self._pending, []
         for old in pending:
-            if old != filename:  # Ignite "removes" a file it is about to overwrite
+            if old != saved:  # Ignite "removes" a file it is about to overwrite
                 try:
-                    os.remove(os.path.join(self.dirname, old))
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # the new file is in place: an old one left behind costs only space
+                    remove_path(os.path.join(self.dirname, old))
+                except OSError as exc:  # the new one is in place: an old one left behind costs only space
                     logger.warning("could not remove the old checkpoint %s (%s): it stays on disk",
                                    os.path.join(self.dirname, old), exc.strerror or exc)
 
@@ -115,12 +119,8 @@ class SafeDiskSaver(DiskSaver):
             return []
         left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n]
         for name in left:
-            path = os.path.join(dirname, name)
             try:
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                else:
-                    os.remove(path)
+                remove_path(os.path.join(dirname, name))
             except OSError:
                 pass
         return left
@@ -137,8 +137,6 @@ class ShardedDiskSaver(SafeDiskSaver):
     """
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Optional[Mapping] = None) -> None:
-        import torch.distributed.checkpoint as dcp
-
         main = idist.get_rank() == self.save_on_rank
         path = os.path.join(self.dirname, filename)
         tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}save")
@@ -164,7 +162,7 @@ class ShardedDiskSaver(SafeDiskSaver):
                 os.replace(tmp, path)
                 _fsync_dir(str(self.dirname))
                 shutil.rmtree(old, ignore_errors=True)
-        except (Exception, _checkpoint_exception()) as exc:
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             error = exc
         failures = _gather_failures(error)
         if failures:
@@ -178,28 +176,19 @@ class ShardedDiskSaver(SafeDiskSaver):
                 raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
                                            f"checkpoints are kept: free space and run the same command to resume"
                                            ) from None
-            if error is not None and rank == idist.get_rank() and not isinstance(error, (OSError, _checkpoint_exception())):
+            if error is not None and rank == idist.get_rank() and not isinstance(error, (OSError, CheckpointException)):
                 raise error  # not a storage fault: the run's own error
             who = f"rank {rank}: " if is_distributed() else ""
             raise CheckpointWriteError(f"cannot write checkpoint {path} ({who}{text}); the previous checkpoints are "
                                        f"kept") from None
-        pending, self._pending = self._pending, []
-        for old in pending if main else ():
-            if old != filename:
-                shutil.rmtree(os.path.join(self.dirname, old), ignore_errors=True)
-
-
-def _checkpoint_exception() -> type:
-    """torch.distributed.checkpoint's CheckpointException: a BaseException, which ``except Exception`` misses."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
+        if main:
+            self._remove_pending(filename)
 
 
 def _cause(error: BaseException) -> BaseException:
     """The error inside DCP's CheckpointException (the first failing rank's), else ``error`` itself."""
     failures = getattr(error, "failures", None)
-    if isinstance(error, _checkpoint_exception()) and failures:
+    if isinstance(error, CheckpointException) and failures:
         first = next(iter(failures.values()))  # (exception, its frames), as torch wraps it
         first = first[0] if isinstance(first, tuple) and first else first
         return first if isinstance(first, BaseException) else error
@@ -227,6 +216,18 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
+def remove_path(path: str) -> None:
+    """Remove a checkpoint file or a sharded checkpoint's directory; one already gone is fine (every rank
+    of a resume prunes the same directory)."""
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def _fsync_dir(dirname: str) -> None:
     try:
         fd = os.open(dirname, os.O_RDONLY)
@@ -242,14 +243,12 @@ def _fsync_dir(dirname: str) -> None:
 
 def _check_shards(path: str) -> None:
     """Every shard file a sharded checkpoint's metadata names is there, as long as the metadata says."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
         needed: dict = {}
         for info in (metadata.storage_data or {}).values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except (Exception, _checkpoint_exception()) as exc:
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path}: unreadable .metadata ({exc.__class__.__name__})") from None
     for name, size in sorted(needed.items()):
         shard = os.path.join(path, name)

@@ -12,8 +12,12 @@ It loads on any number of processes, one included (DCP reshards).
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed.checkpoint as dcp
 from ignite.base.mixins import Serializable
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.checkpoint_io import SHARDED_KEYS, single_process_quiet
@@ -128,13 +132,9 @@ class ShardedModelState(Serializable):
         self.module = model
 
     def state_dict(self) -> Dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         return get_model_state_dict(self.module)
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         set_model_state_dict(self.module, dict(state_dict))
 
 
@@ -145,13 +145,9 @@ class ShardedOptimizerState(Serializable):
         self.module, self.optimizer = model, optimizer
 
     def state_dict(self) -> Dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         return get_optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         set_optimizer_state_dict(self.module, self.optimizer, dict(state_dict))
 
 
@@ -166,8 +162,6 @@ def sharded_objects(to_save: Mapping[str, Any]) -> Dict[str, Any]:
 
 def load_sharded(path: str, objects: Mapping[str, Any]) -> None:
     """Load the DCP shards of the checkpoint directory ``path`` into ``objects`` (every rank calls it)."""
-    import torch.distributed.checkpoint as dcp
-
     template = {key: obj.state_dict() for key, obj in objects.items()}
     with single_process_quiet():
         dcp.load(template, checkpoint_id=path, no_dist=not is_distributed())
@@ -178,9 +172,6 @@ def load_sharded(path: str, objects: Mapping[str, Any]) -> None:
 def load_full_model_state(path: str) -> Dict[str, torch.Tensor]:
     """The full (unsharded) model state dict of the sharded checkpoint directory ``path``, in one
     process without a process group: e.g. to export it, ``torch.save(load_full_model_state(p), "model.pt")``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     metadata = dcp.FileSystemReader(path).read_metadata()
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
