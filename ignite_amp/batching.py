@@ -1,58 +1,61 @@
-"""Batches as a step sees them: their size, their chunks, and the chunks' outputs joined back.
+"""Batches as a step sees them: the default ``prepare_batch``, and how ``(x, y)`` is counted and cut.
 
-A batch is any nesting of tensors, mappings (dicts, Hugging Face ``BatchEncoding``), lists and
-tuples. Its size is the length of the first tensor found. Splitting it into chunks splits every
-tensor along dim 0, and a list or tuple of ``n`` non-tensor items (strings, ids: one per sample)
-like a tensor; anything else (a scalar, a short list of settings) goes to every chunk whole.
-Joining outputs back concatenates at any nesting, in chunk order.
+The step calls ``prepare_batch`` first, then counts and cuts what it returned, with the hooks
+``batch_size(x, y) -> int`` and ``split_batch(x, y, chunks) -> [(x, y), ...]``; the defaults here serve
+tensors, mappings, dataclasses, namedtuples, tuples of fields and per-sample lists:
+
+- **The number of samples** is the first dimension its tensors share, looked for in ``x`` and ``y``
+  together: every tensor outside a list (in mappings, dataclass fields and namedtuples too) must agree,
+  a leading size of 1 counting as broadcast. Without such a tensor, a list or tuple says it: of tensors,
+  either their shared first dimension (several batched inputs) or its length (one tensor per sample);
+  of other items (per-sample dicts, strings), its length. Tensors that disagree are one line naming
+  them and the ``batch_size`` hook.
+- **A per-sample list** is a list or tuple of ``n`` items (``n`` the number of samples) that are not all
+  tensors with ``n`` rows, nor all lists or tuples: torchvision detection's list of images and list of
+  target dicts, a list of strings. It is cut by slicing. A list of ``n`` tensors that all have ``n`` rows
+  is one tensor per sample when the batch also holds such a list of other items (3 RGB images beside
+  3 target dicts), else ``n`` batched inputs.
+- **Cutting**: a tensor with ``n`` rows is split along dim 0 into views (no copy); a 0-d tensor or one of
+  leading size 1 goes to every chunk whole, as do strings, numbers and a list that is not per-sample
+  (settings); mappings, dataclasses, namedtuples and tuples are cut field by field. A tensor with some
+  other number of rows, or an object that holds tensors (a graph ``Batch``), cannot be cut: one line
+  naming it and the ``split_batch`` hook.
 """
+import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
-from ignite.utils import apply_to_type, convert_tensor
 
-__all__ = ["prepare_batch", "batch_size_of", "chunk_sizes", "split_batch", "join_chunks", "to_float32",
-           "to_channels_last", "detach"]
+from ignite_amp.errors import BatchError
+from ignite_amp.tree import is_per_sample, rebuild, to_device
+
+__all__ = ["prepare_batch", "batch_size_of", "split_batch", "split_pairs", "chunk_sizes", "split_into"]
+
+SIZE_HOOK = "pass batch_size=fn(x, y) -> int"
+SPLIT_HOOK = "pass split_batch=fn(x, y, chunks) -> [(x, y), ...]"
 
 
 def prepare_batch(batch: Any, device: Optional[torch.device] = None, non_blocking: bool = False) -> Tuple[Any, Any]:
     """The default ``prepare_batch``: an ``(x, y)`` pair, or a mapping that is all input.
 
     - ``(x, y)`` (a tuple or list of two): both moved to ``device``, as Ignite's default does.
-    - a mapping (``{"input_ids": ..., "labels": ...}``): ``x`` is the mapping moved to ``device``
-      (non-tensor fields kept as they are) and ``y`` is None, so a model that computes its own loss
-      is served by ``loss_fn=lambda out, y: out["loss"]`` and ``model_fn=lambda model, x: model(**x)``.
+    - a mapping (``{"input_ids": ..., "labels": ...}``): ``x`` is the mapping moved to ``device`` and
+      ``y`` is None, so a model that computes its own loss is served by ``loss_fn=lambda out, y: out["loss"]``
+      and ``model_fn=lambda model, x: model(**x)``.
 
-    Anything else is a ValueError that says what to pass instead.
+    Non-tensor values (ints, floats, None, strings, ragged lists) are kept as they are; an object with
+    its own ``.to`` is moved with it. Anything else is a ValueError that says what to pass instead.
     """
     if isinstance(batch, Mapping):
-        return convert_tensor(batch, device=device, non_blocking=non_blocking), None
+        return to_device(batch, device, non_blocking), None
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         x, y = batch
-        return (convert_tensor(x, device=device, non_blocking=non_blocking),
-                convert_tensor(y, device=device, non_blocking=non_blocking))
+        return to_device(x, device, non_blocking), to_device(y, device, non_blocking)
     shape = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
     raise ValueError(f"batch: the default prepare_batch takes (x, y) pairs or a mapping of inputs, got {shape}: "
                      f"return one of those from the loader, or pass prepare_batch=fn(batch, device, non_blocking) "
                      f"-> (x, y)")
-
-
-def batch_size_of(batch: Any) -> int:
-    """Length of the first tensor (of at least one dimension) found in a (nested) batch."""
-    if torch.is_tensor(batch):
-        if batch.dim() == 0:
-            raise TypeError("a 0-d tensor has no batch dimension")
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            try:
-                return batch_size_of(item)
-            except TypeError:
-                continue
-    raise TypeError(f"cannot find a tensor in the batch (got {type(batch).__name__})")
 
 
 def chunk_sizes(n: int, chunks: int) -> List[int]:
@@ -60,92 +63,126 @@ def chunk_sizes(n: int, chunks: int) -> List[int]:
     return [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
 
 
-def _per_sample(value: Any, n: int) -> bool:
-    """A list or tuple with one non-tensor item per sample (strings, ids, per-sample dicts)."""
-    return (isinstance(value, (list, tuple)) and len(value) == n and n > 0
-            and not any(torch.is_tensor(v) for v in value))
+def _fields(value: Any) -> Optional[dict]:
+    """The named parts of a mapping or a dataclass instance, else None."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return None
 
 
-def _rebuild(template: Any, items: Any) -> Any:
-    """A container of ``template``'s type holding ``items`` (a dict for mappings, a list for sequences)."""
-    if isinstance(template, Mapping):
-        try:
-            return type(template)(items)
-        except TypeError:
-            return dict(items)
-    if isinstance(template, tuple) and hasattr(template, "_fields"):  # a namedtuple
-        return type(template)(*items)
-    return type(template)(items) if isinstance(template, list) else tuple(items)
+def _name(path: str, key: Any, value: Any) -> str:
+    return f"{path}[{key!r}]" if isinstance(value, Mapping) else f"{path}.{key}"
 
 
-def split_batch(batch: Any, chunks: int) -> List[Any]:
-    """Split a (nested) batch into ``chunks`` near-equal parts along the samples.
+def _evidence(value: Any, path: str) -> Iterator[Tuple[str, str, Any]]:
+    """``(kind, path, size)`` for each part that tells the number of samples: ``"tensor"`` (a tensor outside
+    any list: its rows), ``"tensors"`` (a list of tensors: its shared rows or None, and its length), ``"items"`` (a list of
+    other items: its length)."""
+    if torch.is_tensor(value):
+        if value.dim():
+            yield "tensor", path, value.shape[0]
+        return
+    fields = _fields(value)
+    if fields is not None or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        named = fields if fields is not None else value._asdict()
+        for key, item in named.items():
+            yield from _evidence(item, _name(path, key, value) if fields is not None else f"{path}.{key}")
+        return
+    if not isinstance(value, (list, tuple)) or not value:
+        return
+    tensors = [torch.is_tensor(v) and v.dim() > 0 for v in value]
+    if all(isinstance(v, (list, tuple)) for v in value) or (any(tensors) and not all(tensors)):
+        # fields: (images, targets), (a tensor, a list of strings)
+        for i, item in enumerate(value):
+            yield from _evidence(item, f"{path}[{i}]")
+    elif all(tensors):
+        rows = {v.shape[0] for v in value}
+        yield "tensors", path, (rows.pop() if len(rows) == 1 else None, len(value))  # (as inputs, as samples)
+    elif not any(isinstance(v, (str, bytes, int, float, bool)) or v is None for v in value) or \
+            all(isinstance(v, (str, bytes)) for v in value):
+        yield "items", path, len(value)  # per-sample dicts or strings; a list of numbers may be settings
 
-    Tensors are split along dim 0 into views (no copy, so a pinned batch stays pinned); a list or
-    tuple of one non-tensor item per sample is split alongside; other values go to every chunk.
+
+def batch_size_of(x: Any, y: Any = None) -> int:
+    """The default ``batch_size(x, y)``: the number of samples (see the module's rules).
+
+    Raises :class:`BatchError` (one line naming the parts and the hook) when the tensors disagree or
+    nothing tells it.
     """
-    if chunks == 1:
-        return [batch]
-    n = batch_size_of(batch)
+    found = list(_evidence(x, "x")) + list(_evidence(y, "y"))
+    rows = [(path, size) for kind, path, size in found if kind == "tensor"]
+    if rows:
+        sizes = {size for _, size in rows} - ({1} if len({size for _, size in rows}) > 1 else set())
+        if len(sizes) == 1:
+            return sizes.pop()
+        shown = ", ".join(f"{path} has {size}" for path, size in rows[:4])
+        raise BatchError(f"batch: its tensors disagree on the number of samples ({shown}): {SIZE_HOOK} "
+                         f"(and {SPLIT_HOOK.split('pass ')[1]} for micro-batches)")
+    lists = [(kind, size) for kind, _, size in found if kind != "tensor"]
+    if lists:
+        common = set.intersection(*({v for v in size if v is not None} if kind == "tensors" else {size}
+                                    for kind, size in lists))
+        if len(common) == 1:
+            return common.pop()
+        if common:  # lists of n tensors of d rows and nothing else: d, as n batched inputs
+            return next(size[0] for kind, size in lists if kind == "tensors")
+    raise BatchError(f"batch: cannot tell its number of samples (x is {type(x).__name__}, y is "
+                     f"{type(y).__name__}): {SIZE_HOOK}")
+
+
+def split_into(value: Any, n: int, chunks: int, path: str = "x", tensors_as_samples: bool = False) -> List[Any]:
+    """``value``, part of a batch of ``n`` samples, cut into ``chunks`` parts (see the module's rules);
+    ``tensors_as_samples``: a list of ``n`` tensors of ``n`` rows is one tensor per sample."""
     sizes = chunk_sizes(n, chunks)
-
-    def split(value: Any) -> List[Any]:
-        if torch.is_tensor(value):
-            return list(torch.tensor_split(value, chunks)) if value.dim() else [value] * chunks
+    if torch.is_tensor(value):
+        if value.dim() and value.shape[0] == n:
+            return list(torch.tensor_split(value, chunks))
+        if value.dim() == 0 or value.shape[0] == 1:
+            return [value] * chunks
+        raise BatchError(f"batch: cannot cut {path} ({value.shape[0]} rows) into micro-batches of a batch of {n} "
+                         f"samples: {SPLIT_HOOK} (and batch_size=fn(x, y) if {n} is not the number of samples)")
+    fields = _fields(value)
+    if fields is not None:
+        parts = {k: split_into(v, n, chunks, _name(path, k, value), tensors_as_samples) for k, v in fields.items()}
         if isinstance(value, Mapping):
-            parts = {k: split(v) for k, v in value.items()}
-            return [_rebuild(value, {k: parts[k][i] for k in value}) for i in range(chunks)]
-        if _per_sample(value, n):
-            bounds = [sum(sizes[:i]) for i in range(chunks + 1)]
-            return [type(value)(value[bounds[i]:bounds[i + 1]]) for i in range(chunks)]
-        if isinstance(value, (list, tuple)):
-            parts = [split(v) for v in value]
-            return [_rebuild(value, [p[i] for p in parts]) for i in range(chunks)]
+            return [rebuild(value, {k: parts[k][i] for k in fields}) for i in range(chunks)]
+        return [dataclasses.replace(value, **{k: parts[k][i] for k in fields}) for i in range(chunks)]
+    if is_per_sample(value, n, tensors_as_samples):
+        bounds = [sum(sizes[:i]) for i in range(chunks + 1)]
+        return [type(value)(value[bounds[i]:bounds[i + 1]]) for i in range(chunks)]
+    if isinstance(value, (list, tuple)):
+        if hasattr(value, "_fields") or any(torch.is_tensor(v) or isinstance(v, (list, tuple, Mapping)) for v in value):
+            parts = [split_into(v, n, chunks, f"{path}[{i}]", tensors_as_samples) for i, v in enumerate(value)]
+            return [rebuild(value, [p[i] for p in parts]) for i in range(chunks)]
+        return [value] * chunks  # a list of settings (not one item per sample)
+    if isinstance(value, (str, bytes, int, float, bool, type(None))) or not _holds_tensors(value):
         return [value] * chunks
+    raise BatchError(f"batch: cannot cut {path} (a {type(value).__name__}) into micro-batches: {SPLIT_HOOK}")
 
-    return split(batch)
+
+def _holds_tensors(value: Any) -> bool:
+    """An object that carries a batch's data: it moves with ``.to``, or holds tensors in its attributes."""
+    if callable(getattr(value, "to", None)):
+        return True
+    return any(torch.is_tensor(v) for v in getattr(value, "__dict__", {}).values())
 
 
-def join_chunks(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
-    """The inverse of :func:`split_batch` for outputs: ``parts[i]`` came from a chunk of ``sizes[i]`` samples.
+def split_batch(x: Any, y: Any, chunks: int) -> List[Tuple[Any, Any]]:
+    """The default ``split_batch(x, y, chunks)``: ``chunks`` near-equal ``(x, y)`` parts along the samples.
 
-    Tensors with a batch dimension are concatenated; a 0-d tensor (a chunk's own mean loss, say)
-    becomes the mean of the chunks' values weighted by their samples; mappings, lists and tuples
-    are joined element by element, and per-sample lists concatenated; None stays None; other
-    values are taken from the first chunk.
+    Tensors are split into views (no copy); per-sample lists are sliced alongside; see the module's rules.
     """
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    n = sum(sizes)
-    if torch.is_tensor(first):
-        if first.dim() == 0:
-            return sum(p.float() * (s / n) for p, s in zip(parts, sizes))
-        return torch.cat(list(parts))
-    if isinstance(first, Mapping):
-        return _rebuild(first, {k: join_chunks([p[k] for p in parts], sizes) for k in first})
-    if isinstance(first, (list, tuple)):
-        if all(_per_sample(p, s) for p, s in zip(parts, sizes)):
-            return type(first)(item for p in parts for item in p)
-        return _rebuild(first, [join_chunks([p[i] for p in parts], sizes) for i in range(len(first))])
-    return first
+    return split_pairs(x, y, batch_size_of(x, y), chunks)
 
 
-def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    return apply_to_type(value, torch.Tensor, fn)
-
-
-def to_float32(value: Any) -> Any:
-    """Every float16 and bfloat16 tensor at any nesting in float32 (others as they are)."""
-    return _map(value, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
-
-
-def to_channels_last(value: Any) -> Any:
-    """Every 4-d floating-point tensor at any nesting in channels-last memory format."""
-    return _map(value, lambda t: t.contiguous(memory_format=torch.channels_last)
-                if t.dim() == 4 and t.is_floating_point() else t)
-
-
-def detach(value: Any) -> Any:
-    """Every tensor at any nesting detached from the autograd graph."""
-    return _map(value, torch.Tensor.detach)
+def split_pairs(x: Any, y: Any, n: int, chunks: int) -> List[Tuple[Any, Any]]:
+    """:func:`split_batch` for a batch whose number of samples ``n`` is known."""
+    chunks = min(chunks, n)
+    if chunks == 1:
+        return [(x, y)]
+    # A list of n tensors of n rows is one tensor per sample when the batch holds per-sample items too
+    # (detection: 3 RGB images beside 3 target dicts), else n batched inputs.
+    samples = any(kind == "items" and size == n for kind, _, size in [*_evidence(x, "x"), *_evidence(y, "y")])
+    return list(zip(split_into(x, n, chunks, "x", samples), split_into(y, n, chunks, "y", samples)))

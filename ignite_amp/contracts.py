@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ignite_amp.batching import join_chunks
+from ignite_amp.tree import join_chunks
 
 __all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum"]
 

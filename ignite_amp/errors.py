@@ -9,7 +9,8 @@ Two families, told apart by the CLI:
 """
 
 __all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
-           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "USER_ERRORS", "RUN_STOPPED"]
+           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "BatchError", "USER_ERRORS",
+           "RUN_STOPPED"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -30,6 +31,10 @@ class RunDirInUseError(ValueError):
     """Another run holds the run directory's lock: one line naming its PID."""
 
 
+class BatchError(ValueError):
+    """A batch the default rules cannot count or cut: one line naming the field and the hook to pass."""
+
+
 class BatchSizeFloorError(RuntimeError):
     """Out of memory even at the smallest micro-batch allowed: one line, the run stops."""
 
@@ -46,5 +51,5 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, say): the previous one is kept, the run stops."""
 
 
-USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError)
+USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError, BatchError)
 RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError)

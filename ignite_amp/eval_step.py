@@ -4,7 +4,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine
 
-from ignite_amp.batching import join_chunks, to_float32
+from ignite_amp.tree import join_chunks, to_float32
 from ignite_amp.step_base import StepBase
 
 __all__ = ["EvalStep"]
@@ -26,17 +26,13 @@ class EvalStep(StepBase):
         if self._module.training:
             self._model.eval()
         parts, sizes = self._chunks(batch)
-        xs, ys, preds = [], [], []
+        preds = []
         with torch.no_grad():
-            for chunk in parts:
-                x, y = self._inputs(chunk)
+            for x, _ in parts:
                 with self.autocast():
-                    y_pred = self._forward(x)
-                preds.append(to_float32(y_pred))
-                ys.append(y)
-                if self.output_transform is not None:
-                    xs.append(x)
-        y_pred, y = join_chunks(preds, sizes), join_chunks(ys, sizes)
+                    preds.append(to_float32(self._forward(x)))
+        x, y = batch  # the full batch, as prepare_batch returned it
+        y_pred = join_chunks(preds, sizes)
         if self.output_transform is None:
             return y_pred, y
-        return self.output_transform(join_chunks(xs, sizes), y, y_pred)
+        return self.output_transform(x, y, y_pred)

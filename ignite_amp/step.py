@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from ignite_amp.batching import detach, join_chunks, prepare_batch, to_float32
+from ignite_amp.batching import batch_size_of, prepare_batch, split_batch
 from ignite_amp.collectives import (all_reduce_gradients, is_distributed, max_across_ranks, no_buffer_sync_in_forward,
                                     sum_across_ranks)
 from ignite_amp.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
@@ -57,6 +57,7 @@ from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
+from ignite_amp.tree import detach, join_chunks, to_float32
 
 __all__ = ["AmpStep"]
 
@@ -82,13 +83,14 @@ class AmpStep(StepBase, Serializable):
         fp32_modules: names of submodules run outside autocast with float32 inputs.
         prepare_batch: ``prepare_batch(batch, device, non_blocking) -> (x, y)``; the default takes
             ``(x, y)`` pairs and mappings (x: the mapping, y: None), see :func:`ignite_amp.batching.prepare_batch`.
+            The batch is counted and cut after it, from the ``(x, y)`` it returned.
         model_fn: ``model_fn(model, x) -> output`` (Ignite's name; default ``model(x)``), e.g.
             ``lambda model, x: model(**x)`` for a model taking keyword arguments.
         model_transform: ``model_transform(output) -> y_pred`` (Ignite's name; default: the output).
         output_transform: ``output_transform(x, y, y_pred, loss) -> engine.state.output`` (Ignite's
             name and signature; the full batch's x, y and y_pred, detached, floats in float32, and the
-            detached loss). Default: ``{"loss": loss, "batch_size": n}``, no host sync (Ignite's
-            default, ``loss.item()``, would sync every iteration).
+            detached loss). Default: the loss, a detached 0-d float32 tensor: Ignite's float without its
+            host sync (``f"{output:.3f}"``, ``RunningAverage`` and ``ProgressBar`` take it as they take a float).
         num_items: ``num_items(x, y) -> int or 0-d tensor``: the items the chunk's mean loss averages
             over (e.g. ``(y != -100).sum()`` for a padded token mean). With it, micro-batches,
             accumulation and DDP give the gradient of the mean over every item of the cycle on
@@ -96,6 +98,10 @@ class AmpStep(StepBase, Serializable):
         scaler_kwargs: extra arguments for ``torch.amp.GradScaler`` (e.g. ``init_scale``).
         scaler: force the scaler on or off (default: on for float16 only); ``ignite-amp compare``
             uses it to show float16 without a scaler.
+        batch_size: ``batch_size(x, y) -> int``, the samples of a prepared batch (default
+            :func:`ignite_amp.batching.batch_size_of`: the rows its tensors share, or a per-sample list's length).
+        split_batch: ``split_batch(x, y, chunks) -> [(x, y), ...]``, a prepared batch cut into micro-batches
+            (default :func:`ignite_amp.batching.split_batch`); each sample in exactly one chunk.
 
     Besides the properties of every step, handlers may read ``optimizer``, ``scaler``,
     ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`)
@@ -124,6 +130,8 @@ class AmpStep(StepBase, Serializable):
         num_items: Optional[Callable[[Any, Any], Any]] = None,
         scaler_kwargs: Optional[dict] = None,
         scaler: Optional[bool] = None,
+        batch_size: Callable[[Any, Any], int] = batch_size_of,
+        split_batch: Callable[[Any, Any, int], list] = split_batch,
     ):
         POSITIVE_INT.argument(accumulation_steps, "accumulation_steps")
         if num_items is not None and not callable(num_items):
@@ -131,7 +139,8 @@ class AmpStep(StepBase, Serializable):
         check_optimizer(optimizer, model)
         check_mean_reduction(loss_fn)
         super().__init__(model, device, dtype, micro_batches, non_blocking, channels_last, compile,
-                         fp32_modules, prepare_batch, model_fn, model_transform, output_transform)
+                         fp32_modules, prepare_batch, model_fn, model_transform, output_transform, batch_size,
+                         split_batch)
         self._optimizer = optimizer
         self._params = list(self._model.parameters())  # a list: walking the module tree per step costs
         self.loss_fn = loss_fn
@@ -157,6 +166,8 @@ class AmpStep(StepBase, Serializable):
         self._weighs_items = False  # this cycle's chunks were weighed by their items
         self._reduction_checked = False
         self._batch_norm_named = False
+        self._padding_checked = False
+        self._bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -232,9 +243,10 @@ class AmpStep(StepBase, Serializable):
         self._weighs_items = self.num_items is not None and (len(parts) > 1 or cycle.length > 1 or is_distributed())
         kept = [] if self.output_transform is not None else None
         total, items = None, 0
-        for i, chunk in enumerate(parts):
-            x, y = self._inputs(chunk)
-            count = self._count(x, y) if self.num_items is not None else None
+        if not self._padding_checked and (len(parts) > 1 or cycle.length > 1):
+            self._warn_padding(*batch)
+        for i, (x, y) in enumerate(parts):
+            count = self._count(x, y, engine, i) if self.num_items is not None else None
             # DDP all-reduces the gradients in the backward of the last chunk of a stepping
             # iteration only: once per optimizer step. Deferred: after all ranks agreed.
             with self._no_sync(defer or not (cycle.last and i == len(parts) - 1)):
@@ -265,27 +277,53 @@ class AmpStep(StepBase, Serializable):
                     self._scaler.scale(loss * weight if torch.is_tensor(weight) or weight != 1 else loss).backward()
             total = part if total is None else total + part
             if kept is not None:
-                kept.append((x, y, to_float32(detach(y_pred))))
+                kept.append(to_float32(detach(y_pred)))
         if count is not None:
             self._cycle_items = self._cycle_items + items
-            total = total / items
+            total = total / items  # 0 / 0: a batch of padding only has no loss (NaN, with items 0)
+            if self._bad_items is not None:
+                total = torch.where(self._bad_items, torch.full_like(total, float("nan")), total)
+                self._bad_items = None
         self._loss, self._items = total.float(), (n if count is None else items)
         if cycle.last and not defer:
             self._optimizer_step(engine)
         if kept is None:
-            return {"loss": self._loss, "batch_size": n}
-        x, y, y_pred = (join_chunks([k[j] for k in kept], sizes) for j in range(3))
-        return self.output_transform(x, y, y_pred, self._loss)
+            return self._loss
+        x, y = batch
+        return self.output_transform(x, y, join_chunks(kept, sizes), self._loss)
 
-    def _count(self, x: Any, y: Any) -> Any:
+    def _count(self, x: Any, y: Any, engine: Engine, chunk: int) -> Any:
         count = self.num_items(x, y)
         if torch.is_tensor(count) and count.ndim == 0:
             count = count.detach().to(self._device, torch.float32, non_blocking=True)
+            if count.device.type == "cpu":  # no pipeline to stall: check it now, by value
+                if not float(count) >= 0:
+                    raise ValueError(f"num_items returned {float(count):g} for chunk {chunk + 1} of iteration "
+                                     f"{engine.state.iteration}: it counts the items the chunk's mean averages "
+                                     f"over, a number >= 0")
+            else:  # on an accelerator, no host read: a negative or NaN count weighs nothing, and the batch's
+                # loss reads NaN, so NonFiniteGuard stops the run (see _run)
+                valid = count >= 0  # False for NaN too
+                self._bad_items = ~valid if self._bad_items is None else self._bad_items | ~valid
+                count = torch.where(valid, count, torch.zeros_like(count))
         elif isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"num_items should return a non-negative int or a 0-d tensor, got {count!r}")
         if self._item_ref is None:  # once: the reference every rank weighs its chunks against
             self._item_ref = max(max_across_ranks(float(count)), 1.0)
         return count
+
+    def _warn_padding(self, x: Any, y: Any) -> None:
+        """Once, when a batch is cut or accumulated without num_items: labels holding -100 (padding that
+        Hugging Face losses ignore) make a sample mean differ from the token mean. One host read, once."""
+        self._padding_checked = True
+        if self.num_items is not None:
+            return
+        labels = x.get("labels") if isinstance(x, dict) else None
+        labels = y if labels is None else labels
+        if torch.is_tensor(labels) and not labels.is_floating_point() and bool((labels == -100).any()):
+            logger.warning("micro-batches or accumulation on labels holding -100 (padding) without num_items: each "
+                           "chunk's mean weighs by samples, not tokens, so the gradient is not the batch's token "
+                           "mean; pass num_items=lambda x, y: (labels != -100).sum()")
 
     def _name_batch_norm(self) -> None:
         self._batch_norm_named = True

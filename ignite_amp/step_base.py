@@ -9,14 +9,15 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Unio
 
 import torch
 from ignite.engine import Engine
-from ignite.utils import apply_to_type
 from torch import nn
 
-from ignite_amp.batching import batch_size_of, chunk_sizes, prepare_batch, split_batch, to_channels_last
+from ignite_amp.batching import batch_size_of, chunk_sizes, prepare_batch, split_batch, split_pairs
 from ignite_amp.collectives import any_rank, unwrap
 from ignite_amp.device import free_memory, is_oom_error, resolve_device, resolve_dtype
+from ignite_amp.errors import BatchError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
+from ignite_amp.tree import to_channels_last, to_float32
 
 __all__ = ["StepBase", "Cycle", "keep_in_fp32", "call_model", "identity"]
 
@@ -30,11 +31,8 @@ def identity(output: Any) -> Any:
 
 
 def _fp32_forward(forward: Callable, device_type: str, *args: Any, **kwargs: Any) -> Any:
-    def to_float32(value: torch.Tensor) -> torch.Tensor:
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-
     with torch.autocast(device_type=device_type, enabled=False):
-        return forward(*apply_to_type(args, torch.Tensor, to_float32), **apply_to_type(kwargs, torch.Tensor, to_float32))
+        return forward(*to_float32(args), **to_float32(kwargs))
 
 
 def keep_in_fp32(model: nn.Module, names: Iterable[str], device_type: str) -> None:
@@ -76,12 +74,15 @@ class StepBase:
         model_fn: Callable[[nn.Module, Any], Any] = call_model,
         model_transform: Callable[[Any], Any] = identity,
         output_transform: Optional[Callable] = None,
+        batch_size: Callable[[Any, Any], int] = batch_size_of,
+        split_batch: Callable[[Any, Any, int], list] = split_batch,
     ):
         self._micro_batches = _check_micro_batches(micro_batches)
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self._device)
         for name, fn in (("prepare_batch", prepare_batch), ("model_fn", model_fn),
-                         ("model_transform", model_transform), ("output_transform", output_transform)):
+                         ("model_transform", model_transform), ("output_transform", output_transform),
+                         ("batch_size", batch_size), ("split_batch", split_batch)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} should be a function, got {type(fn).__name__}")
         self.non_blocking = non_blocking
@@ -90,6 +91,8 @@ class StepBase:
         self.model_fn = model_fn
         self.model_transform = model_transform
         self.output_transform = output_transform
+        self.batch_size_fn = batch_size
+        self.split_batch = split_batch
         self._model = model.to(self._device)
         self._module = unwrap(self._model)
         if channels_last:
@@ -151,8 +154,8 @@ class StepBase:
         return self._flops_per_sample
 
     # -- the step ----------------------------------------------------------------------------
-    def _inputs(self, chunk: Any):
-        x, y = self.prepare_batch(chunk, self._device, self.non_blocking)
+    def _prepare(self, batch: Any) -> tuple:
+        x, y = self.prepare_batch(batch, self._device, self.non_blocking)
         if self.channels_last:
             x = to_channels_last(x)
         return x, y
@@ -161,21 +164,44 @@ class StepBase:
         """``model_transform(model_fn(model, x))`` (the caller enters autocast)."""
         return self.model_transform(self.model_fn(self.forward, x))
 
-    def _chunks(self, batch: Any) -> tuple:
-        """The batch's chunks and their sizes."""
+    def _chunks(self, batch: tuple) -> tuple:
+        """The prepared batch's ``(x, y)`` chunks and their sizes (one chunk: the batch itself)."""
         n = self._batch_size
         chunks = min(self._micro_batches, n)
-        return split_batch(batch, chunks), (chunk_sizes(n, chunks) if chunks > 1 else (n,))
+        if chunks == 1:
+            return [batch], (n,)
+        if self.split_batch is split_batch:  # the default: n is known, the sizes follow
+            return split_pairs(*batch, n, chunks), chunk_sizes(n, chunks)
+        parts = self.split_batch(*batch, chunks)
+        if not isinstance(parts, (list, tuple)) or not parts or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 for p in parts):
+            raise BatchError(f"split_batch should return a list of (x, y) pairs, got {type(parts).__name__}")
+        sizes = [self._count_samples(*p) for p in parts]
+        if sum(sizes) != n:
+            raise BatchError(f"split_batch: its {len(parts)} chunks hold {sum(sizes)} samples ({sizes}) by "
+                             f"batch_size, the batch {n}: each sample must be in exactly one chunk")
+        return list(parts), sizes
 
-    def _size_of(self, engine: Engine, batch: Any) -> int:
-        # Fast path for the usual (x, y) batch; batch_size_of walks any nesting.
-        first = batch[0] if type(batch) in (tuple, list) and batch else batch
-        n = first.shape[0] if torch.is_tensor(first) and first.dim() else batch_size_of(batch)
+    def _count_samples(self, x: Any, y: Any) -> int:
+        if self.batch_size_fn is batch_size_of:
+            first = x if torch.is_tensor(x) else None  # the usual (tensor, tensor) batch: no walk
+            if first is not None and first.dim() and (y is None or (torch.is_tensor(y) and y.dim() and
+                                                                   y.shape[0] == first.shape[0])):
+                return first.shape[0]
+            return batch_size_of(x, y)
+        n = self.batch_size_fn(x, y)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise BatchError(f"batch_size should return the number of samples as an int, got {n!r}")
+        return n
+
+    def _size_of(self, engine: Engine, batch: tuple) -> int:
+        n = self._count_samples(*batch)
         if n == 0:
-            raise ValueError(f"batch: an empty batch (0 samples) at iteration {engine.state.iteration}")
+            raise BatchError(f"batch: an empty batch (0 samples) at iteration {engine.state.iteration}")
         return n
 
     def __call__(self, engine: Engine, batch: Any) -> Any:
+        batch = self._prepare(batch)  # sized and cut after prepare_batch, from what it returned
         self._batch_size = self._size_of(engine, batch)
         if self._count_flops and self.forward is self._model:  # a compiled forward hides its operators
             from torch.utils.flop_counter import FlopCounterMode

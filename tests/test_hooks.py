@@ -106,7 +106,7 @@ def test_num_items_step_reports_the_token_mean_loss_and_its_items():
     trainer.run([batch], max_epochs=1)
     assert trainer.amp_step.loss.item() == pytest.approx(want, rel=1e-6)
     assert trainer.amp_step.items.item() == tokens(batch, None).item()
-    assert trainer.state.output["loss"] is trainer.amp_step.loss and trainer.state.output["batch_size"] == 8
+    assert trainer.state.output is trainer.amp_step.loss and trainer.amp_step.batch_size == 8
 
 
 @pytest.mark.parametrize("bad, message", [(lambda x, y: 2.5, "non-negative int or a 0-d tensor, got 2.5"),

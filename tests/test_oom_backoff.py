@@ -101,7 +101,7 @@ def test_mode_batch_shrinks_the_loader_from_the_next_epoch():
     backoff = OOMBackoff(mode="batch")
     model, trainer = make(limit=4, backoff=backoff)
     seen, batch_sizes = [], []
-    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: batch_sizes.append(e.state.output["batch_size"]))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: batch_sizes.append(e.amp_step.batch_size))
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: seen.append(sorted(model.seen)) or model.seen.clear())
     trainer.run(loader, max_epochs=3)
     assert seen == [list(range(24))] * 3

@@ -48,7 +48,7 @@ def logged(tmp_path):
     @trainer.on(Events.ITERATION_COMPLETED)
     def remember(engine):
         record["scale"][engine.state.iteration] = engine.amp_step.scaler.get_scale()
-        record["loss"][engine.state.iteration] = engine.state.output["loss"].item()
+        record["loss"][engine.state.iteration] = engine.state.output.item()
         if engine.state.iteration == 5:
             engine.amp_step.micro_batches = 2
 
