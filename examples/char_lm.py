@@ -21,8 +21,8 @@ from ignite.metrics import Loss
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
-from ignite_amp.handlers import BestCheckpoint, GradientClipping
+from ignite_amp import create_amp_evaluator, create_amp_trainer
+from ignite_amp.handlers import BestCheckpoint, GradientClipping, StepSchedule
 
 with contextlib.redirect_stdout(io.StringIO()):  # importing it prints it
     import this
@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
         output_transform=lambda x, y, y_pred: (y_pred[y != -100], y[y != -100]),
     )
     GradientClipping(max_norm=1.0).attach(trainer)
-    trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: schedule.step())
+    StepSchedule(schedule).attach(trainer)  # optimizer step k uses the schedule's value k
     best = BestCheckpoint(f"{args.output_dir}/checkpoints", {"model": model, "optimizer": optimizer}, metric="loss")
     history = []
 

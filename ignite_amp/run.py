@@ -21,10 +21,9 @@ from ignite_amp.config_search import search_built
 from ignite_amp.console import safe_print, silent
 from ignite_amp.data import build_loaders
 from ignite_amp.errors import ConfigError
-from ignite_amp.events import AmpEvents
 from ignite_amp.facts import config_facts
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
-                                 TensorBoardMetrics)
+                                 StepSchedule, TensorBoardMetrics)
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.sharding import shard_model
@@ -322,7 +321,7 @@ def _schedule(cfg: dict, trainer: Engine, optimizer: torch.optim.Optimizer, epoc
     total_steps = cfg["train"]["epochs"] * -(-epoch_length // cfg["amp"]["accumulation_steps"])
     scheduler = build_scheduler(cfg["scheduler"], optimizer, cfg["optimizer"]["lr"], total_steps)
     if scheduler is not None:
-        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: scheduler.step())
+        StepSchedule(scheduler).attach(trainer)
     return scheduler
 
 
