@@ -1,5 +1,6 @@
 """Stop a run whose loss or gradients go non-finite, naming the iteration, before anything saves."""
 import dataclasses
+import logging
 import math
 from collections import deque
 from types import SimpleNamespace
@@ -15,6 +16,9 @@ from ignite_amp.engine import amp_step_of
 from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
 
 __all__ = ["NonFiniteConfig", "NonFiniteGuard", "NonFiniteError"]
+
+logger = logging.getLogger("ignite_amp")
+BAD, EMPTY = 1, 2  # a loss check's codes: non-finite; no loss at all (a batch of padding only)
 
 
 @dataclasses.dataclass
@@ -51,6 +55,7 @@ class NonFiniteGuard:
     def __init__(self, max_consecutive: int = 20):
         self.max_consecutive = argument(NonFiniteConfig, "max_consecutive", max_consecutive)
         self.consecutive = 0
+        self.empty_batches = 0  # batches of padding only (no loss), said once
         self.stepped_in_epoch = 0
         self.skipped_in_epoch = 0
         self._pending: Deque[Tuple[int, SimpleNamespace]] = deque()  # (iteration, slot), oldest first
@@ -89,15 +94,15 @@ class NonFiniteGuard:
                 f"non-finite gradients (loss scale now {self.step.scaler.get_scale():g}): stopping")
 
     def _check_loss(self, engine: Engine) -> None:
-        loss = self.step.loss
+        loss, items = self.step.loss, self.step.items
         if loss.device.type == "cpu":  # no pipeline to protect: reading it costs no wait
             if not math.isfinite(loss.item()):
-                self._raise(engine.state.iteration)
+                self._report(engine.state.iteration, EMPTY if float(items) == 0 else BAD)
             return
-        bad = ~torch.isfinite(loss)
+        # 0: finite; 1: non-finite; 2: no loss at all (num_items counted 0 items: padding only)
+        bad = (~torch.isfinite(loss)).to(torch.uint8) * (1 + (torch.as_tensor(items, device=loss.device) == 0))
         if bad.device.type != "cuda":  # another device: check now
-            if bool(bad):
-                self._raise(engine.state.iteration)
+            self._report(engine.state.iteration, int(bad))
             return
         self._poll(block=False)
         if not self._free and len(self._pending) == self.RING:  # every slot in flight: wait for the oldest
@@ -110,7 +115,7 @@ class NonFiniteGuard:
 
     def _new_slot(self) -> SimpleNamespace:
         # Pinned memory is expensive to allocate: at most RING slots, reused (each is free or pending).
-        return SimpleNamespace(host=torch.empty((), dtype=torch.bool, pin_memory=True), event=torch.cuda.Event())
+        return SimpleNamespace(host=torch.empty((), dtype=torch.uint8, pin_memory=True), event=torch.cuda.Event())
 
     def _poll(self, block: bool, only_one: bool = False) -> None:
         """Read the flags whose copies are done (all of them, waiting, when ``block``), oldest first."""
@@ -119,15 +124,24 @@ class NonFiniteGuard:
             if block:
                 slot.event.synchronize()
             self._free.append(slot)
-            if bool(slot.host):
+            if int(slot.host) == BAD:
                 self._pending.clear()
-                self._raise(iteration)
+            self._report(iteration, int(slot.host))
             if only_one:
                 return
 
     def _flush(self, engine: Engine) -> None:
         self._poll(block=True)
 
-    def _raise(self, iteration: int) -> None:
-        raise NonFiniteError(f"non-finite loss at iteration {iteration} in {dtype_name(self.step.dtype)} "
-                             f"(no loss scaler to skip the step): stopping")
+    def _report(self, iteration: int, code: int) -> None:
+        if code == EMPTY:
+            if not self.empty_batches:
+                logger.warning("iteration %d: every item of the batch was padding (num_items counted 0), so it has no "
+                               "loss to report and adds nothing to the gradient; training goes on (said once)",
+                               iteration)
+            self.empty_batches += 1
+        elif code == BAD:
+            counted = torch.is_tensor(self.step.items)  # num_items gave tensors
+            items = " (or num_items counted a negative or NaN number of items)" if counted else ""
+            raise NonFiniteError(f"non-finite loss at iteration {iteration} in {dtype_name(self.step.dtype)}{items} "
+                                 f"(no loss scaler to skip the step): stopping")

@@ -150,7 +150,7 @@ def test_the_guard_reads_cuda_flags_without_waiting_and_in_order():
     from types import SimpleNamespace
 
     guard = NonFiniteGuard()
-    guard.step = SimpleNamespace(dtype=torch.bfloat16)
+    guard.step = SimpleNamespace(dtype=torch.bfloat16, items=8)
     slot = lambda bad, done: SimpleNamespace(host=torch.tensor(bad), event=FakeEvent(done))  # noqa: E731
     guard._pending.extend([(1, slot(False, True)), (2, slot(True, False)), (3, slot(True, True))])
     guard._poll(block=False)  # 1 read; 2 not done yet: 3 waits behind it, nothing waited on

@@ -352,3 +352,34 @@ def test_handlers_work_whatever_output_transform_returns(tmp_path):
     # The window after the log at 3 (read into the history at the run's end, for the health summary).
     assert trainer.state.output == "the user's own" and len(losses) == 4 and tb.window.history[-1]["iterations"] == 1
     tb.close()
+
+
+@pytest.mark.parametrize("count, shown", [(-3.0, "-3"), (float("nan"), "nan")])
+def test_a_negative_or_nan_num_items_tensor_stops_before_the_weights_change(count, shown):
+    """Issue 32, case 7: a negative count made the step ascend the loss; NaN made the weights NaN."""
+    model = TinyLM()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), own_loss, device="cpu",
+                                 dtype="float32", model_fn=lm_model_fn, micro_batches=2,
+                                 num_items=lambda x, y: torch.tensor(count))
+    with pytest.raises(ValueError, match=rf"num_items returned {shown} for chunk 1 of iteration 1: .* >= 0"):
+        trainer.run([padded_batch()], max_epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_batch_of_padding_only_is_said_once_and_training_goes_on(caplog):
+    """Issue 32, case 15: an all-padding batch has no loss (0/0); NonFiniteGuard used to stop the run on it."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    loss_fn = lambda y_pred, y: cross_entropy(y_pred, y, ignore_index=-100)  # noqa: E731
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device="cpu",
+                                 micro_batches=2, num_items=lambda x, y: (y != -100).sum(), dtype="float32")
+    NonFiniteGuard().attach(trainer)
+    padding = (torch.randn(4, 5), torch.full((4,), -100))
+    real = (torch.randn(4, 5), torch.tensor([0, 1, 2, 0]))
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        trainer.run([real, padding, padding, real], max_epochs=1)
+    assert trainer.state.iteration == 4 and torch.isfinite(trainer.amp_step.loss)
+    said = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("iteration 2: every item of the batch was padding")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
