@@ -383,3 +383,22 @@ def test_a_batch_of_padding_only_is_said_once_and_training_goes_on(caplog):
     said = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("iteration 2: every item of the batch was padding")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_ignites_documented_snippets_work_on_the_default_output(capsys):
+    """Issue 28: state.output is the loss (a detached 0-d tensor), as Ignite's snippets expect of a trainer."""
+    from ignite.contrib.handlers import ProgressBar
+    from ignite.metrics import RunningAverage
+
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+    RunningAverage(output_transform=lambda x: x).attach(trainer, "loss")
+    ProgressBar(persist=True).attach(trainer, metric_names=["loss"], output_transform=lambda x: {"batch_loss": x})
+    printed = []
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: printed.append(f"{e.state.output:.2f}"))
+    batches = [(torch.randn(8, 5), torch.randint(0, 3, (8,))) for _ in range(4)]
+    trainer.run(batches, max_epochs=1)
+    assert printed == [f"{trainer.amp_step.loss.item():.2f}"]
+    assert isinstance(trainer.state.metrics["loss"], float) and trainer.state.metrics["loss"] > 0
+    bar = capsys.readouterr().err
+    assert "batch_loss=" in bar and "loss_loss" not in bar and "batch_size" not in bar
