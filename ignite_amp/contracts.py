@@ -6,15 +6,20 @@
   a loss that doubles when the first batch is doubled is refused at the first iteration.
 """
 import functools
+import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.tree import join_chunks
 
-__all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum"]
+__all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum", "check_count",
+           "warn_padding_without_items", "warn_batch_norm"]
+
+logger = logging.getLogger("ignite_amp")
 
 
 def check_optimizer(optimizer: Any, model: nn.Module) -> None:
@@ -83,3 +88,46 @@ def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, aut
         raise ValueError("loss_fn: its value doubles when the batch is doubled, so it sums over the samples; "
                          "the step needs a mean (micro-batches, accumulation and DDP weigh each chunk's mean "
                          "by its share): use reduction='mean', or divide by the sample or item count")
+
+
+def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Optional[torch.Tensor]]:
+    """What ``num_items`` returned (an int, or a 0-d tensor: made float32 on ``device``), checked without a
+    host sync on an accelerator; returns the count and a flag of an invalid one (None when there is none).
+
+    On the CPU (no pipeline to stall) a negative or NaN count is a ValueError naming it. Elsewhere it is
+    replaced by 0 (it weighs nothing) and the flag (a device tensor) marks it, for the step to make the
+    batch's loss NaN, which NonFiniteGuard reports.
+    """
+    if not (torch.is_tensor(count) and count.ndim == 0):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"num_items should return a non-negative int or a 0-d tensor, got {count!r}")
+        return count, None
+    count = count.detach().to(device, torch.float32, non_blocking=True)
+    if count.device.type == "cpu":
+        if not float(count) >= 0:
+            raise ValueError(f"num_items returned {float(count):g} for {where}: it counts the items the chunk's "
+                             f"mean averages over, a number >= 0")
+        return count, None
+    valid = count >= 0  # False for NaN too
+    return torch.where(valid, count, torch.zeros_like(count)), ~valid
+
+
+def warn_padding_without_items(x: Any, y: Any) -> None:
+    """One warning when a batch cut or accumulated without num_items has labels holding -100 (the padding
+    that Hugging Face losses ignore): a sample mean then differs from the token mean. One host read."""
+    labels = x.get("labels") if isinstance(x, dict) else None
+    labels = y if labels is None else labels
+    if torch.is_tensor(labels) and not labels.is_floating_point() and bool((labels == -100).any()):
+        logger.warning("micro-batches or accumulation on labels holding -100 (padding) without num_items: each "
+                       "chunk's mean weighs by samples, not tokens, so the gradient is not the batch's token "
+                       "mean; pass num_items=lambda x, y: (labels != -100).sum()")
+
+
+def warn_batch_norm(module: nn.Module) -> None:
+    """One warning when micro-batches run a model with BatchNorm in training mode."""
+    names = [name for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        logger.warning("micro-batches on a model with BatchNorm (%s%s): each chunk is normalized with its own "
+                       "statistics, so the gradient is no longer exactly the full batch's; GroupNorm or "
+                       "LayerNorm keep it exact", names[0], more)

@@ -42,14 +42,13 @@ import torch
 from ignite.base.mixins import Serializable
 from ignite.engine import Engine
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from ignite_amp.batching import batch_size_of, prepare_batch, split_batch
 from ignite_amp.collectives import (all_reduce_gradients, is_distributed, max_across_ranks, no_buffer_sync_in_forward,
                                     sum_across_ranks)
-from ignite_amp.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
-                                  refuse_a_sum)
+from ignite_amp.contracts import (check_count, check_mean_reduction, check_optimizer, check_requires_grad,
+                                  check_scalar, refuse_a_sum, warn_batch_norm, warn_padding_without_items)
 from ignite_amp.device import is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
@@ -235,7 +234,8 @@ class AmpStep(StepBase, Serializable):
             self._optimizer.zero_grad(set_to_none=True)
             self._cycle_items = 0
         if len(parts) > 1 and not self._batch_norm_named:
-            self._name_batch_norm()
+            self._batch_norm_named = True
+            warn_batch_norm(self._module)
         self._grad_norm = None
         label = phase_label()
         # With num_items, every chunk weighs its items against a reference; the optimizer step divides
@@ -244,7 +244,9 @@ class AmpStep(StepBase, Serializable):
         kept = [] if self.output_transform is not None else None
         total, items = None, 0
         if not self._padding_checked and (len(parts) > 1 or cycle.length > 1):
-            self._warn_padding(*batch)
+            self._padding_checked = True
+            if self.num_items is None:
+                warn_padding_without_items(*batch)
         for i, (x, y) in enumerate(parts):
             count = self._count(x, y, engine, i) if self.num_items is not None else None
             # DDP all-reduces the gradients in the backward of the last chunk of a stepping
@@ -293,46 +295,13 @@ class AmpStep(StepBase, Serializable):
         return self.output_transform(x, y, join_chunks(kept, sizes), self._loss)
 
     def _count(self, x: Any, y: Any, engine: Engine, chunk: int) -> Any:
-        count = self.num_items(x, y)
-        if torch.is_tensor(count) and count.ndim == 0:
-            count = count.detach().to(self._device, torch.float32, non_blocking=True)
-            if count.device.type == "cpu":  # no pipeline to stall: check it now, by value
-                if not float(count) >= 0:
-                    raise ValueError(f"num_items returned {float(count):g} for chunk {chunk + 1} of iteration "
-                                     f"{engine.state.iteration}: it counts the items the chunk's mean averages "
-                                     f"over, a number >= 0")
-            else:  # on an accelerator, no host read: a negative or NaN count weighs nothing, and the batch's
-                # loss reads NaN, so NonFiniteGuard stops the run (see _run)
-                valid = count >= 0  # False for NaN too
-                self._bad_items = ~valid if self._bad_items is None else self._bad_items | ~valid
-                count = torch.where(valid, count, torch.zeros_like(count))
-        elif isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"num_items should return a non-negative int or a 0-d tensor, got {count!r}")
+        count, invalid = check_count(self.num_items(x, y), self._device,
+                                     f"chunk {chunk + 1} of iteration {engine.state.iteration}")
+        if invalid is not None:  # the batch's loss will read NaN (see _run)
+            self._bad_items = invalid if self._bad_items is None else self._bad_items | invalid
         if self._item_ref is None:  # once: the reference every rank weighs its chunks against
             self._item_ref = max(max_across_ranks(float(count)), 1.0)
         return count
-
-    def _warn_padding(self, x: Any, y: Any) -> None:
-        """Once, when a batch is cut or accumulated without num_items: labels holding -100 (padding that
-        Hugging Face losses ignore) make a sample mean differ from the token mean. One host read, once."""
-        self._padding_checked = True
-        if self.num_items is not None:
-            return
-        labels = x.get("labels") if isinstance(x, dict) else None
-        labels = y if labels is None else labels
-        if torch.is_tensor(labels) and not labels.is_floating_point() and bool((labels == -100).any()):
-            logger.warning("micro-batches or accumulation on labels holding -100 (padding) without num_items: each "
-                           "chunk's mean weighs by samples, not tokens, so the gradient is not the batch's token "
-                           "mean; pass num_items=lambda x, y: (labels != -100).sum()")
-
-    def _name_batch_norm(self) -> None:
-        self._batch_norm_named = True
-        names = [name for name, m in self._module.named_modules() if isinstance(m, _BatchNorm) and m.training]
-        if names:
-            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-            logger.warning("micro-batches on a model with BatchNorm (%s%s): each chunk is normalized with its own "
-                           "statistics, so the gradient is no longer exactly the full batch's; GroupNorm or "
-                           "LayerNorm keep it exact", names[0], more)
 
     def _complete(self, engine: Engine, output: Any) -> Any:
         if self._cycle(engine).last:
