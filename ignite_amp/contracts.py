@@ -7,6 +7,7 @@
 """
 import functools
 import logging
+from collections.abc import Mapping
 import math
 from typing import Any, Callable, Optional, Tuple
 
@@ -115,7 +116,7 @@ def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Opti
 def warn_padding_without_items(x: Any, y: Any) -> None:
     """One warning when a batch cut or accumulated without num_items has labels holding -100 (the padding
     that Hugging Face losses ignore): a sample mean then differs from the token mean. One host read."""
-    labels = x.get("labels") if isinstance(x, dict) else None
+    labels = x.get("labels") if isinstance(x, Mapping) else None  # a BatchEncoding is a Mapping, not a dict
     labels = y if labels is None else labels
     if torch.is_tensor(labels) and not labels.is_floating_point() and bool((labels == -100).any()):
         logger.warning("micro-batches or accumulation on labels holding -100 (padding) without num_items: each "
