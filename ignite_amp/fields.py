@@ -78,8 +78,13 @@ def _or(base: dict, extras: tuple) -> dict:
     return {"anyOf": [base, {"enum": list(extras)}]} if extras else base
 
 
+# Integers above this are not exact in JavaScript (an editor reads 10**400 as Infinity, not an integer).
+_EXACT = 2**53
+
+
 class Integer(Check):
-    """An integer in bounds; a float with no fraction (``2.0``, ``1e3``) is that integer, as JSON Schema counts it."""
+    """An integer in bounds; a float with no fraction (``2.0``, ``1e3``) is that integer, as JSON Schema counts it.
+    Without a maximum, at most 2**53 (the largest integer every JSON reader holds exactly)."""
 
     def __init__(self, minimum: int = 0, maximum: Optional[int] = None, nullable: bool = False, also: tuple = ()):
         self.minimum, self.maximum, self.nullable, self.also = minimum, maximum, nullable, tuple(also)
@@ -95,7 +100,7 @@ class Integer(Check):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if (isinstance(value, bool) or not isinstance(value, int) or value < self.minimum
-                or (self.maximum is not None and value > self.maximum)):
+                or value > (_EXACT if self.maximum is None else self.maximum)):
             raise _Invalid
         return value
 
@@ -105,9 +110,7 @@ class Integer(Check):
         return super().argument(value, name)
 
     def schema(self):
-        base = {"type": "integer", "minimum": self.minimum}
-        if self.maximum is not None:
-            base["maximum"] = self.maximum
+        base = {"type": "integer", "minimum": self.minimum, "maximum": _EXACT if self.maximum is None else self.maximum}
         return _or(base, self.also + ((None,) if self.nullable else ()))
 
 
@@ -135,9 +138,13 @@ class Number(Check):
         # Text is refused (as the schema does): a quoted "1e-3" is a string to an editor too.
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise _Invalid
-        if value == math.inf and not self.allow_inf:
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of 400 digits: infinity, as an editor reads it
+            number = math.inf
+        if number == math.inf and not self.allow_inf:
             raise _Invalid
-        return float(value)
+        return number
 
     def argument(self, value, name):
         if isinstance(value, str):  # the words are for YAML's sake; a Python caller passes a number

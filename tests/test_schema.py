@@ -139,7 +139,10 @@ DOCUMENTS = [
     ("optimizer.lr", "1e-3", 0.001, True, 0.001), ("optimizer.lr", "1e3", 1000.0, True, 1000.0),
     ("optimizer.lr", "3.0e-4", 3e-4, True, 3e-4), ("optimizer.lr", ".5", 0.5, True, 0.5),
     ("optimizer.lr", "2", 2, True, 2.0), ("optimizer.lr", "0x10", 16, True, 16.0),
-    ("optimizer.lr", "1.7976931348623157e308", MAX, True, MAX),
+    ("optimizer.lr", "1.7976931348623157e308", MAX, True, MAX), ("optimizer.lr", "1" + "0" * 400, 10**400, False, None),
+    ("handlers.clipping.norm_type", "1" + "0" * 400, 10**400, True, INF),
+    ("train.epochs", "1" + "0" * 400, 10**400, False, None), ("train.epochs", "1e300", 1e300, False, None),
+    ("train.epochs", "9007199254740992", 2**53, True, 2**53),
     ("train.epochs", "2.0", 2.0, True, 2), ("train.epochs", "1e3", 1000.0, True, 1000),
     ("train.epochs", "+3", 3, True, 3), ("train.epochs", "0o17", 15, True, 15),
     ("train.epochs", "2.5", 2.5, False, None), ("train.epochs", "1e309", INF, False, None),
@@ -197,7 +200,7 @@ def _same(a, b) -> bool:  # JSON equality: true is not 1
     return a == b and isinstance(a, str) == isinstance(b, str)
 
 
-@pytest.mark.parametrize("path, text, editor, valid, used", DOCUMENTS, ids=[f"{p}={t}" for p, t, *_ in DOCUMENTS])
+@pytest.mark.parametrize("path, text, editor, valid, used", DOCUMENTS, ids=[f"{p}={t[:12]}" for p, t, *_ in DOCUMENTS])
 def test_the_loader_and_the_schema_accept_the_same_documents(tmp_path, path, text, editor, valid, used):
     """A YAML file means what a YAML 1.2 editor reads; the loader and the JSON Schema give one verdict on it."""
     from ignite_amp import yaml12
