@@ -23,7 +23,8 @@ __all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everythi
 class OptimizerConfig:
     """optimizer: any torch.optim class, built as name(model.parameters(), lr=lr, **kwargs)."""
 
-    name: str = setting("AdamW", Text(r"[A-Za-z_]\w*", "a torch.optim class name"), "a torch.optim class name", FIXED)
+    name: str = setting("AdamW", Text(r"[A-Za-z_][A-Za-z0-9_]*", "a torch.optim class name"),
+                        "a torch.optim class name", FIXED)
     lr: float = setting(3.0e-4, Number(), "the learning rate (a schedule's peak)", FIXED_UNDER_SCHEDULE)
     kwargs: dict = setting({"weight_decay": 0.05}, Mapping(), "more keyword arguments for the optimizer",
                            FIXED_UNDER_SCHEDULE)

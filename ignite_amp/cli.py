@@ -182,15 +182,15 @@ def one_line(exc: BaseException) -> str:
 def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -> None:
     """The run writes its resolved config to ``output_dir/config.yaml``: when that is the file trained from,
     it must be a resolved config already (rerunning a run's own config.yaml resumes it), not the user's."""
-    import yaml
-
+    from ignite_amp import yaml12
     from ignite_amp.config import ConfigError, load_config
+    from ignite_amp.trees import same
 
     if not (os.path.exists(resolved) and os.path.samefile(source, resolved)):
         return
     with open(source, encoding="utf-8") as f:
-        raw = yaml.safe_load(f)
-    if raw != load_config(raw):  # partial, or commented into a different shape: hand-written
+        raw = yaml12.load(f)
+    if not same(raw, load_config(raw)):  # partial, or commented into a different shape: hand-written
         raise ConfigError(f"output_dir: {output_dir} holds the config you train from ({source}), where the run "
                           f"writes its resolved config; keep yours elsewhere, or choose another output_dir")
 

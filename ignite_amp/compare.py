@@ -9,7 +9,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, List, NamedTuple, Optional
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional
 
 import torch
 from ignite.engine import Events
@@ -38,7 +38,7 @@ class ModeResult(NamedTuple):
     peak_mb: Optional[float]
     max_abs_diff: float = 0.0
     max_rel_diff: float = 0.0
-    first_non_finite: Optional[str] = None  # "layer <name> at step <k>"
+    first_non_finite: Optional[str] = None  # "layer <name> at step <k>", "the loss at step <k>"...
     flag: str = ""
 
 
@@ -62,24 +62,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors in a module's inputs or outputs (tensors, tuples, lists, dicts)."""
+    if torch.is_tensor(value):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _finite(value: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in _tensors(value))  # a host sync per tensor
+
+
 def _find_non_finite_layer(make_trainer: Callable, batches: list) -> Optional[str]:
-    """Replay with forward hooks (only here: each check is a host sync) to name the first bad layer."""
+    """Replay with hooks (only here: each check is a host sync) to name where the first non-finite value
+    appeared: the input batch, a layer, the model's own forward code around its layers, the loss or the
+    backward. A module's input is checked when it is called and its output when it returns: a non-finite
+    input means the code that ran since (the calling module's own forward) made it."""
     trainer = make_trainer()
-    model = trainer.amp_step.model
+    step = trainer.amp_step
+    running: List[str] = []  # the modules being called, outermost first
+
+    def where(name: str) -> str:
+        return f"layer {name}" if name else "the model's own forward (outside its layers)"
+
+    def found(what: str) -> None:
+        raise _NonFinite(f"{what} at step {trainer.state.iteration}")
+
+    def before(name: str):
+        def hook(module, args):
+            if not _finite(args):
+                found(where(running[-1]) if running else "the input batch")
+            running.append(name)
+        return hook
+
+    def after(name: str):
+        def hook(module, args, out):
+            running.pop()
+            if not _finite(out):
+                found(where(name))
+        return hook
+
+    def loss_and_gradients(engine, gradients: bool) -> None:
+        if step.loss is not None and not _finite(step.loss):
+            found("the loss")
+        if gradients and not _finite([p.grad for p in step.model.parameters() if p.grad is not None]):
+            found("the backward pass (gradients)")
+
     handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-
-        def hook(mod, args, out, name=name):
-            if torch.is_tensor(out) and out.is_floating_point() and not torch.isfinite(out).all():
-                raise _NonFinite(f"layer {name} at step {trainer.state.iteration}")
-
-        handles.append(module.register_forward_hook(hook))
+    for name, module in step.model.named_modules():  # the model itself too: name ""
+        handles += [module.register_forward_pre_hook(before(name)), module.register_forward_hook(after(name))]
+    trainer.add_event_handler(AmpEvents.GRADS_READY, loss_and_gradients, True)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, loss_and_gradients, False)
     try:
         trainer.run(batches, max_epochs=1)
-    except _NonFinite as found:
-        return str(found)
+    except _NonFinite as first:
+        return str(first)
     finally:
         for handle in handles:
             handle.remove()
@@ -169,24 +212,29 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
                 writer.add_scalar("compare/step_ms", seconds * 1e3, i)
 
     reference = results[0].losses
+    # Steps compared: those before the reference went non-finite (after it, there is nothing to compare with).
+    compared = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), len(reference))
     finished = []
     for r in results:
-        if r is results[0]:  # the reference: no difference from itself, even when it diverged
-            flag = "NON-FINITE" if not all(map(math.isfinite, r.losses)) else ""
+        if r is results[0]:  # the reference: no difference from itself, even when it went non-finite
+            flag = "NON-FINITE (the reference)" if compared < len(reference) else ""
             if r.first_non_finite:
-                flag += f" (first: {r.first_non_finite})"
+                flag = f"NON-FINITE (the reference; first: {r.first_non_finite})"
             finished.append(r._replace(flag=flag))
             continue
-        abs_diffs = [abs(a - b) for a, b in zip(r.losses, reference)]
+        abs_diffs = [abs(a - b) for a, b in zip(r.losses[:compared], reference)]
         rel_diffs = [d / max(abs(b), 1e-8) for d, b in zip(abs_diffs, reference)]
-        max_abs = max(abs_diffs) if all(map(math.isfinite, abs_diffs)) else math.inf
-        max_rel = max(rel_diffs) if all(map(math.isfinite, rel_diffs)) else math.inf
-        flag = ""
+        max_abs = (max(abs_diffs) if all(map(math.isfinite, abs_diffs)) else math.inf) if abs_diffs else math.nan
+        max_rel = (max(rel_diffs) if all(map(math.isfinite, rel_diffs)) else math.inf) if rel_diffs else math.nan
+        flags = []
         if r.first_non_finite or not all(map(math.isfinite, r.losses)):
-            flag = "NON-FINITE" + (f" (first: {r.first_non_finite})" if r.first_non_finite else "")
+            flags.append("NON-FINITE" + (f" (first: {r.first_non_finite})" if r.first_non_finite else ""))
         elif max_rel > tolerance:
-            flag = f"DIVERGES (> {tolerance:g} relative)"
-        finished.append(r._replace(max_abs_diff=max_abs, max_rel_diff=max_rel, flag=flag))
+            flags.append(f"DIVERGES (> {tolerance:g} relative)")
+        if compared < len(reference):
+            flags.append(f"compared on steps 1-{compared} only: float32 went non-finite at step {compared + 1}"
+                         if compared else "not compared: float32 went non-finite at step 1")
+        finished.append(r._replace(max_abs_diff=max_abs, max_rel_diff=max_rel, flag="; ".join(flags)))
     return finished
 
 

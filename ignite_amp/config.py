@@ -5,9 +5,10 @@ Each component declares its own keys once, as a dataclass next to the code that 
 ``model`` in :mod:`ignite_amp.models`, ``optimizer`` and ``scheduler`` in :mod:`ignite_amp.builders`,
 ``train`` in :mod:`ignite_amp.epochs`, ``distributed`` in :mod:`ignite_amp.launcher`, and each
 handler's in its handler's module. :class:`Config` gathers them; :func:`load_config` reads YAML
-(or a dict) against it, applies ``key.path=value`` overrides, fills defaults and refuses unknown
-keys, duplicate keys, wrong types and impossible values with a :class:`ConfigError` naming the
-key path. A resolved config is a plain nested dict: what ``config.yaml`` and checkpoints hold.
+(with YAML 1.2's scalars, as editors do: :mod:`ignite_amp.yaml12`) or a dict against it, applies
+``key.path=value`` overrides, fills defaults and refuses unknown keys, duplicate keys, wrong types,
+impossible values and values that YAML aliases expand past a size (:mod:`ignite_amp.trees`) with a
+:class:`ConfigError` naming the key path. A resolved config is a plain nested dict: what ``config.yaml`` and checkpoints hold.
 :func:`config_schema` is the JSON Schema of the same tree (``ignite-amp schema``).
 """
 import copy
@@ -33,6 +34,8 @@ from ignite_amp.handlers.profiler_capture import ProfilerConfig
 from ignite_amp.handlers.tensorboard_metrics import TensorBoardConfig
 from ignite_amp.launcher import DistributedConfig
 from ignite_amp.models import ModelConfig
+from ignite_amp.trees import MAX_DEPTH, check_tree
+from ignite_amp import yaml12
 
 __all__ = ["Config", "ConfigError", "load_config", "default_config", "save_config", "flatten_config",
            "write_batch_size", "config_schema", "MAX_CONFIG_BYTES"]
@@ -56,10 +59,11 @@ class HandlersConfig:
 class Config:
     """An ignite-amp run."""
 
-    name: str = setting("ignite-amp", Text(r"[\w.\-]+", "a name of letters, digits, '.', '_' or '-'"),
+    name: str = setting("ignite-amp", Text(r"[A-Za-z0-9_.\-]+", "a name of letters, digits, '.', '_' or '-'"),
                         "the run's name (default output_dir: runs/<name>)", NOT_COMPARED)
     seed: int = setting(0, Integer(0, 2**32 - 1), "orders the data and makes the synthetic data sets", FIXED)
-    device: str = setting("auto", Text(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", "auto, cpu, cuda, cuda:N, mps or xpu"),
+    device: str = setting("auto", Text(r"auto|cpu|cuda(:[0-9]+)?|mps|xpu(:[0-9]+)?",
+                                              "auto, cpu, cuda, cuda:N, mps or xpu"),
                           "auto, cpu, cuda, cuda:N, mps or xpu")
     output_dir: str = setting(None, Text(nullable=True), "checkpoints/, config.yaml, train.log and the "
                               "TensorBoard files go here; default runs/<name>; ~ is expanded", NOT_COMPARED)
@@ -108,16 +112,21 @@ def _fail(path: str, expected: str, value: Any) -> None:
 
 
 def _parse_override(item: str) -> tuple:
+    shown = item if len(item) <= 80 else item[:60] + "..."
     if "=" not in item:
-        raise ConfigError(f"--set {item}: expected key.path=value")
+        raise ConfigError(f"--set {shown}: expected key.path=value")
     key, _, value = item.partition("=")
     key = key.strip()
-    if not re.fullmatch(r"[\w\-]+(\.[\w\-]+)*", key):
-        raise ConfigError(f"--set {item}: expected key.path=value")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+    if not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*", key):
+        raise ConfigError(f"--set {shown}: expected key.path=value")
+    if key.count(".") >= MAX_DEPTH:
+        raise ConfigError(f"--set {shown}: a key path of {key.count('.') + 1} levels (the limit is {MAX_DEPTH})")
+    try:  # the value is read as in a config file (YAML 1.2 scalars)
+        parsed = yaml12.load(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value
+    except RecursionError:
+        raise ConfigError(f"--set {shown}: the value is nested too deeply") from None
     return key, parsed
 
 
@@ -140,23 +149,6 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (YAML would keep the last one)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
-                seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
 def _read_yaml(path: str) -> Any:
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such file")
@@ -167,7 +159,7 @@ def _read_yaml(path: str) -> Any:
                           f"{MAX_CONFIG_BYTES // 2**20} MiB)")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=_UniqueKeyLoader)
+            return yaml12.load(f)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -194,6 +186,7 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
     if source is None:
         raw = {}
     elif isinstance(source, dict):
+        check_tree(source)  # before anything walks it: a bounded size and depth, no value inside itself
         raw = copy.deepcopy(source)
     else:
         raw = _read_yaml(os.fspath(source))
@@ -201,8 +194,10 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
             raw = {}
     if not isinstance(raw, dict):
         _fail("config", "a mapping at the top level", raw)
+    check_tree(raw)
     for item in overrides:
         _apply_override(raw, *_parse_override(item))
+    check_tree(raw)
     cfg = validate(raw, Config)
     if cfg["output_dir"] is None:
         cfg["output_dir"] = os.path.join("runs", cfg["name"])
@@ -214,7 +209,7 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
 
 def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
     """Write the resolved config as YAML (atomically: temp file, then rename)."""
-    _write_atomic(os.fspath(path), yaml.safe_dump(cfg, sort_keys=False))
+    _write_atomic(os.fspath(path), yaml12.dump(cfg))
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict:
@@ -238,7 +233,7 @@ def write_batch_size(path: Union[str, os.PathLike], batch_size: int) -> None:
     """
     path = os.fspath(path)
     text = open(path, encoding="utf-8").read()
-    raw = yaml.safe_load(text) or {}
+    raw = yaml12.load(text) or {}
     lines = text.splitlines(keepends=True)
     in_data = False
     for i, line in enumerate(lines):
@@ -252,12 +247,12 @@ def write_batch_size(path: Union[str, os.PathLike], batch_size: int) -> None:
             if count:
                 lines[i] = new
                 candidate = "".join(lines)
-                if (yaml.safe_load(candidate) or {}).get("data", {}).get("batch_size") == batch_size:
+                if (yaml12.load(candidate) or {}).get("data", {}).get("batch_size") == batch_size:
                     _write_atomic(path, candidate)
                     return
                 lines[i] = line
     raw.setdefault("data", {})["batch_size"] = batch_size
-    _write_atomic(path, yaml.safe_dump(raw, sort_keys=False))
+    _write_atomic(path, yaml12.dump(raw))
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -12,7 +12,9 @@ once for the config and for the handlers' arguments.
 import copy
 import dataclasses
 import json
+import math
 import re
+import sys
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ignite_amp.errors import ConfigError
@@ -76,7 +78,14 @@ def _or(base: dict, extras: tuple) -> dict:
     return {"anyOf": [base, {"enum": list(extras)}]} if extras else base
 
 
+# Integers above this are not exact in JavaScript (an editor reads 10**400 as Infinity, not an integer).
+_EXACT = 2**53
+
+
 class Integer(Check):
+    """An integer in bounds; a float with no fraction (``2.0``, ``1e3``) is that integer, as JSON Schema counts it.
+    Without a maximum, at most 2**53 (the largest integer every JSON reader holds exactly)."""
+
     def __init__(self, minimum: int = 0, maximum: Optional[int] = None, nullable: bool = False, also: tuple = ()):
         self.minimum, self.maximum, self.nullable, self.also = minimum, maximum, nullable, tuple(also)
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
@@ -88,26 +97,34 @@ class Integer(Check):
     def normalize(self, value):
         if (value is None and self.nullable) or (isinstance(value, str) and value in self.also):
             return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
         if (isinstance(value, bool) or not isinstance(value, int) or value < self.minimum
-                or (self.maximum is not None and value > self.maximum)):
+                or value > (_EXACT if self.maximum is None else self.maximum)):
             raise _Invalid
         return value
 
+    def argument(self, value, name):
+        if isinstance(value, float):  # 2.0 is for the config's sake (JSON has one number type); Python has int
+            self.refuse_argument(value, name)
+        return super().argument(value, name)
+
     def schema(self):
-        base = {"type": "integer", "minimum": self.minimum}
-        if self.maximum is not None:
-            base["maximum"] = self.maximum
+        base = {"type": "integer", "minimum": self.minimum, "maximum": _EXACT if self.maximum is None else self.maximum}
         return _or(base, self.also + ((None,) if self.nullable else ()))
 
 
 POSITIVE_INT = Integer(1)
 
-# A number YAML 1.1 (PyYAML) leaves as text, like 1e-3.
-_FLOAT_TEXT = r"^[+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$"
+# The words float() reads as infinity that a config may write for an infinite value (YAML's own is .inf).
+_INF_WORDS = ("inf", "Inf", "INF", "infinity", "Infinity")
+# A positive number, also in validators that pass NaN through every bound (NaN > 0 and NaN <= 0 are both
+# false): "not at most 0" holds for exactly the numbers above 0.
+_POSITIVE = {"type": "number", "exclusiveMinimum": 0, "not": {"maximum": 0}}
 
 
 class Number(Check):
-    """A positive real number (strings like "1e-3" accepted)."""
+    """A positive real number: finite, or with ``allow_inf`` also ``.inf`` (or the word ``inf``)."""
 
     def __init__(self, nullable: bool = False, allow_inf: bool = False):
         self.nullable, self.allow_inf = nullable, allow_inf
@@ -116,31 +133,30 @@ class Number(Check):
     def normalize(self, value):
         if value is None and self.nullable:
             return None
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if self.allow_inf and value in _INF_WORDS:
+            return math.inf
+        # Text is refused (as the schema does): a quoted "1e-3" is a string to an editor too.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise _Invalid
+        try:
             number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None or number != number or number <= 0 or (number == float("inf") and not self.allow_inf):
+        except OverflowError:  # an integer of 400 digits: infinity, as an editor reads it
+            number = math.inf
+        if number == math.inf and not self.allow_inf:
             raise _Invalid
         return number
 
     def argument(self, value, name):
-        if isinstance(value, str):  # text is for YAML 1.1's sake; a Python caller passes a number
+        if isinstance(value, str):  # the words are for YAML's sake; a Python caller passes a number
             self.refuse_argument(value, name)
         return super().argument(value, name)
 
     def schema(self):
-        text = _FLOAT_TEXT
-        if self.allow_inf:  # float("inf") reads these too
-            text = r"^[+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|Inf|INF|infinity|Infinity)$"
-        base = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": text}]}
+        number = dict(_POSITIVE) if self.allow_inf else {**_POSITIVE, "maximum": sys.float_info.max}
+        options = [number, {"enum": list(_INF_WORDS)}] if self.allow_inf else [number]
         if self.nullable:
-            base["anyOf"].append({"type": "null"})
-        return base
+            options.append({"type": "null"})
+        return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 class Boolean(Check):
@@ -183,8 +199,8 @@ class Text(Check):
 
     def schema(self):
         base = {"type": "string", "minLength": 1}
-        if self.pattern:
-            base["pattern"] = f"^({self.pattern})$"
+        if self.pattern:  # $ then "nothing after": Python's $ also matches before a final newline, JavaScript's not
+            base["pattern"] = f"^(?:{self.pattern})$(?![\\s\\S])"
         return {"anyOf": [base, {"type": "null"}]} if self.nullable else base
 
 
@@ -202,20 +218,29 @@ class Names(Check):
         return {"anyOf": [{"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}
 
 
-class Mapping(Check):
-    """A free-form mapping (keyword arguments passed through to a constructor); ``--set`` may reach inside."""
+# A keyword argument's name. Not a word YAML reads as true, false or null: an editor sees every key as text
+# ("true"), the loader sees a plain true as a boolean, so such a key is refused quoted or not, by both.
+_KEYWORD = "(?!(?:true|True|TRUE|false|False|FALSE|null|Null|NULL)$)[A-Za-z_][A-Za-z0-9_]*"
 
-    what = "a mapping"
+
+class Mapping(Check):
+    """A free-form mapping (keyword arguments passed through to a constructor); ``--set`` may reach inside.
+
+    Its keys are keyword names: an editor reads ``{1: x}``'s key as the text "1", the loader as a number.
+    """
+
+    what = "a mapping of keyword names (letters, digits, '_') to values"
 
     def normalize(self, value):
         if value is None:
             return {}
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        if not isinstance(value, dict) or not all(isinstance(k, str) and re.fullmatch(_KEYWORD, k) for k in value):
             raise _Invalid
         return copy.deepcopy(value)
 
     def schema(self):
-        return {"anyOf": [{"type": "object"}, {"type": "null"}]}
+        return {"anyOf": [{"type": "object", "propertyNames": {"pattern": f"^{_KEYWORD}$(?![\\s\\S])"}},
+                          {"type": "null"}]}
 
 
 class ResumeValue(Check):

@@ -25,6 +25,7 @@ from ignite_amp.errors import CheckpointError
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
 from ignite_amp.handlers.best_checkpoint import BestCheckpoint
 from ignite_amp.rundir import RunLayout, move_previous_run
+from ignite_amp.trees import brief, same
 
 __all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint", "stored_config",
            "apply_changes", "RULES"]
@@ -78,7 +79,7 @@ class Change(NamedTuple):
 
 
 def _show(value: Any) -> str:
-    return "null" if value is None else str(value)
+    return "null" if value is None else brief(value)  # bounded: a kwargs mapping may alias itself many times over
 
 
 def _rule(key: str) -> str:
@@ -89,11 +90,13 @@ def _rule(key: str) -> str:
 
 
 def config_changes(old: dict, new: dict) -> List[Change]:
-    """Every leaf whose value differs, in schema order (keys a newer schema added count at their default)."""
+    """Every leaf whose value differs, in schema order (keys a newer schema added count at their default).
+
+    Linear in the configs as written: a kwargs value that YAML aliases repeat is compared once, not once per use."""
     defaults = flatten_config(default_config())
     before, after = {**defaults, **flatten_config(old or {})}, flatten_config(new)
     return [Change(k, before.get(k), v) for k, v in after.items()
-            if before.get(k) != v and _rule(k) != NOT_COMPARED]
+            if not same(before.get(k), v) and _rule(k) != NOT_COMPARED]
 
 
 def check_resume(old: dict, new: dict, path: str) -> List[Change]:

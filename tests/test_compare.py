@@ -1,6 +1,9 @@
+import math
 import os
 
+import torch
 import yaml
+from torch import nn
 
 from ignite_amp.cli import main
 from ignite_amp.compare import compare, format_table
@@ -61,6 +64,50 @@ def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
     assert results["float16"].first_non_finite == "layer blowup at step 1"
     # With the scaler, the same overflow in the forward is skipped step after step.
     assert results["float16+scaler"].skipped == 3
+
+
+class NanInOwnForward(nn.Module):
+    """float32 only: the model's own forward (no layer) turns the output NaN from its ``nan_from``-th training
+    call on; under bfloat16 autocast it stays finite. Only the layer search's root hooks can see where."""
+
+    def __init__(self, num_classes: int = 10, nan_from: int = 1):
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, num_classes)
+        self.nan_from, self.calls = nan_from, 0
+
+    def forward(self, x):
+        out = self.head(self.stem(x).mean((2, 3)))
+        if self.training:
+            self.calls += 1
+            if out.dtype == torch.float32 and self.calls >= self.nan_from:
+                out = out * float("nan")
+        return out
+
+
+def _nan_cfg(quick_cfg, nan_from):
+    return dict(quick_cfg, model={"name": "test_compare:NanInOwnForward", "num_classes": 10,
+                                  "kwargs": {"nan_from": nan_from}}, optimizer={"name": "SGD", "lr": 0.01})
+
+
+def test_a_non_finite_reference_is_named_and_blames_no_finite_mode(quick_cfg):
+    results = {r.mode: r for r in compare(_nan_cfg(quick_cfg, 1), steps=3, modes=["bfloat16"],
+                                           print_fn=lambda *a: None)}
+    # The first non-finite value came out of the model's own forward at step 1 (not "layer stem at step 2",
+    # where the NaN weights of step 1's update showed up next).
+    assert results["float32"].first_non_finite == "the model's own forward (outside its layers) at step 1"
+    assert results["float32"].flag == ("NON-FINITE (the reference; first: the model's own forward (outside its "
+                                       "layers) at step 1)")
+    bf16 = results["bfloat16"]
+    assert all(map(math.isfinite, bf16.losses)) and "DIVERGES" not in bf16.flag
+    assert bf16.flag == "not compared: float32 went non-finite at step 1"
+    assert "not compared" in format_table(list(results.values()))
+
+
+def test_a_finite_mode_is_compared_up_to_where_the_reference_went_non_finite(quick_cfg):
+    results = compare(_nan_cfg(quick_cfg, 3), steps=4, modes=["bfloat16"], print_fn=lambda *a: None)
+    assert results[0].first_non_finite == "the model's own forward (outside its layers) at step 3"
+    assert results[1].flag == "compared on steps 1-2 only: float32 went non-finite at step 3"
+    assert 0 <= results[1].max_rel_diff < 0.1
 
 
 def test_compare_cli(quick_cfg, tmp_path, capsys):

@@ -47,7 +47,8 @@ BAD = [
     ({"train": {"epochs": "five"}}, "train.epochs: expected a positive integer"),
     ({"train": []}, "train: expected a mapping, got a list"),
     ({"device": "gpu"}, 'device: expected auto, cpu, cuda, cuda:N, mps or xpu, got "gpu"'),
-    ({"model": {"kwargs": [1]}}, "model.kwargs: expected a mapping, got a list"),
+    ({"model": {"kwargs": [1]}}, "model.kwargs: expected a mapping of keyword names (letters, digits, '_') to "
+                                 "values, got a list"),
     ({"handlers": {"profiler": {"enabled": "yes please"}}}, "handlers.profiler.enabled: expected true or false"),
     ({"bogus": 1}, "bogus: unknown key"),
     ([1, 2], "config: expected a mapping at the top level, got a list"),
@@ -78,13 +79,40 @@ def test_cli_exits_2_with_one_line_for_each_bad_config(tmp_path, capsys, raw, me
     (["--set", "train.epochs"], "--set train.epochs: expected key.path=value"),
     (["--set", "train.nope=1"], "train.nope: unknown key"),
     (["--set", "seed.x=1"], "seed: is a value, not a section"),
+    # 3,000 levels: one line, not "internal error: RecursionError" (issue 32.18)
+    (["--set", "model.kwargs." + ".".join(["a"] * 3000) + "=1"], "a key path of 3002 levels (the limit is 64)"),
+    (["--set", "model.kwargs.a=" + "[" * 3000 + "]" * 3000], "the value is nested too deeply"),
+    (["--set", "model.kwargs.a=" + "[" * 100 + "]" * 100], "model.kwargs.a: nested 102 levels deep (the limit is 64)"),
 ])
 def test_bad_overrides(tmp_path, capsys, args, message):
     path = tmp_path / "ok.yaml"
     path.write_text("name: ok\n")
     assert main(["train", str(path), *args]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert message in err and err.count("\n") == 1 and len(err) < 300
+
+
+def _alias_bomb(levels: int, width: int = 10) -> str:
+    """About 1 KB of YAML whose model.kwargs names ``width**levels`` values through aliases."""
+    lines = ["name: bomb", "model:", "  name: ignite_amp.models:small_cnn", "  kwargs:", "    l0: &l0 [1, 2, 3]"]
+    lines += [f"    l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_config_whose_aliases_expand_past_the_limit_is_one_line(tmp_path, capsys):
+    """Issue 32.8: 12 levels x 10 aliases (over 10**12 values) in 1 KB: refused at once, in one line."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(12))
+    assert len(path.read_bytes()) < 1200
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("ignite-amp: error: model.kwargs: expands to 4,567,901,234,567 values through YAML aliases (the "
+                   "limit is 100,000); write the value out or alias less\n")
+    path.write_text(_alias_bomb(3))  # 3,000 values: aliases are fine below the limit
+    assert load_config(str(path))["model"]["kwargs"]["l3"][9][9][9] == [1, 2, 3]
+    path.write_text("model:\n  kwargs: &k\n    a: *k\n")  # a value inside itself
+    with pytest.raises(ConfigError, match=r"^config: a YAML alias refers to a value that contains it"):
+        load_config(str(path))
 
 
 def test_missing_and_broken_files(tmp_path, capsys):

@@ -163,3 +163,33 @@ def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_
     out = capsys.readouterr().out
     assert "data.batch_size: auto: using 32, the batch size of the resumed run (no new search)" in out
     assert last(cfg, 2)["config"]["value"]["data"]["batch_size"] == 32
+
+
+def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
+    """Issue 32.8: a stored config whose kwargs repeat a value 2**60 times through shared objects (what YAML
+    aliases load as) is compared, and a change in it shown, in time linear in what is written. In a child
+    process with a deadline: the exponential comparison it replaces runs in C code no signal interrupts."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        from ignite_amp.config import load_config
+        from ignite_amp.resume import config_changes
+
+        def bomb(leaf, levels=60):
+            value = [leaf]
+            for _ in range(levels):
+                value = [value, value]
+            return value
+
+        old, new = load_config({}), load_config({})
+        old["model"]["kwargs"], new["model"]["kwargs"] = {"a": bomb(1)}, {"a": bomb(1)}
+        assert config_changes(old, new) == []
+        new["model"]["kwargs"] = {"a": bomb(2)}
+        (change,) = config_changes(old, new)
+        print(change.key, len(str(change)))
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    key, length = proc.stdout.split()
+    assert key == "model.kwargs" and int(length) < 400

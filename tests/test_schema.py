@@ -17,42 +17,16 @@ from ignite_amp.resume import RULES
 SCHEMA_FILE = os.path.join(CONFIGS, "ignite-amp.schema.json")
 
 
-def _same(a, b) -> bool:  # JSON equality: true is not 1
-    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
-        return a is b
-    return a == b and isinstance(a, str) == isinstance(b, str)
-
-
-TYPES = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
-         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-         "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-         "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list)}
+jsonschema = pytest.importorskip("jsonschema")  # the test extra (a GPU machine without it skips this file)
+_validators: dict = {}
 
 
 def accepts(schema: dict, value) -> bool:
-    """The subset of JSON Schema draft 07 the generator writes."""
-    if "anyOf" in schema and not any(accepts(s, value) for s in schema["anyOf"]):
-        return False
-    if "enum" in schema and not any(_same(value, e) for e in schema["enum"]):
-        return False
-    if "type" in schema and not TYPES[schema["type"]](value):
-        return False
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < schema.get("minimum", value) or value > schema.get("maximum", value):
-            return False
-        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
-            return False
-    if isinstance(value, str):
-        if len(value) < schema.get("minLength", 0) or ("pattern" in schema and not re.search(schema["pattern"], value)):
-            return False
-    if isinstance(value, list) and "items" in schema:
-        return all(accepts(schema["items"], v) for v in value)
-    if isinstance(value, dict) and "properties" in schema:
-        props = schema["properties"]
-        if schema.get("additionalProperties") is False and set(value) - set(props):
-            return False
-        return all(accepts(props[k], v) for k, v in value.items())
-    return True
+    """The editor's verdict: a JSON Schema draft 07 validator's (jsonschema, as check-jsonschema uses)."""
+    key = json.dumps(schema, sort_keys=True)
+    if key not in _validators:
+        _validators[key] = jsonschema.Draft7Validator(schema)
+    return _validators[key].is_valid(value)
 
 
 def _nest(path: str, value) -> dict:
@@ -66,6 +40,7 @@ def test_the_shipped_schema_file_is_the_generated_one(tmp_path):
     assert main(["schema", "-o", str(out)]) == 0
     assert json.loads(out.read_text()) == config_schema()
     assert json.load(open(SCHEMA_FILE)) == config_schema(), "regenerate: ignite-amp schema -o configs/ignite-amp.schema.json"
+    jsonschema.Draft7Validator.check_schema(config_schema())
 
 
 def test_every_shipped_config_names_the_schema_and_passes_it():
@@ -80,7 +55,8 @@ def test_every_shipped_config_names_the_schema_and_passes_it():
 
 
 CANDIDATES = [-1, 0, 1, 2, 8, 1.5, "x", "auto", "never", "shapes", "cuda:1", "1e-3", True, False, None, [], ["a"], {},
-              {"a": 1}, [1]]
+              {"a": 1}, [1], 2.0, 1e3, float("inf"), float("-inf"), float("nan"), "inf", "1_000", " 1e-3", "\u0661\u0660",
+              "on", "yes", "x\n", "caf\u00e9", "cuda:\u0661", {"1a": 1}, {"true": 1}, {"a": {"1": 2}}]
 
 
 def test_the_schema_and_the_loader_agree_on_every_key():
@@ -148,3 +124,105 @@ def test_a_config_file_too_large_is_one_line(tmp_path, size, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a config (the limit is 1 MiB)" in err
+
+
+INF, NAN, MAX = float("inf"), float("nan"), 1.7976931348623157e308
+# (key path, the value as written in a YAML file, what a YAML 1.2 editor reads (by the 1.2 core schema),
+#  whether the config is valid, and the value the run then uses). Both the loader and the schema must agree.
+DOCUMENTS = [
+    ("optimizer.lr", "1e309", INF, False, None), ("optimizer.lr", ".inf", INF, False, None),
+    ("optimizer.lr", "-.inf", -INF, False, None), ("optimizer.lr", ".nan", NAN, False, None),
+    ("optimizer.lr", "'1_000'", "1_000", False, None), ("optimizer.lr", "1_000", "1_000", False, None),
+    ("optimizer.lr", "' 1e-3'", " 1e-3", False, None), ("optimizer.lr", "'1e-3'", "1e-3", False, None),
+    ("optimizer.lr", "\u0661\u0660", "\u0661\u0660", False, None), ("optimizer.lr", "yes", "yes", False, None),
+    ("optimizer.lr", "0", 0, False, None), ("optimizer.lr", "-1e-3", -0.001, False, None),
+    ("optimizer.lr", "1e-3", 0.001, True, 0.001), ("optimizer.lr", "1e3", 1000.0, True, 1000.0),
+    ("optimizer.lr", "3.0e-4", 3e-4, True, 3e-4), ("optimizer.lr", ".5", 0.5, True, 0.5),
+    ("optimizer.lr", "2", 2, True, 2.0), ("optimizer.lr", "0x10", 16, True, 16.0),
+    ("optimizer.lr", "1.7976931348623157e308", MAX, True, MAX), ("optimizer.lr", "1" + "0" * 400, 10**400, False, None),
+    ("handlers.clipping.norm_type", "1" + "0" * 400, 10**400, True, INF),
+    ("train.epochs", "1" + "0" * 400, 10**400, False, None), ("train.epochs", "1e300", 1e300, False, None),
+    ("train.epochs", "9007199254740992", 2**53, True, 2**53),
+    ("train.epochs", "2.0", 2.0, True, 2), ("train.epochs", "1e3", 1000.0, True, 1000),
+    ("train.epochs", "+3", 3, True, 3), ("train.epochs", "0o17", 15, True, 15),
+    ("train.epochs", "2.5", 2.5, False, None), ("train.epochs", "1e309", INF, False, None),
+    ("train.epochs", ".nan", NAN, False, None), ("train.epochs", "'2'", "2", False, None),
+    ("train.epochs", "\u0662", "\u0662", False, None), ("train.epochs", "1_000", "1_000", False, None),
+    ("train.epochs", "true", True, False, None), ("train.epochs", "0", 0, False, None),
+    ("seed", "017", 17, True, 17), ("seed", "0017", 17, True, 17), ("seed", "-0", 0, True, 0),
+    ("seed", "4294967295", 2**32 - 1, True, 2**32 - 1), ("seed", "4294967296", 2**32, False, None),
+    ("seed", "1:30", "1:30", False, None), ("seed", "0b11", "0b11", False, None),
+    ("data.batch_size", "auto", "auto", True, "auto"), ("data.batch_size", "Auto", "Auto", False, None),
+    ("data.batch_size", "64.0", 64.0, True, 64),
+    ("name", "on", "on", True, "on"), ("name", "yes", "yes", True, "yes"), ("name", "off", "off", True, "off"),
+    ("name", "2024-01-01", "2024-01-01", True, "2024-01-01"), ("name", "run.1_a-b", "run.1_a-b", True, "run.1_a-b"),
+    ("name", "1e3", 1000.0, False, None), ("name", "017", 17, False, None), ("name", "null", None, False, None),
+    ("name", "caf\u00e9", "caf\u00e9", False, None), ("name", "run\u0663", "run\u0663", False, None),
+    ("name", '"run\\n"', "run\n", False, None), ("name", "'a b'", "a b", False, None),
+    ("amp.compile", "yes", "yes", False, None), ("amp.compile", "on", "on", False, None),
+    ("amp.compile", "y", "y", False, None), ("amp.compile", "1", 1, False, None),
+    ("amp.compile", "true", True, True, True), ("amp.compile", "True", True, True, True),
+    ("amp.compile", "FALSE", False, True, False),
+    ("device", "cuda:1", "cuda:1", True, "cuda:1"), ("device", "cuda:\u0661", "cuda:\u0661", False, None),
+    ("device", "CPU", "CPU", False, None), ("device", '"cpu\\n"', "cpu\n", False, None),
+    ("handlers.clipping.norm_type", ".inf", INF, True, INF), ("handlers.clipping.norm_type", "inf", "inf", True, INF),
+    ("handlers.clipping.norm_type", "Infinity", "Infinity", True, INF),
+    ("handlers.clipping.norm_type", "1e309", INF, True, INF), ("handlers.clipping.norm_type", "2", 2, True, 2.0),
+    ("handlers.clipping.norm_type", ".nan", NAN, False, None), ("handlers.clipping.norm_type", "-.inf", -INF, False, None),
+    ("handlers.clipping.norm_type", "'2'", "2", False, None),
+    ("handlers.clipping.max_norm", "null", None, True, None), ("handlers.clipping.max_norm", "~", None, True, None),
+    ("handlers.clipping.max_norm", "", None, True, None), ("handlers.clipping.max_norm", "NULL", None, True, None),
+    ("handlers.clipping.max_norm", "nil", "nil", False, None),
+    ("model.kwargs", "{a: 1}", {"a": 1}, True, {"a": 1}), ("model.kwargs", "{on: yes}", {"on": "yes"}, True, {"on": "yes"}),
+    ("model.kwargs", "{1: 2}", {"1": 2}, False, None), ("model.kwargs", "{true: 1}", {"true": 1}, False, None),
+    ("model.kwargs", "{'true': 1}", {"true": 1}, False, None), ("model.kwargs", "{null: 1}", {"null": 1}, False, None),
+    ("model.kwargs", "{a-b: 1}", {"a-b": 1}, False, None), ("model.kwargs", "{a: {1: 2}}", {"a": {"1": 2}}, True, None),
+    ("model.kwargs", "[1]", [1], False, None), ("model.kwargs", "null", None, True, {}),
+]
+
+
+def _as_editor(value):
+    """What an editor validates: JSON, whose mapping keys are text."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else json.dumps(k): _as_editor(v) for k, v in value.items()}
+    return [_as_editor(v) for v in value] if isinstance(value, list) else value
+
+
+def _equal(a, b) -> bool:  # the same JSON value; NaN is itself here
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return _same(a, b) if not isinstance(a, (dict, list)) else json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _same(a, b) -> bool:  # JSON equality: true is not 1
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a is b
+    return a == b and isinstance(a, str) == isinstance(b, str)
+
+
+@pytest.mark.parametrize("path, text, editor, valid, used", DOCUMENTS, ids=[f"{p}={t[:12]}" for p, t, *_ in DOCUMENTS])
+def test_the_loader_and_the_schema_accept_the_same_documents(tmp_path, path, text, editor, valid, used):
+    """A YAML file means what a YAML 1.2 editor reads; the loader and the JSON Schema give one verdict on it."""
+    from ignite_amp import yaml12
+
+    keys = path.split(".")
+    document = "".join(f"{'  ' * i}{key}:\n" for i, key in enumerate(keys))[:-1] + f" {text}\n"
+    file = tmp_path / "c.yaml"
+    file.write_text(document, encoding="utf-8")
+    read = yaml12.load(document)
+    for key in keys:
+        read = read[key]
+    assert _equal(_as_editor(read), editor), f"the loader reads {read!r}, a YAML 1.2 editor {editor!r}"
+    assert accepts(config_schema(), _nest(path, editor)) == valid, "the schema's verdict"
+    try:
+        cfg = load_config(str(file))
+    except ConfigError as exc:
+        assert not valid, f"the loader refused it: {exc}"
+        assert str(exc).startswith(path) and "\n" not in str(exc)  # one line naming the key
+        return
+    assert valid, "the loader accepted it"
+    for key in keys:
+        cfg = cfg[key]
+    if used is not None or editor is None:
+        assert _same(cfg, used) if not isinstance(used, dict) else cfg == used
+        assert type(cfg) is type(used)
