@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ignite_amp.tree import join_chunks
+from ignite_amp.nested import join_chunks
 
 __all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum", "check_count",
            "warn_padding_without_items", "warn_batch_norm"]

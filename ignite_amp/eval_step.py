@@ -4,7 +4,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine
 
-from ignite_amp.tree import join_chunks, to_float32
+from ignite_amp.nested import join_chunks, to_float32
 from ignite_amp.step_base import StepBase
 
 __all__ = ["EvalStep"]

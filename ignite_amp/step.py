@@ -56,7 +56,7 @@ from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
-from ignite_amp.tree import detach, join_chunks, to_float32
+from ignite_amp.nested import detach, join_chunks, to_float32
 
 __all__ = ["AmpStep"]
 

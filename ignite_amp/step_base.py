@@ -17,7 +17,7 @@ from ignite_amp.device import free_memory, is_oom_error, resolve_device, resolve
 from ignite_amp.errors import BatchError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
-from ignite_amp.tree import to_channels_last, to_float32
+from ignite_amp.nested import to_channels_last, to_float32
 
 __all__ = ["StepBase", "Cycle", "keep_in_fp32", "call_model", "identity"]
 

@@ -1,4 +1,4 @@
-"""ignite_amp.batching and ignite_amp.tree: batch size, chunks and their joins at any nesting, prepare_batch."""
+"""ignite_amp.batching and ignite_amp.nested: batch size, chunks and their joins at any nesting, prepare_batch."""
 import dataclasses
 from collections import namedtuple
 
@@ -7,7 +7,7 @@ import torch
 
 from ignite_amp.batching import batch_size_of, chunk_sizes, prepare_batch, split_batch, split_pairs
 from ignite_amp.errors import BatchError
-from ignite_amp.tree import detach, join_chunks, to_channels_last, to_float32
+from ignite_amp.nested import detach, join_chunks, to_channels_last, to_float32
 
 
 def xs(parts):
