@@ -182,7 +182,7 @@ def one_line(exc: BaseException) -> str:
 def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -> None:
     """The run writes its resolved config to ``output_dir/config.yaml``: when that is the file trained from,
     it must be a resolved config already (rerunning a run's own config.yaml resumes it), not the user's."""
-    from ignite_amp import yaml12
+    import ignite_amp.yaml12 as yaml12
     from ignite_amp.config import ConfigError, load_config
     from ignite_amp.trees import same
 

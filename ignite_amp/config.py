@@ -35,7 +35,7 @@ from ignite_amp.handlers.tensorboard_metrics import TensorBoardConfig
 from ignite_amp.launcher import DistributedConfig
 from ignite_amp.models import ModelConfig
 from ignite_amp.trees import MAX_DEPTH, check_tree
-from ignite_amp import yaml12
+import ignite_amp.yaml12 as yaml12
 
 __all__ = ["Config", "ConfigError", "load_config", "default_config", "save_config", "flatten_config",
            "write_batch_size", "config_schema", "MAX_CONFIG_BYTES"]
