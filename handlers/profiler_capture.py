@@ -95,6 +95,8 @@ class ProfilerCapture:
         wait, warmup, active, repeat: ``torch.profiler.schedule`` arguments.
         record_shapes, profile_memory, with_stack: ``torch.profiler.profile`` options (off: they cost).
         row_limit: rows in the operator table.
+        from_config: advice names config keys (``handlers.profiler.wait``), not this class's arguments
+            (``train_from_config`` sets it).
 
     Example:
         >>> import os, tempfile, torch
@@ -112,13 +114,14 @@ class ProfilerCapture:
 
     def __init__(self, logdir: str, wait: int = 5, warmup: int = 2, active: int = 5, repeat: int = 1,
                  record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,
-                 row_limit: int = 25):
+                 row_limit: int = 25, from_config: bool = False):
         for name, value in dict(wait=wait, warmup=warmup, active=active, repeat=repeat, row_limit=row_limit).items():
             argument(ProfilerConfig, name, value)
         self.logdir = str(logdir)
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
         self.options = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)
         self.row_limit = row_limit
+        self.from_config = from_config
         self.profiler: Optional[torch.profiler.profile] = None
         self.last: Optional[int] = None
         self.traces = 0
@@ -164,8 +167,8 @@ class ProfilerCapture:
         end = first + self.active - 1
         if self.last < first:
             logger.warning("profiler: its window (iterations %d-%d) starts after this run's last iteration (%d): no "
-                           "trace will be written; lower handlers.profiler.wait/warmup (ProfilerCapture's wait, "
-                           "warmup)", first, end, self.last)
+                           "trace will be written; lower %s", first, end, self.last,
+                           "handlers.profiler.wait/warmup" if self.from_config else "ProfilerCapture's wait or warmup")
         elif self.last < end:
             logger.warning("profiler: its window (iterations %d-%d) is cut short by the run's end: the trace will "
                            "hold iterations %d-%d", first, end, first, self.last)

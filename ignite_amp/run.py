@@ -365,7 +365,7 @@ def _attach_handlers(run: Run) -> None:
         run.health = tb.health
     profiler = _switched_on(cfg["profiler"])
     if profiler is not None:
-        capture = ProfilerCapture(run.profiler_dir, **profiler)
+        capture = ProfilerCapture(run.profiler_dir, **profiler, from_config=True)
         capture.attach(trainer)
         run.closers.append(capture.stop)
         run.traces = capture.files

@@ -169,3 +169,22 @@ def test_no_kineto_error_lines_on_a_cpu_run(tmp_path):
 def test_bad_arguments(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         ProfilerCapture(str(tmp_path), **kwargs)
+
+
+@pytest.mark.parametrize("from_config, named", [(False, "lower ProfilerCapture's wait or warmup"),
+                                                (True, "lower handlers.profiler.wait/warmup")])
+def test_advice_names_python_arguments_in_a_script_and_config_keys_in_a_config_run(tmp_path, caplog, from_config,
+                                                                                  named):
+    """Issue 28: a Python run is told of Python arguments, a config run of config keys."""
+    import logging
+
+    from ignite_amp import create_amp_trainer
+
+    model = torch.nn.Linear(4, 2)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 torch.nn.functional.cross_entropy, device="cpu")
+    ProfilerCapture(str(tmp_path), wait=20, warmup=1, active=2, from_config=from_config).attach(trainer)
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        trainer.run([(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3, max_epochs=1)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "starts after this run's last iteration" in said and said.rstrip().endswith(named)
