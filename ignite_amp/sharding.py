@@ -9,7 +9,7 @@ A sharded model's checkpoint is a directory (``*.dcp``) written with ``torch.dis
 each rank writes its shards of the model and optimizer state, rank 0 the rest (``state.pt``).
 It loads on any number of processes, one included (DCP reshards).
 """
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,13 +20,13 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ignite_amp.blocks import block_names
 from ignite_amp.checkpoint_io import SHARDED_KEYS, single_process_quiet
 from ignite_amp.collectives import is_distributed
 from ignite_amp.device import resolve_dtype
 
 __all__ = ["shard_model", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
            "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state"]
-
 
 
 def is_sharded(model: Any) -> bool:
@@ -36,40 +36,6 @@ def is_sharded(model: Any) -> bool:
     except ImportError:  # a torch without FSDP2
         return False
     return isinstance(model, FSDPModule)
-
-
-def block_names(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:
-    """The submodules :func:`shard_model` shards one by one, outermost first, as module paths.
-
-    ``blocks``: class names (``["TransformerEncoderLayer"]``): every submodule of one of these
-    classes that is not inside another. ``None``: the repeated blocks, i.e. each child of an
-    ``nn.ModuleList`` or ``nn.Sequential`` whose two or more children all share one class and hold
-    parameters (a transformer's layers, a ResNet stage's residual blocks).
-    """
-    chosen: List[str] = []
-
-    def inside(name: str) -> bool:
-        return any(name.startswith(parent + ".") for parent in chosen)
-
-    if blocks is not None:
-        wanted = set(blocks)
-        known = {type(m).__name__ for m in model.modules()}
-        missing = sorted(wanted - known)
-        if missing:
-            raise ValueError(f"blocks: the model has no submodule of class {', '.join(map(repr, missing))}")
-        for name, module in model.named_modules():
-            if name and type(module).__name__ in wanted and not inside(name):
-                chosen.append(name)
-        return chosen
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or inside(name):
-            continue
-        children = list(module.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and \
-                all(any(True for _ in c.parameters()) for c in children):
-            prefix = f"{name}." if name else ""
-            chosen.extend(f"{prefix}{child}" for child, _ in module.named_children())
-    return chosen
 
 
 def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
