@@ -146,7 +146,7 @@ def test_a_6_block_model_saves_at_least_2x_fewer_activation_bytes():
     plain, checkpointed = net(depth=6, width=32), net(depth=6, width=32)
     checkpoint_blocks(checkpointed)
     without, with_it = saved_bytes(plain, x), saved_bytes(checkpointed, x)
-    assert without >= 2 * with_it > 0, (without, with_it)  # 8.3x on this model
+    assert without >= 2 * with_it > 0, (without, with_it)  # 8.5x on this model
     assert relative_difference(plain, checkpointed) == 0.0 and all(
         torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), checkpointed.parameters()))
 
@@ -174,6 +174,17 @@ def test_blocks_checkpointed_already_stay_as_they_are_and_bad_arguments():
     with pytest.raises(ValueError, match="blocks: the model has no submodule of class 'Layer'"):
         checkpoint_blocks(net(), ["Layer"])
     assert block_names(net()) == ["blocks.0", "blocks.1", "blocks.2"]  # the rule FSDP2 shards by
+
+
+def test_compile_traces_the_checkpointed_blocks():
+    data = batches(2)
+    plain, checkpointed = net(), net()
+    train(plain, False, data)
+    # Checkpointed first, then compiled (the factory's order); aot_eager: dynamo and AOTAutograd trace the
+    # checkpoints as compile=True does, without inductor's minute of code generation on a CPU.
+    compiled = torch.compile(checkpointed, backend="aot_eager")
+    train(checkpointed, True, data, model_fn=lambda model, x: compiled(x))
+    assert relative_difference(checkpointed, plain) < 1e-6
 
 
 def test_describe_blocks():
