@@ -256,6 +256,7 @@ def test_a_config_run_checkpoints_the_named_blocks_and_a_resume_may_turn_it_off(
     run = build_run(cfg, print_fn=lambda line: None)
     try:
         assert checkpointed_blocks(run.model) == ["0", "1", "2", "3"]  # small_cnn's four conv blocks
+        assert step_facts(run.trainer.amp_step)["checkpointed_blocks"] == "0-3"
     finally:
         run.close()
     train_from_config(cfg, print_fn=lambda line: None)
