@@ -211,7 +211,7 @@ class SavedBytesDevice(nn.Module):
     the bytes autograd saves for the backward (counted, not assumed), and raises torch.OutOfMemoryError above
     the meter's capacity: memory per sample shrinks when the blocks keep only their inputs."""
 
-    def __init__(self, meter, clock, fixed=2 * GiB, scale=5000):
+    def __init__(self, meter, clock, fixed=2 * GiB, scale=40000):
         super().__init__()
         self.meter, self.clock, self.fixed, self.scale = meter, clock, fixed, scale
         torch.manual_seed(0)
@@ -245,6 +245,7 @@ def test_the_batch_size_search_finds_a_larger_batch_with_it_on():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         found[checkpointing] = find_batch_size(model, optimizer, cross_entropy, lambda n: batches(1, n)[0],
                                                device="cpu", dtype="float32", meter=meter, clock=clock,
+                                               warmup=1, steps=1, verify_steps=1,
                                                activation_checkpointing=checkpointing).batch_size
         assert bool(checkpointed_blocks(model)) == checkpointing
     assert found[True] >= 2 * found[False] > 0, found
