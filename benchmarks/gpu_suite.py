@@ -830,7 +830,8 @@ def activation_checkpointing(ctx: Context) -> None:
         gpu=dict(layers=12, width=1024, heads=16, vocab=32768, tokens=1024, batch=8,
                  cnn=resnet50, cnn_name="torchvision resnet50", cnn_batch=128, image=224, warmup=3, steps=5),
         smoke=dict(layers=2, width=32, heads=4, vocab=64, tokens=16, batch=4,
-                   cnn=lambda: build_model("resnet18", 10, {}), cnn_name="torchvision resnet18 (stand-in)", cnn_batch=8, image=16, warmup=1, steps=2))
+                   cnn=lambda: build_model("resnet18", 10, {}), cnn_name="torchvision resnet18 (stand-in)",
+                   cnn_batch=8, image=16, warmup=1, steps=2))
     device = ctx.device
     torch.backends.cudnn.benchmark = True
     ctx.result["data"]["sizes"] = {k: v for k, v in size.items() if k != "cnn"}
