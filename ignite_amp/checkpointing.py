@@ -32,17 +32,15 @@ _MARK = "_ignite_amp_checkpointed"
 def _running_stats_kept(block: nn.Module) -> Iterator[None]:
     """BatchNorm layers in training mode update their running statistics at each forward: the backward's
     recompute must not update them a second time."""
-    norms = [m for m in block.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    kept = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-            for m in norms]
+    kept = [(buffer, buffer.clone()) for m in block.modules()
+            if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+            for buffer in (m.running_mean, m.running_var, m.num_batches_tracked) if buffer is not None]
     try:
         yield
     finally:
         with torch.no_grad():
-            for m, values in zip(norms, kept):
-                for buffer, value in zip((b for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-                                          if b is not None), values):
-                    buffer.copy_(value)
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 def _checkpointed_forward(block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
