@@ -13,7 +13,9 @@ d. the batch-size search (trials, seconds, size found), and a real out-of-memory
    of an epoch recovered by OOMBackoff (memory cap sized from a probe step's measured peak);
 e. numerics parity: CIFAR ResNet-18 on ``shapes`` at 32x32 in float32, float16 and bfloat16;
 f. host syncs: one bfloat16 epoch with the default handlers under ``torch.cuda.set_sync_debug_mode``;
-g. the data path: samples/s with num_workers 0, 4, 8 and pin_memory off/on, quickstart and CIFAR recipe.
+g. the data path: samples/s with num_workers 0, 4, 8 and pin_memory off/on, quickstart and CIFAR recipe;
+h. activation checkpointing: peak activation memory and step time with and without it, on a GPT-style
+   transformer (12 layers, width 1024, 1024 tokens) and on ResNet-50 at 224x224 (bfloat16).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it. Each has a time budget (SECTIONS);
@@ -60,6 +62,7 @@ from ignite_amp.config import load_config
 from ignite_amp.data import EpochShuffleSampler, build_datasets
 from ignite_amp.events import AmpEvents
 from ignite_amp.handlers import OOMBackoff
+from ignite_amp.checkpointing import checkpointed_blocks
 from ignite_amp.models import build_model, small_cnn
 from ignite_amp.run import build_run, train_from_config
 from ignite_amp.device import free_memory
@@ -783,6 +786,119 @@ def _step_rate(ctx: Context, cfg: dict, size: dict) -> float:
     return batch * size["steps"] / seconds
 
 
+# -- h. activation checkpointing ----------------------------------------------------------------------
+class GPTBlock(nn.Module):
+    """A pre-norm GPT block: causal self-attention (scaled_dot_product_attention) and a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``layers`` GPTBlocks (``blocks.N``), a final norm and the vocabulary head;
+    returns the logits of every position flattened to ``(batch * tokens, vocab)``."""
+
+    def __init__(self, layers: int, width: int, heads: int, vocab: int, tokens: int):
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab, width), nn.Parameter(torch.zeros(tokens, width))
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position[:tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)).flatten(0, 1)
+
+
+def activation_checkpointing(ctx: Context) -> None:
+    size = ctx.sizes(
+        # Expected on one H100: ~25 s. GPT (12 x 1024, 16 heads, 1024 tokens, batch 8, ~150 M parameters with
+        # the 32k head) takes ~0.1-0.15 s a step; ResNet-50 (batch 128, 224x224) ~0.1 s after cudnn autotuning
+        # (a few seconds). Each: 3 warm-up and 5 timed steps, with and without, one after the other.
+        gpu=dict(layers=12, width=1024, heads=16, vocab=32768, tokens=1024, batch=8,
+                 cnn=resnet50, cnn_name="torchvision resnet50", cnn_batch=128, image=224, warmup=3, steps=5),
+        smoke=dict(layers=2, width=32, heads=4, vocab=64, tokens=16, batch=4,
+                   cnn=lambda: build_model("resnet18", 10, {}), cnn_name="torchvision resnet18 (stand-in)",
+                   cnn_batch=8, image=16, warmup=1, steps=2))
+    device = ctx.device
+    torch.backends.cudnn.benchmark = True
+    ctx.result["data"]["sizes"] = {k: v for k, v in size.items() if k != "cnn"}
+    ctx.table("bfloat16, create_amp_trainer, SGD; activation memory: peak allocated during the steps less what the "
+              "weights, gradients and optimizer state hold", ["model", "checkpointing", "blocks", "step_ms",
+                                                              "peak_activation_mb", "peak_mb", "status"])
+    gpt = dict(factory=lambda: GPT(size["layers"], size["width"], size["heads"], size["vocab"], size["tokens"]),
+               batch=lambda: (torch.randint(0, size["vocab"], (size["batch"], size["tokens"]), device=device),
+                              torch.randint(0, size["vocab"], (size["batch"] * size["tokens"],), device=device)))
+    cnn = dict(factory=size["cnn"],
+               batch=lambda: (torch.randn(size["cnn_batch"], 3, size["image"], size["image"], device=device),
+                              torch.randint(0, 10, (size["cnn_batch"],), device=device)))
+    measured = {}
+    for name, spec in ((f"GPT {size['layers']}x{size['width']}, {size['tokens']} tokens", gpt),
+                       (size["cnn_name"], cnn)):
+        for on in (False, True):
+            if ctx.left() < 5:
+                ctx.row(model=name, checkpointing=on, status=f"not run: {ctx.left():.0f} s left of the budget")
+                continue
+            r = _checkpointing_step(spec, on, size, device)
+            measured[(name, on)] = r
+            ctx.row(model=name, checkpointing=on, blocks=r["blocks"], step_ms=r["step_ms"],
+                    peak_activation_mb=r["activation_mb"], peak_mb=r["peak_mb"], status="measured")
+        plain, checkpointed = measured.get((name, False)), measured.get((name, True))
+        transformer = name.startswith("GPT")
+        if plain is None or checkpointed is None or plain["activation_mb"] is None:
+            saved, slower, value = None, None, ""
+        else:
+            saved = 1 - checkpointed["activation_mb"] / plain["activation_mb"]
+            slower = checkpointed["step_ms"] / plain["step_ms"] - 1
+            value = f"{saved * 100:.1f}% less activation memory, {slower * 100:+.1f}% step time"
+        ctx.target(f"{name}: >= 40% less peak activation memory for <= 35% more step time" if transformer else
+                   f"{name}: less peak activation memory (no target; measured)", value,
+                   None if saved is None else (saved >= 0.40 and slower <= 0.35) if transformer else saved > 0)
+    ctx.note("Checkpointed blocks: the GPT's blocks.N and ResNet-50's Bottleneck blocks (layerN.M), by the rule FSDP2 "
+             "shards by. Peaks are torch.cuda.max_memory_allocated; without CUDA there is no memory figure.")
+
+
+def _checkpointing_step(spec: dict, on: bool, size: dict, device: torch.device) -> dict:
+    """Median ms per step and peak memory of ``size['steps']`` bfloat16 steps, after the warm-up steps."""
+    gc.collect()
+    free_memory(device)
+    torch.manual_seed(0)
+    model = spec["factory"]().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    trainer = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype="bfloat16",
+                                 activation_checkpointing=on)
+    batches = [spec["batch"]() for _ in range(size["warmup"] + size["steps"])]
+    trainer.run(batches[:size["warmup"]], max_epochs=1)  # gradients and optimizer state exist from here on
+    _sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_allocated(device) if cuda else None
+    times = []
+    for batch in batches[size["warmup"]:]:
+        begin = time.perf_counter()
+        trainer.run([batch], max_epochs=1)
+        _sync(device)
+        times.append(time.perf_counter() - begin)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    blocks = checkpointed_blocks(model)
+    del trainer, optimizer, model, batches
+    return {"step_ms": statistics.median(times) * 1e3, "blocks": len(blocks),
+            "peak_mb": peak / 2**20 if cuda else None, "activation_mb": (peak - held) / 2**20 if cuda else None}
+
+
 # -- the suite --------------------------------------------------------------------------------------
 class Section(NamedTuple):
     key: str
@@ -793,13 +909,15 @@ class Section(NamedTuple):
 
 
 SECTIONS = (
-    Section("a_gpu_tests", "a. GPU tests (pytest -m gpu)", gpu_tests, 210, 170),
+    Section("a_gpu_tests", "a. GPU tests (pytest -m gpu)", gpu_tests, 185, 170),
     Section("b_overhead", "b. Overhead against the hand-written loop (ResNet-18, 32x32, batch 256)", overhead, 40, 25),
     Section("c_amp_vs_fp32", "c. AMP against float32 (ResNet-50, 224x224, batch 128)", amp_vs_fp32, 120, 100),
     Section("d_batch_size", "d. Batch-size search and out-of-memory recovery", batch_size_and_oom, 50, 35),
-    Section("e_numerics", "e. Numerics parity (CIFAR ResNet-18 on shapes, 32x32)", numerics, 50, 30),
+    Section("e_numerics", "e. Numerics parity (CIFAR ResNet-18 on shapes, 32x32)", numerics, 40, 30),
     Section("f_host_syncs", "f. Host syncs per iteration (bfloat16, default handlers)", host_syncs, 25, 12),
     Section("g_data_path", "g. Data path (num_workers, pin_memory)", data_path, 35, 25),
+    Section("h_activation_checkpointing", "h. Activation checkpointing (GPT-style transformer, ResNet-50)",
+            activation_checkpointing, 35, 25),
 )
 
 

@@ -10,13 +10,14 @@ import ignite.distributed as idist
 import torch
 from ignite.utils import manual_seed
 
+from ignite_amp.checkpointing import checkpoint_blocks
 from ignite_amp.collectives import is_distributed
 from ignite_amp.errors import ConfigError, first_line
 from ignite_amp.device import is_oom_error, resolve_device
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
-           "check_classes", "check_model_runs"]
+           "check_classes", "check_model_runs", "checkpoint_activations"]
 
 
 @dataclasses.dataclass
@@ -100,6 +101,17 @@ def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,
         return make(optimizer)
     except Exception as exc:  # torch raises TypeError, ValueError, ZeroDivisionError... for bad arguments
         raise ConfigError(f"scheduler.kwargs: {sched['name']} refused its arguments ({exc})") from None
+
+
+def checkpoint_activations(cfg: dict, model: torch.nn.Module) -> None:
+    """``amp.activation_checkpointing``: the model's blocks (``distributed.blocks``, or the repeated ones)
+    checkpointed in place as soon as the model is built: before the batch-size search, DDP or FSDP2
+    sharding and compile (the order of :mod:`ignite_amp.checkpointing`)."""
+    if cfg["amp"]["activation_checkpointing"]:
+        try:
+            checkpoint_blocks(model, cfg["distributed"]["blocks"] or None)
+        except ValueError as exc:
+            raise ConfigError(f"distributed.{exc}") from None
 
 
 def input_shape(data: dict) -> tuple:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "max_across_ranks", "sum_across_ranks",
-           "all_reduce_gradients", "broadcast_buffers",
+           "all_reduce_gradients", "broadcast_buffers", "is_sharded",
            "adopt_ignite_loggers", "no_buffer_sync_in_forward"]
 
 IGNITE_LOGGERS = ("ignite.distributed.launcher.Parallel", "ignite.distributed.auto.auto_dataloader",
@@ -45,6 +45,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         return model.module
     return model
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` was sharded with FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
 
 
 _CPU_GROUPS: dict = {}

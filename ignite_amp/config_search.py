@@ -7,7 +7,7 @@ import ignite.distributed as idist
 import torch
 
 from ignite_amp.batch_search import find_batch_size, print_progress
-from ignite_amp.builders import build_optimizer, config_device, input_shape, seed_everything
+from ignite_amp.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
 from ignite_amp.errors import ConfigError
 from ignite_amp.models import build_model
 
@@ -48,5 +48,6 @@ def search_config(cfg: dict, objective: str = "largest", progress: bool = False)
         raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
     seed_everything(cfg["seed"])
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    checkpoint_activations(cfg, model)  # as the run will (its blocks keep only their inputs)
     result = search_built(cfg, model, build_optimizer(cfg["optimizer"], model), device, objective, progress)
     return result, torch.cuda.get_device_name(device), idist.get_world_size()

@@ -12,10 +12,11 @@ import torch
 from ignite.engine import Engine, Events, EventsList
 from torch import nn
 
-from ignite_amp.collectives import broadcast_buffers, is_distributed, unwrap
+from ignite_amp.checkpointing import checkpoint_blocks, checkpointed_blocks
+from ignite_amp.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
 from ignite_amp.eval_step import EvalStep
 from ignite_amp.events import AmpEvents
-from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, setting
+from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
 from ignite_amp.step import AmpStep
 from ignite_amp.step_base import StepBase, call_model, identity
 
@@ -33,6 +34,10 @@ class AmpConfig:
     fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
     channels_last: bool = setting(False, Boolean(), "channels-last memory format for model and images")
     compile: bool = setting(False, Boolean(), "torch.compile the forward")
+    activation_checkpointing: bool = setting(
+        False, Boolean(), "the model's repeated blocks (distributed.blocks, or the rule FSDP2 shards by) keep only "
+        "their inputs and run their forward again in the backward: less activation memory, same gradients, about "
+        "one more forward of compute; may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
 
 
@@ -91,14 +96,18 @@ def create_amp_trainer(
     model_transform: Callable[[Any], Any] = identity,
     output_transform: Optional[Callable] = None,
     num_items: Optional[Callable[[Any, Any], Any]] = None,
+    activation_checkpointing: bool = False,
     **kwargs: Any,
 ) -> Engine:
     """An Ignite ``Engine`` whose process function is an :class:`AmpStep` (``trainer.amp_step``).
 
     ``model_fn(model, x)``, ``model_transform(output)`` and ``output_transform(x, y, y_pred, loss)``
     are Ignite's hooks with Ignite's names; ``num_items(x, y)`` counts what a mean loss averages
-    over. Other keyword arguments go to :class:`AmpStep` (``micro_batches``, ``non_blocking``,
-    ``channels_last``, ``compile``, ``fp32_modules``, ``prepare_batch``, ``scaler_kwargs``).
+    over. ``activation_checkpointing=True`` checkpoints the model's repeated blocks in place before the
+    step compiles it (:func:`ignite_amp.checkpointing.checkpoint_blocks`; a model sharded with FSDP2
+    has them checkpointed by ``shard_model(..., activation_checkpointing=True)``). Other keyword
+    arguments go to :class:`AmpStep` (``micro_batches``, ``non_blocking``, ``channels_last``,
+    ``compile``, ``fp32_modules``, ``prepare_batch``, ``scaler_kwargs``).
 
     Example:
         >>> import torch
@@ -111,10 +120,22 @@ def create_amp_trainer(
         >>> state.iteration, trainer.amp_step.dtype
         (6, torch.bfloat16)
     """
+    if argument(AmpConfig, "activation_checkpointing", activation_checkpointing):
+        _checkpoint_activations(unwrap(model))
     step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype, accumulation_steps=accumulation_steps,
                    model_fn=model_fn, model_transform=model_transform, output_transform=output_transform,
                    num_items=num_items, **kwargs)
     return _engine(step)
+
+
+def _checkpoint_activations(model: nn.Module) -> None:
+    """The factory's activation checkpointing: blocks checkpointed already (by the user or shard_model) stay."""
+    if checkpointed_blocks(model):
+        return
+    if is_sharded(model):
+        raise ValueError("Argument activation_checkpointing: the model is sharded already, and checkpointing must "
+                         "come before sharding; pass activation_checkpointing=True to shard_model instead")
+    checkpoint_blocks(model)
 
 
 def create_amp_evaluator(

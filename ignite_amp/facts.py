@@ -13,6 +13,8 @@ import ignite
 import ignite.distributed as idist
 import torch
 
+from ignite_amp.checkpointing import checkpointed_blocks, describe_blocks
+from ignite_amp.collectives import unwrap
 from ignite_amp.device import describe_device, dtype_name
 from ignite_amp.version import __version__
 
@@ -44,11 +46,13 @@ def step_facts(step: Any) -> Dict[str, Any]:
     """Facts a training step knows, read through its documented interface.
 
     ``init_scale`` is the GradScaler's scale at the time of the call (its ``init_scale`` on a
-    fresh run, the checkpoint's on a resume); None without a scaler.
+    fresh run, the checkpoint's on a resume); None without a scaler. ``checkpointed_blocks``: the
+    blocks under activation checkpointing, in short (``blocks.0-5``), or ``none``.
     """
     scaler = step.scaler.is_enabled()
     world = idist.get_world_size()
     sharded = hasattr(step.model, "set_requires_gradient_sync")  # FSDP2 (fully_shard)
+    checkpointed = checkpointed_blocks(unwrap(step.model))
     return {
         "dtype": dtype_name(step.dtype),
         "grad_scaler": scaler,
@@ -59,6 +63,8 @@ def step_facts(step: Any) -> Dict[str, Any]:
         "shards": world if sharded else 1,
         "micro_batches": step.micro_batches,
         "accumulation_steps": step.accumulation_steps,
+        "activation_checkpointing": bool(checkpointed),
+        "checkpointed_blocks": describe_blocks(checkpointed) or "none",
         "torch": str(torch.__version__),  # a str subclass: plain str for the HParams plugin
         "ignite": str(ignite.__version__),
         "ignite_amp": __version__,

@@ -52,8 +52,9 @@ class DistributedConfig:
     reshard_after_forward: bool = setting(True, Boolean(),
                                           "fsdp: free each block's gathered parameters after its forward (least "
                                           "memory; the backward gathers them again)")
-    blocks: list = setting([], Names(), "fsdp: class names of the blocks sharded one by one; []: the repeated "
-                                        "blocks (children of a ModuleList or Sequential of one class)")
+    blocks: list = setting([], Names(), "class names of the blocks fsdp shards one by one and "
+                                        "amp.activation_checkpointing checkpoints; []: the repeated blocks "
+                                        "(children of a ModuleList or Sequential of one class)")
 
 
 def under_torchrun() -> bool:

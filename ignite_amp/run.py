@@ -13,8 +13,8 @@ from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss
 
 from ignite_amp.resume import plan_resume, resume_run
-from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs, config_device,
-                                 seed_everything)
+from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs,
+                                 checkpoint_activations, config_device, seed_everything)
 from ignite_amp.collectives import is_distributed
 from ignite_amp.config import load_config, save_config
 from ignite_amp.config_search import search_built
@@ -206,6 +206,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         _check_directories(cfg)
     seed_everything(cfg["seed"])
     model = build_model(**cfg["model"])
+    checkpoint_activations(cfg, model)  # the first transform: before the search, sharding and compile
     optimizer = build_optimizer(cfg["optimizer"], model)
     batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
         else None
@@ -274,7 +275,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     optimizer over the shards); checks the model runs once."""
     amp = dict(cfg["amp"])
     accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
-    cudnn_benchmark = amp.pop("cudnn_benchmark")
+    cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
     loss_fn = torch.nn.functional.cross_entropy
     trained = model
     if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format

@@ -1,6 +1,7 @@
 """Sharded data parallel (FSDP2): shard a model, and checkpoint its state shard by shard.
 
-:func:`shard_model` applies ``torch.distributed.fsdp.fully_shard`` to the model's repeated blocks,
+:func:`shard_model` applies ``torch.distributed.fsdp.fully_shard`` to the model's repeated blocks
+(:func:`ignite_amp.blocks.block_names`, optionally activation-checkpointed first),
 then to the whole model, with a ``MixedPrecisionPolicy``: parameters are all-gathered in the run's
 dtype (bfloat16: half the bytes of float32) and gradients reduce-scattered in float32. The step
 keeps autocast on over it, for the operators autocast runs in float32 (softmax, norms, losses).
@@ -9,7 +10,7 @@ A sharded model's checkpoint is a directory (``*.dcp``) written with ``torch.dis
 each rank writes its shards of the model and optimizer state, rank 0 the rest (``state.pt``).
 It loads on any number of processes, one included (DCP reshards).
 """
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,61 +21,20 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ignite_amp.blocks import block_names
+from ignite_amp.checkpointing import checkpoint_blocks
 from ignite_amp.checkpoint_io import SHARDED_KEYS, single_process_quiet
-from ignite_amp.collectives import is_distributed
+from ignite_amp.collectives import is_distributed, is_sharded
 from ignite_amp.device import resolve_dtype
 
 __all__ = ["shard_model", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
            "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state"]
 
 
-
-def is_sharded(model: Any) -> bool:
-    """Whether ``model`` was sharded with FSDP2's ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
-
-
-def block_names(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:
-    """The submodules :func:`shard_model` shards one by one, outermost first, as module paths.
-
-    ``blocks``: class names (``["TransformerEncoderLayer"]``): every submodule of one of these
-    classes that is not inside another. ``None``: the repeated blocks, i.e. each child of an
-    ``nn.ModuleList`` or ``nn.Sequential`` whose two or more children all share one class and hold
-    parameters (a transformer's layers, a ResNet stage's residual blocks).
-    """
-    chosen: List[str] = []
-
-    def inside(name: str) -> bool:
-        return any(name.startswith(parent + ".") for parent in chosen)
-
-    if blocks is not None:
-        wanted = set(blocks)
-        known = {type(m).__name__ for m in model.modules()}
-        missing = sorted(wanted - known)
-        if missing:
-            raise ValueError(f"blocks: the model has no submodule of class {', '.join(map(repr, missing))}")
-        for name, module in model.named_modules():
-            if name and type(module).__name__ in wanted and not inside(name):
-                chosen.append(name)
-        return chosen
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or inside(name):
-            continue
-        children = list(module.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and \
-                all(any(True for _ in c.parameters()) for c in children):
-            prefix = f"{name}." if name else ""
-            chosen.extend(f"{prefix}{child}" for child, _ in module.named_children())
-    return chosen
-
-
 def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
                 blocks: Optional[Sequence[str]] = None, reshard_after_forward: bool = True,
-                fp32_modules: Iterable[str] = (), device: Union[str, torch.device, None] = None) -> nn.Module:
+                fp32_modules: Iterable[str] = (), device: Union[str, torch.device, None] = None,
+                activation_checkpointing: bool = False) -> nn.Module:
     """Shard ``model`` over the process group with FSDP2 and return it (sharded in place).
 
     Call it inside a process group (``torchrun``, ``idist.Parallel``) before building the optimizer
@@ -91,6 +51,8 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
         fp32_modules: names of submodules kept in float32 (their own float32 policy); BatchNorm
             layers always are (their running statistics are float32).
         device: where the model goes first (default: ``idist.device()``).
+        activation_checkpointing: checkpoint the same blocks first
+            (:func:`ignite_amp.checkpointing.checkpoint_blocks`): they keep only their inputs for the backward.
     """
     import ignite.distributed as idist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -103,6 +65,8 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     full_precision = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     units = block_names(model, blocks)  # before any fully_shard: it renames the classes (FSDPLinear)
+    if activation_checkpointing:  # before sharding (see ignite_amp.checkpointing for the order)
+        checkpoint_blocks(model, blocks)
     fp32 = set(fp32_modules)
     for name in fp32:
         try:

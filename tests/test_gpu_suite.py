@@ -14,7 +14,7 @@ from conftest import ROOT
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
-            "g_data_path"]
+            "g_data_path", "h_activation_checkpointing"]
 HEADER = ("device", "driver", "cuda", "torch", "ignite", "date")
 
 
@@ -91,6 +91,10 @@ def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
     loaders = rows(s["g_data_path"])
     assert all(r["status"].startswith("skipped: needs CUDA") for r in loaders if r["pin_memory"])
     assert all(r["samples_per_s"] > 0 for r in loaders if not r["pin_memory"])
+
+    checkpointing = rows(s["h_activation_checkpointing"])  # the GPT's 2 blocks, the stand-in ResNet's 8
+    assert [(r["checkpointing"], r["blocks"]) for r in checkpointing] == [(False, 0), (True, 2), (False, 0), (True, 8)]
+    assert all(r["step_ms"] > 0 and r["peak_activation_mb"] is None for r in checkpointing)
 
 
 def test_smoke_markdown_has_the_header_and_one_part_per_section(smoke):
