@@ -35,6 +35,11 @@ class Health(NamedTuple):
     peak_name: Optional[str] = None
     since: str = ""  # " since the resume at iteration N" when the counts are of this process's part of the run
     processes: int = 1  # speed and compute are this process's: said when there are several
+    from_config: bool = False  # advice names config keys (a config run), else Python arguments
+
+
+def _setting(h: "Health", config_key: str, python: str) -> str:
+    return config_key if h.from_config else python
 
 
 def _median(windows: Sequence[dict], key: str) -> Optional[float]:
@@ -57,8 +62,9 @@ def health_lines(h: Health) -> List[str]:
         lines.append(f"precision: {h.dtype} with GradScaler: {h.skipped_steps} of {steps} optimizer steps skipped "
                      f"({share:.1%}){scale}{h.since}")
         if steps and share > SKIP_WARN_SHARE:
-            lines.append(f"warning: {share:.0%} of float16 steps skipped for inf/NaN gradients: try amp.dtype "
-                         f"bfloat16 where the device has it, or lower the lr")
+            dtype = _setting(h, "amp.dtype bfloat16", 'dtype="bfloat16"')
+            lines.append(f"warning: {share:.0%} of float16 steps skipped for inf/NaN gradients: try {dtype} where "
+                         f"the device has it, or lower the lr")
     else:
         what = "autocast off" if h.dtype == "float32" else "autocast, no GradScaler needed"
         lines.append(f"precision: {h.dtype} {what}: {h.optimizer_steps} optimizer steps{h.since}")
@@ -68,9 +74,9 @@ def health_lines(h: Health) -> List[str]:
         median = f", median grad norm {norm:.3g}" if norm is not None else ""
         lines.append(f"clipping: {clipped:.0%} of optimizer steps clipped at max_norm {h.max_norm:g}{median}")
         if clipped > CLIP_WARN_SHARE:
-            lines.append("warning: most steps are clipped, so the bound, not the lr, sets the step size: raise "
-                         "handlers.clipping.max_norm" + (f" (to about {2 * norm:.2g})" if norm else "") +
-                         " or lower the lr")
+            bound = _setting(h, "handlers.clipping.max_norm", "GradientClipping's max_norm")
+            lines.append(f"warning: most steps are clipped, so the bound, not the lr, sets the step size: raise "
+                         f"{bound}" + (f" (to about {2 * norm:.2g})" if norm else "") + " or lower the lr")
     speed = _median(h.windows, "throughput/samples_per_sec")
     if speed is not None:
         step_ms = _median(h.windows, "throughput/step_time_ms")
@@ -80,7 +86,8 @@ def health_lines(h: Health) -> List[str]:
                      f"{wait:.1%} of the time")
         if wait > DATA_WAIT_WARN_SHARE:
             lines.append(f"warning: {wait:.0%} of the time goes to waiting for batches: the loader is the "
-                         f"bottleneck; raise data.num_workers (DataLoader num_workers) or make the dataset cheaper")
+                         f"bottleneck; raise {_setting(h, 'data.num_workers', 'the DataLoader num_workers')} or make "
+                         f"the dataset cheaper")
     tflops = _median(h.windows, "throughput/tflops")
     if tflops is not None:
         mfu = _median(h.windows, "throughput/mfu")

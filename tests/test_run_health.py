@@ -24,10 +24,22 @@ def test_a_healthy_bfloat16_run_has_no_warning():
 
 def test_clipping_most_steps_is_a_warning_with_what_to_do():
     windows = [window(clip=1.0, clip_steps=10, norm=3.0), window(clip=0.8, clip_steps=10, norm=2.0)]
-    lines = health_lines(Health("float32", False, windows, 20, 0, max_norm=1.0))
+    lines = health_lines(Health("float32", False, windows, 20, 0, max_norm=1.0, from_config=True))
     assert "clipping: 90% of optimizer steps clipped at max_norm 1, median grad norm 2.5" in lines
     (warning,) = [line for line in lines if line.startswith("warning:")]
     assert "raise handlers.clipping.max_norm (to about 5) or lower the lr" in warning
+
+
+def test_advice_names_python_arguments_in_a_script():
+    """Issue 28: a Python run is told of its arguments, not of config keys it never wrote."""
+    windows = [window(clip=1.0, clip_steps=10, norm=3.0, wait=0.5)]
+    script = " ".join(health_lines(Health("float16", True, windows, 5, 5, max_norm=1.0)))
+    config = " ".join(health_lines(Health("float16", True, windows, 5, 5, max_norm=1.0, from_config=True)))
+    for key, argument in (("amp.dtype bfloat16", 'dtype="bfloat16"'),
+                          ("handlers.clipping.max_norm", "GradientClipping's max_norm"),
+                          ("data.num_workers", "the DataLoader num_workers")):
+        assert argument in script and key not in script
+        assert key in config
 
 
 def test_float16_skips_and_loss_scale():
