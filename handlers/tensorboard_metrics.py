@@ -1,8 +1,8 @@
 """TensorBoard for a mixed-precision run: the first screen answers "is this run healthy?".
 
-One TensorBoard run per split, as Keras writes them: ``<logdir>/train``, ``<logdir>/val`` and
-``<logdir>/val_best`` hold the same tag names (``loss``, ``accuracy``...), so one chart overlays a
-metric's train, val and best-so-far lines, told apart by colour and legend; ``<logdir>`` itself holds
+One TensorBoard run per split, as Keras writes them: ``<logdir>/train`` and ``<logdir>/val`` hold the
+same tag names (``loss``, ``accuracy``...), so one chart overlays a metric's train and val lines, told
+apart by colour and legend (the best so far, ``<metric>_best``, has its own); ``<logdir>`` itself holds
 the text (facts, health), the HParams session and the Custom Scalars layout. Time Series (which sorts
 groups by name) opens on the metrics (``accuracy``, ``loss``), then ``memory/``, ``optimizer/`` (grad
 norm, clip share, lr), ``precision/`` (loss scale, skipped steps), ``step/`` (only when a batch or
@@ -43,11 +43,10 @@ class TensorBoardConfig:
     log_every: int = setting(50, POSITIVE_INT, "iterations per training scalar point (one host sync each)")
 
 
-# Tag -> meaning; "val/..." and "val_best/..." are tags of the val and val_best runs, every other tag is the
-# train run's.
+# Tag -> meaning; "val/..." are tags of the val run, every other tag is the train run's.
 TAGS = {
     "val/<metric>": "validation metric after each evaluation, e.g. accuracy, loss (x axis: training iteration)",
-    "val_best/<metric>": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
+    "val/<metric>_best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
     "loss": "mean training loss over the last log_every iterations",
     "<metric>": "a metric attached to the trainer, at each epoch's end (<metric>_epoch for a name the train run "
                 "already writes, i.e. loss)",
@@ -160,7 +159,7 @@ class TensorBoardMetrics:
     Rank 0 writes (with ``ranks_memory``, every rank attaches it). The tags are in ``TAGS``.
 
     Args:
-        logdir: directory of the event files: the run, with its ``train``, ``val`` and ``val_best`` runs in
+        logdir: directory of the event files: the run, with its ``train`` and ``val`` runs in
             subdirectories (``tensorboard --logdir`` it, or its parent to compare runs).
         log_every: iterations between two logs.
         facts: what the step cannot tell, e.g. ``ignite_amp.facts.config_facts(cfg, loader)``
@@ -172,7 +171,7 @@ class TensorBoardMetrics:
         hparam_metrics: validation metrics shown as HParams columns (final and best) and charts.
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
-        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/val_best``, as given to ``BestCheckpoint``;
+        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>_best``, as given to ``BestCheckpoint``;
             other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
         ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
             one all-reduce per log): then attach on every rank, not on rank 0 only.
@@ -224,7 +223,7 @@ class TensorBoardMetrics:
         self.ranks: Optional[RanksMemory] = None
         self.hparam_metrics = tuple(hparam_metrics)
         self.tb: Optional[TensorboardLogger] = None  # the run's own: text, HParams, layout
-        self.splits: Dict[str, TensorboardLogger] = {}  # train, val, val_best: the scalars
+        self.splits: Dict[str, TensorboardLogger] = {}  # train, val: the scalars
         self.step = self.window = self.memory = self.run_facts = None
         self.validation = Validation(None, self.modes)
         self.trainer: Optional[Engine] = None
@@ -272,7 +271,7 @@ class TensorBoardMetrics:
         if evaluator is not None:
             for name in self.hparam_metrics:
                 metrics[("val", name)] = f"val {name} (final)"
-                metrics[("val_best", name)] = f"val {name} (best)"
+                metrics[("val", f"{name}_best")] = f"val {name} (best)"
         metrics[("train", "throughput/median_samples_per_sec")] = "samples/s (median)"
         self.run_facts = RunFacts(self.facts, self.texts, metrics, step)
         tb.attach(trainer, self.run_facts, Events.STARTED)
@@ -294,10 +293,8 @@ class TensorBoardMetrics:
         self.trainer_metrics.attach(trainer)
         if evaluator is not None:
             self.validation.trainer = trainer
-            self.validation.best_writer = self.splits["val_best"].writer
             self.splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
-            for split in ("val", "val_best"):
-                self.splits[split].attach(evaluator, _flush_writer(self.splits[split]), Events.COMPLETED)
+            self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
 
     def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         if not self._layout_written:  # at the first log: the FLOP count and what is logged are known
@@ -368,9 +365,6 @@ class TensorBoardMetrics:
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
     logger.writer.flush()
 
-
-def _flush_writer(logger: TensorboardLogger):
-    return lambda engine, _logger, event_name: logger.writer.flush()
 
 
 class RunFacts:

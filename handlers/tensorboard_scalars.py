@@ -47,13 +47,16 @@ def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping
            flops: bool = True, mfu: bool = True, ranks: bool = False, lr_groups: int = 1) -> dict:
     """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills, and one
     quantity per run in each chart (TensorBoard colours a line by its run, so the lines of one chart
-    differ by run: ``train``, ``val``, ``val_best`` hold the same tag names, as Keras's runs do).
+    differ by run: ``train`` and ``val`` hold the same tag names, as Keras's runs do; the best so far,
+    ``<metric>_best``, has its own chart, where it cannot hide the val line it equals while it improves).
 
     ``tensorboard --logdir runs`` merges the runs' layouts (same categories, charts unioned)."""
-    health = {"loss: train (window mean), val, best val so far": ["Multiline", [r"^loss$"]]}
+    health = {"loss: train (window mean), val": ["Multiline", [r"^loss$"]]}
     for name in metrics:
         if name != "loss":
-            health[f"{name}: train (when measured), val, best val so far"] = ["Multiline", [rf"^{name}$"]]
+            health[f"{name}: train (when measured), val"] = ["Multiline", [rf"^{name}$"]]
+    for name in metrics:
+        health[f"best val {name} so far"] = ["Multiline", [rf"^{name}_best$"]]
     if scaler:
         health["loss scale (float16)"] = ["Multiline", [r"^precision/loss_scale$"]]
         health["skipped optimizer steps (float16, since the start)"] = ["Multiline", [r"^precision/skipped_steps$"]]
@@ -296,14 +299,13 @@ class BatchShape:
 
 
 class Validation:
-    """Each evaluation's metrics as ``<metric>`` in the ``val`` run and the best so far as ``<metric>`` in the
-    ``val_best`` run (min for a loss or an error, else max; or as ``modes`` says), at the trainer's iteration:
-    one chart overlays a metric's train, val and best-so-far lines, each in its run's colour. Attach to the
-    evaluator with the ``val`` run's logger; ``best_writer`` is the ``val_best`` run's writer; ``final`` and
-    ``best`` hold the values."""
+    """Each evaluation's metrics as ``<metric>`` and the best so far as ``<metric>_best`` (min for a loss or an
+    error, else max; or as ``modes`` says) in the ``val`` run, at the trainer's iteration: one chart overlays
+    a metric's train and val lines, each in its run's colour. Attach to the evaluator with the ``val`` run's
+    logger; ``final`` and ``best`` hold the values."""
 
-    def __init__(self, trainer: Optional[Engine], modes: Optional[Dict[str, str]] = None, best_writer: Any = None):
-        self.trainer, self.best_writer = trainer, best_writer
+    def __init__(self, trainer: Optional[Engine], modes: Optional[Dict[str, str]] = None):
+        self.trainer = trainer
         self.modes = dict(modes or {})
         self.final: Dict[str, float] = {}
         self.best: Dict[str, float] = {}
@@ -318,8 +320,7 @@ class Validation:
             if logger is not None:
                 iteration = self.trainer.state.iteration
                 logger.writer.add_scalar(name, value, iteration)
-                if self.best_writer is not None:
-                    self.best_writer.add_scalar(name, self.best[name], iteration)
+                logger.writer.add_scalar(f"{name}_best", self.best[name], iteration)
 
 
 def scalar_metrics(metrics: Dict[str, Any]) -> Dict[str, float]:

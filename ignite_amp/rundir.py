@@ -29,7 +29,7 @@ CONFIG_NAME = "config.yaml"
 CHECKPOINTS = "checkpoints"
 PROFILER = "profiler"
 # What a training run writes in its output_dir (and what "starting over" moves aside).
-TENSORBOARD_SPLITS = ("train", "val", "val_best")  # TensorBoardMetrics' runs: one per split, in subdirectories
+TENSORBOARD_SPLITS = ("train", "val")  # TensorBoardMetrics' runs: one per split, in subdirectories
 RUN_ARTIFACTS = (CHECKPOINTS, PROFILER, CONFIG_NAME, LOG_NAME, "events.out.tfevents.*", *TENSORBOARD_SPLITS)
 
 

@@ -28,7 +28,7 @@ def read(path, split=""):
 
 
 def runs(path):
-    return {split: read(path, split) for split in ("", "train", "val", "val_best")}
+    return {split: read(path, split) for split in ("", "train", "val")}
 
 
 @pytest.fixture
@@ -84,8 +84,8 @@ def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(log
                 "throughput/tflops", "memory/rss_mb", "step/micro_batches", "throughput/median_samples_per_sec"}
     # Nothing constant or empty: the batch size (8, as the facts say), no OOM, the clip bound (a fact).
     assert expected == tags
-    # The same tag names in the val and val_best runs: one chart overlays train, val and best, one colour each.
-    assert set(split["val"].Tags()["scalars"]) == set(split["val_best"].Tags()["scalars"]) == {"accuracy", "loss"}
+    # The same tag names in the train and val runs: one chart overlays train and val, one colour each.
+    assert set(split["val"].Tags()["scalars"]) == {"accuracy", "loss", "accuracy_best", "loss_best"}
     assert split[""].Tags()["scalars"] == []  # the run itself: text, HParams, layout
     assert not [t for t in tags if t.startswith("hparam")]
     assert sorted(values(split["train"], "loss")) == list(range(2, 17, 2))
@@ -95,7 +95,7 @@ def test_time_series_opens_on_the_metrics(logged):
     """TensorBoard's Time Series sorts the groups (a tag's part before the first '/') by name."""
     split, _, _ = logged
     groups = sorted({t.split("/")[0] for run in ("train", "val") for t in split[run].Tags()["scalars"]})
-    assert groups[:2] == ["accuracy", "loss"] and groups[-1] == "throughput"
+    assert groups[:4] == ["accuracy", "accuracy_best", "loss", "loss_best"] and groups[-1] == "throughput"
 
 
 def test_constant_batch_values_are_logged_only_when_they_change(logged):
@@ -160,12 +160,12 @@ def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
 
 def test_validation_best_values(logged):
     split, _, tb = logged
-    val, best_run = split["val"], split["val_best"]
+    val = split["val"]
     assert sorted(values(val, "accuracy")) == [8, 16]  # x axis: the trainer's iteration
-    accuracy, best = values(val, "accuracy"), values(best_run, "accuracy")
+    accuracy, best = values(val, "accuracy"), values(val, "accuracy_best")
     assert best[16] == pytest.approx(max(accuracy.values())) and best[8] == pytest.approx(accuracy[8])
-    assert values(best_run, "loss")[16] == pytest.approx(min(values(val, "loss").values()))
-    assert tb.final["accuracy"] == pytest.approx(accuracy[16]) and tb.best["loss"] == values(best_run, "loss")[16]
+    assert values(val, "loss_best")[16] == pytest.approx(min(values(val, "loss").values()))
+    assert tb.final["accuracy"] == pytest.approx(accuracy[16]) and tb.best["loss"] == values(val, "loss_best")[16]
 
 
 def fact_text(acc, last=False):
@@ -199,7 +199,7 @@ def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
                        "strategy": ["none", "ddp", "fsdp"]}
     assert "model" not in shown  # an open set of strings: in the text facts, not a column without a domain
     metrics = [(m.name.group, m.name.tag) for m in experiment.metric_infos]  # a split's run, a tag of it (Keras's way)
-    assert metrics == [("val", "accuracy"), ("val_best", "accuracy"), ("val", "loss"), ("val_best", "loss"),
+    assert metrics == [("val", "accuracy"), ("val", "accuracy_best"), ("val", "loss"), ("val", "loss_best"),
                        ("train", "throughput/median_samples_per_sec")]
     for group, tag in metrics:
         assert tag in logged[0][group].Tags()["scalars"]
@@ -238,16 +238,16 @@ def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(
     layout = run_layout(split[""])
     assert [c.title for c in layout.category] == ["AMP health", "AMP details"]
     charts = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
-    assert list(charts) == ["loss: train (window mean), val, best val so far",
-                            "accuracy: train (when measured), val, best val so far", "loss scale (float16)",
+    assert list(charts) == ["loss: train (window mean), val", "accuracy: train (when measured), val",
+                            "best val accuracy so far", "best val loss so far", "loss scale (float16)",
                             "skipped optimizer steps (float16, since the start)",
                             "share of optimizer steps clipped (1.0: every step)", "samples/s of each window",
                             "samples/s: the median of the windows so far"]
-    assert charts["loss: train (window mean), val, best val so far"] == ["^loss$"]
+    assert charts["loss: train (window mean), val"] == ["^loss$"]
     for category in layout.category:
         for chart in category.chart:
             (pattern,) = chart.multiline.tag
-            matched = {(run, t) for run in ("train", "val", "val_best") for t in split[run].Tags()["scalars"]
+            matched = {(run, t) for run in ("train", "val") for t in split[run].Tags()["scalars"]
                        if re.search(pattern, t)}
             assert matched, chart.title  # no "Matches (0)" card
             # TensorBoard colours a line by its run: one tag per run, so no two quantities share a colour.
@@ -257,7 +257,7 @@ def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(
 
 
 def test_every_layout_pattern_names_documented_tags():
-    tags = [t.split("/", 1)[1] if t.startswith(("val/", "val_best/")) else t for t in TAGS]  # a split's run's tags
+    tags = [t.split("/", 1)[1] if t.startswith("val/") else t for t in TAGS]  # the val run's tags
     documented = [re.escape(t).replace(re.escape("<metric>"), r"\w+").replace(re.escape("<N>"), r"\d+") for t in tags]
     examples = [t.replace("<metric>", "accuracy").replace("<N>", "0") for t in tags]
     for category in LAYOUT.values():

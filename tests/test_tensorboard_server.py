@@ -54,7 +54,7 @@ def served(quick_cfg, tmp_path):
                 runs_seen = fetch(base, "/data/runs")
             except OSError:
                 runs_seen = []
-            if {"quick", "quick/train", "quick/val", "quick/val_best", "quick/profiler"} <= set(runs_seen):
+            if {"quick", "quick/train", "quick/val", "quick/profiler"} <= set(runs_seen):
                 break
             time.sleep(0.2)
         else:
@@ -72,23 +72,22 @@ def served(quick_cfg, tmp_path):
 def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served):
     base, result = served
     # The run is named after output_dir, one run per split under it (as Keras's); the profiler's text beside.
-    assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler", "quick/train", "quick/val",
-                                                 "quick/val_best"]
+    assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler", "quick/train", "quick/val"]
 
     scalars = fetch(base, "/data/plugin/scalars/tags")
     assert {"loss", "optimizer/grad_norm",
             "optimizer/clip_share", "optimizer/lr/group_0", "throughput/samples_per_sec",
             "throughput/median_samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
             "throughput/tflops", "memory/rss_mb"} == set(scalars["quick/train"])
-    assert set(scalars["quick/val"]) == set(scalars["quick/val_best"]) == {"loss", "accuracy"}
+    assert set(scalars["quick/val"]) == {"loss", "accuracy", "loss_best", "accuracy_best"}
     # bfloat16: no GradScaler, so no precision/ tags; constant batch values live in the facts; no hparam/* dots.
 
     layout = fetch(base, "/data/plugin/custom_scalars/layout")
     assert [c["title"] for c in layout["category"]] == ["AMP health", "AMP details"]
     first = layout["category"][0]
     assert [c["title"] for c in first["chart"]] == [
-        "loss: train (window mean), val, best val so far", "accuracy: train (when measured), val, best val so far",
-        "share of optimizer steps clipped (1.0: every step)", "samples/s of each window",
+        "loss: train (window mean), val", "accuracy: train (when measured), val", "best val accuracy so far",
+        "best val loss so far", "share of optimizer steps clipped (1.0: every step)", "samples/s of each window",
         "samples/s: the median of the windows so far"]
     assert first["chart"][0]["multiline"]["tag"] == ["^loss$"]
 
@@ -107,7 +106,7 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
     types = {h["displayName"]: h["type"] for h in experiment["hparamInfos"]}
     metrics = [(m["name"]["group"], m["name"]["tag"]) for m in experiment["metricInfos"]]
-    assert metrics == [("val", "accuracy"), ("val_best", "accuracy"), ("val", "loss"), ("val_best", "loss"),
+    assert metrics == [("val", "accuracy"), ("val", "accuracy_best"), ("val", "loss"), ("val", "loss_best"),
                        ("train", "throughput/median_samples_per_sec")]
     assert list(types)[:5] == ["dtype", "device_type", "grad_scaler", "batch_size", "lr"]
     assert types["grad_scaler"] == "DATA_TYPE_BOOL" and types["dtype"] == "DATA_TYPE_STRING"
