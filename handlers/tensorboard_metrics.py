@@ -2,7 +2,7 @@
 
 One TensorBoard run per split, as Keras writes them: ``<logdir>/train`` and ``<logdir>/val`` hold the
 same tag names (``loss``, ``accuracy``...), so one chart overlays a metric's train and val lines, told
-apart by colour and legend (the best so far, ``<metric>_best``, has its own); ``<logdir>`` itself holds
+apart by colour and legend (the best so far, ``<metric>/best``, has its own); ``<logdir>`` itself holds
 the text (facts, health), the HParams session and the Custom Scalars layout. Time Series (which sorts
 groups by name) opens on the metrics (``accuracy``, ``loss``), then ``memory/``, ``optimizer/`` (grad
 norm, clip share, lr), ``precision/`` (loss scale, skipped steps), ``step/`` (only when a batch or
@@ -46,7 +46,7 @@ class TensorBoardConfig:
 # Tag -> meaning; "val/..." are tags of the val run, every other tag is the train run's.
 TAGS = {
     "val/<metric>": "validation metric after each evaluation, e.g. accuracy, loss (x axis: training iteration)",
-    "val/<metric>_best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
+    "val/<metric>/best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
     "loss": "mean training loss over the last log_every iterations",
     "<metric>": "a metric attached to the trainer, at each epoch's end (<metric>_epoch for a name the train run "
                 "already writes, i.e. loss)",
@@ -171,7 +171,7 @@ class TensorBoardMetrics:
         hparam_metrics: validation metrics shown as HParams columns (final and best) and charts.
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
-        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>_best``, as given to ``BestCheckpoint``;
+        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/best``, as given to ``BestCheckpoint``;
             other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
         ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
             one all-reduce per log): then attach on every rank, not on rank 0 only.
@@ -271,7 +271,7 @@ class TensorBoardMetrics:
         if evaluator is not None:
             for name in self.hparam_metrics:
                 metrics[("val", name)] = f"val {name} (final)"
-                metrics[("val", f"{name}_best")] = f"val {name} (best)"
+                metrics[("val", f"{name}/best")] = f"val {name} (best)"
         metrics[("train", "throughput/median_samples_per_sec")] = "samples/s (median)"
         self.run_facts = RunFacts(self.facts, self.texts, metrics, step)
         tb.attach(trainer, self.run_facts, Events.STARTED)

@@ -48,7 +48,7 @@ def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping
     """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills, and one
     quantity per run in each chart (TensorBoard colours a line by its run, so the lines of one chart
     differ by run: ``train`` and ``val`` hold the same tag names, as Keras's runs do; the best so far,
-    ``<metric>_best``, has its own chart, where it cannot hide the val line it equals while it improves).
+    ``<metric>/best``, has its own chart, where it cannot hide the val line it equals while it improves).
 
     ``tensorboard --logdir runs`` merges the runs' layouts (same categories, charts unioned)."""
     health = {"loss: train (window mean), val": ["Multiline", [r"^loss$"]]}
@@ -56,7 +56,7 @@ def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping
         if name != "loss":
             health[f"{name}: train (when measured), val"] = ["Multiline", [rf"^{name}$"]]
     for name in metrics:
-        health[f"best val {name} so far"] = ["Multiline", [rf"^{name}_best$"]]
+        health[f"best val {name} so far"] = ["Multiline", [rf"^{name}/best$"]]
     if scaler:
         health["loss scale (float16)"] = ["Multiline", [r"^precision/loss_scale$"]]
         health["skipped optimizer steps (float16, since the start)"] = ["Multiline", [r"^precision/skipped_steps$"]]
@@ -299,7 +299,7 @@ class BatchShape:
 
 
 class Validation:
-    """Each evaluation's metrics as ``<metric>`` and the best so far as ``<metric>_best`` (min for a loss or an
+    """Each evaluation's metrics as ``<metric>`` and the best so far as ``<metric>/best`` (min for a loss or an
     error, else max; or as ``modes`` says) in the ``val`` run, at the trainer's iteration: one chart overlays
     a metric's train and val lines, each in its run's colour. Attach to the evaluator with the ``val`` run's
     logger; ``final`` and ``best`` hold the values."""
@@ -320,7 +320,7 @@ class Validation:
             if logger is not None:
                 iteration = self.trainer.state.iteration
                 logger.writer.add_scalar(name, value, iteration)
-                logger.writer.add_scalar(f"{name}_best", self.best[name], iteration)
+                logger.writer.add_scalar(f"{name}/best", self.best[name], iteration)
 
 
 def scalar_metrics(metrics: Dict[str, Any]) -> Dict[str, float]:

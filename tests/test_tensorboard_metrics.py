@@ -85,7 +85,7 @@ def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(log
     # Nothing constant or empty: the batch size (8, as the facts say), no OOM, the clip bound (a fact).
     assert expected == tags
     # The same tag names in the train and val runs: one chart overlays train and val, one colour each.
-    assert set(split["val"].Tags()["scalars"]) == {"accuracy", "loss", "accuracy_best", "loss_best"}
+    assert set(split["val"].Tags()["scalars"]) == {"accuracy", "loss", "accuracy/best", "loss/best"}
     assert split[""].Tags()["scalars"] == []  # the run itself: text, HParams, layout
     assert not [t for t in tags if t.startswith("hparam")]
     assert sorted(values(split["train"], "loss")) == list(range(2, 17, 2))
@@ -95,7 +95,8 @@ def test_time_series_opens_on_the_metrics(logged):
     """TensorBoard's Time Series sorts the groups (a tag's part before the first '/') by name."""
     split, _, _ = logged
     groups = sorted({t.split("/")[0] for run in ("train", "val") for t in split[run].Tags()["scalars"]})
-    assert groups[:4] == ["accuracy", "accuracy_best", "loss", "loss_best"] and groups[-1] == "throughput"
+    # Time Series opens the first two groups only: the metrics, each with its best so far (accuracy/best).
+    assert groups[:2] == ["accuracy", "loss"] and groups[-1] == "throughput"
 
 
 def test_constant_batch_values_are_logged_only_when_they_change(logged):
@@ -162,10 +163,10 @@ def test_validation_best_values(logged):
     split, _, tb = logged
     val = split["val"]
     assert sorted(values(val, "accuracy")) == [8, 16]  # x axis: the trainer's iteration
-    accuracy, best = values(val, "accuracy"), values(val, "accuracy_best")
+    accuracy, best = values(val, "accuracy"), values(val, "accuracy/best")
     assert best[16] == pytest.approx(max(accuracy.values())) and best[8] == pytest.approx(accuracy[8])
-    assert values(val, "loss_best")[16] == pytest.approx(min(values(val, "loss").values()))
-    assert tb.final["accuracy"] == pytest.approx(accuracy[16]) and tb.best["loss"] == values(val, "loss_best")[16]
+    assert values(val, "loss/best")[16] == pytest.approx(min(values(val, "loss").values()))
+    assert tb.final["accuracy"] == pytest.approx(accuracy[16]) and tb.best["loss"] == values(val, "loss/best")[16]
 
 
 def fact_text(acc, last=False):
@@ -199,7 +200,7 @@ def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
                        "strategy": ["none", "ddp", "fsdp"]}
     assert "model" not in shown  # an open set of strings: in the text facts, not a column without a domain
     metrics = [(m.name.group, m.name.tag) for m in experiment.metric_infos]  # a split's run, a tag of it (Keras's way)
-    assert metrics == [("val", "accuracy"), ("val", "accuracy_best"), ("val", "loss"), ("val", "loss_best"),
+    assert metrics == [("val", "accuracy"), ("val", "accuracy/best"), ("val", "loss"), ("val", "loss/best"),
                        ("train", "throughput/median_samples_per_sec")]
     for group, tag in metrics:
         assert tag in logged[0][group].Tags()["scalars"]

@@ -79,7 +79,7 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
             "optimizer/clip_share", "optimizer/lr/group_0", "throughput/samples_per_sec",
             "throughput/median_samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
             "throughput/tflops", "memory/rss_mb"} == set(scalars["quick/train"])
-    assert set(scalars["quick/val"]) == {"loss", "accuracy", "loss_best", "accuracy_best"}
+    assert set(scalars["quick/val"]) == {"loss", "accuracy", "loss/best", "accuracy/best"}
     # bfloat16: no GradScaler, so no precision/ tags; constant batch values live in the facts; no hparam/* dots.
 
     layout = fetch(base, "/data/plugin/custom_scalars/layout")
@@ -106,7 +106,7 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
     types = {h["displayName"]: h["type"] for h in experiment["hparamInfos"]}
     metrics = [(m["name"]["group"], m["name"]["tag"]) for m in experiment["metricInfos"]]
-    assert metrics == [("val", "accuracy"), ("val", "accuracy_best"), ("val", "loss"), ("val", "loss_best"),
+    assert metrics == [("val", "accuracy"), ("val", "accuracy/best"), ("val", "loss"), ("val", "loss/best"),
                        ("train", "throughput/median_samples_per_sec")]
     assert list(types)[:5] == ["dtype", "device_type", "grad_scaler", "batch_size", "lr"]
     assert types["grad_scaler"] == "DATA_TYPE_BOOL" and types["dtype"] == "DATA_TYPE_STRING"
