@@ -147,8 +147,9 @@ def _text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -> Non
 class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
-    One Ignite ``TensorboardLogger`` with small handlers attached (:mod:`.tensorboard_scalars`:
-    ``TrainWindow``, ``DeviceMemory``, ``BatchShape``, ``Validation``; Ignite's
+    One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) with small
+    handlers attached (:mod:`.tensorboard_scalars`: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; Ignite's
     ``OptimizerParamsHandler`` for the learning rate; :class:`RunFacts` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
     and best validation metrics and the median samples/s as metric columns). Every ``log_every``
