@@ -106,9 +106,6 @@ def test_the_printed_dashboard_tells_train_from_val_by_colour_and_legend(three_e
     cards = browser.js(CARDS)
     browser.screenshot(os.path.join(folder, "2_dashboard_outliers_kept_legends_open.png"))
     assert cropped(cards) == []
-    by_title = {c["title"]: c for c in cards}
-    loss = by_title["loss: train (window mean), val"]
-    assert sorted(label for label, _ in loss["legend"]) == ["loss (quick/train)", "loss (quick/val)"]
     for card in cards:
         labels = [label for label, _ in card["legend"]]
         runs = [re.search(r"\((.*)\)$", label).group(1) for label in labels]
@@ -119,6 +116,9 @@ def test_the_printed_dashboard_tells_train_from_val_by_colour_and_legend(three_e
         for label, colour in card["legend"]:
             drawn = [line for line in card["lines"] if rgb(line["stroke"]) == rgb(colour)]
             assert drawn and len(drawn[0]["ys"]) >= (3 if "quick/val" in label else 1), (card["title"], label)
+    by_title = {c["title"]: c for c in cards}
+    loss = by_title["loss: train (window mean), val"]
+    assert sorted(label for label, _ in loss["legend"]) == ["loss (quick/train)", "loss (quick/val)"]
 
 
 TIME_SERIES_CARD = """
