@@ -1,15 +1,19 @@
 """TensorBoard for a mixed-precision run: the first screen answers "is this run healthy?".
 
-Tags are grouped so that TensorBoard's Time Series (which sorts groups by name) opens on the
-validation metrics and the loss: ``accuracy/val``, ``loss/train``, ``loss/val``, then
-``memory/``, ``optimizer/`` (grad norm, clip share, lr), ``precision/`` (loss scale, skipped
-steps), ``step/`` (only when a batch or micro-batch count changes, or memory ran out) and
-``throughput/``. Each chart of the Custom Scalars "AMP health" dashboard has one scale, and holds
-only what the run logs.
+One TensorBoard run per split, as Keras writes them: ``<logdir>/train`` and ``<logdir>/val`` hold the
+same tag names (``loss``, ``accuracy``...), so one chart overlays a metric's train and val lines, told
+apart by colour and legend (the best so far, ``<metric>/best``, has its own); ``<logdir>`` itself holds
+the text (facts, health), the HParams session and the Custom Scalars layout. Time Series (which sorts
+groups by name) opens on the metrics (``accuracy``, ``loss``), then ``memory/``, ``optimizer/`` (grad
+norm, clip share, lr), ``precision/`` (loss scale, skipped steps), ``step/`` (only when a batch or
+micro-batch count changes, or memory ran out) and ``throughput/``, all in the ``train`` run. Each chart
+of the Custom Scalars "AMP health" dashboard has one scale, one quantity per run, and only what the
+run logs.
 """
 import dataclasses
+import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ignite.distributed as idist
 import torch
@@ -23,8 +27,8 @@ from ignite_amp.facts import format_facts, step_facts
 from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.run_health import Health, health_lines
-from ignite_amp.handlers.tensorboard_scalars import (BatchShape, DeviceMemory, RanksMemory, TrainWindow, Validation,
-                                                     layout)
+from ignite_amp.handlers.tensorboard_scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
+                                                     TrainWindow, Validation, layout)
 from ignite_amp.metric_modes import metric_mode
 
 __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG", "HEALTH_TAG", "layout",
@@ -39,11 +43,13 @@ class TensorBoardConfig:
     log_every: int = setting(50, POSITIVE_INT, "iterations per training scalar point (one host sync each)")
 
 
+# Tag -> meaning; "val/..." are tags of the val run, every other tag is the train run's.
 TAGS = {
-    "<metric>/val": "validation metric after each evaluation, e.g. accuracy/val, loss/val (x axis: training "
-                    "iteration)",
-    "<metric>/val_best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
-    "loss/train": "mean training loss over the last log_every iterations",
+    "val/<metric>": "validation metric after each evaluation, e.g. accuracy, loss (x axis: training iteration)",
+    "val/<metric>/best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
+    "loss": "mean training loss over the last log_every iterations",
+    "<metric>": "a metric attached to the trainer, at each epoch's end (<metric>_epoch for a name the train run "
+                "already writes, i.e. loss)",
     "memory/allocated_mb": "memory allocated by tensors at the log (CUDA)",
     "memory/peak_mb": "peak memory allocated by tensors during the window (CUDA)",
     "memory/reserved_mb": "memory held by the caching allocator (CUDA)",
@@ -83,13 +89,14 @@ _DOMAINS = {"dtype": ("float32", "float16", "bfloat16"), "device_type": ("cpu", 
 _FACT_TYPES = (bool, int, float, str, type(None))
 
 
-def hparams_summaries(facts: Dict[str, Any], metrics: Dict[str, str]) -> list:
+def hparams_summaries(facts: Dict[str, Any], metrics: Dict[Tuple[str, str], str]) -> list:
     """The HParams plugin's experiment (columns) and session-start summaries for one run.
 
     Written directly (not ``SummaryWriter.add_hparams``): no ``hparam/*`` scalar tags, booleans stay
     booleans, strings have their closed set of values as a discrete domain (filterable, no console
     warnings), numbers are numbers. Columns follow :data:`HPARAMS` (the name sorts, the display name
-    is the fact's); each metric column reads an existing scalar tag (``metrics``: tag -> title).
+    is the fact's); each metric column reads a scalar tag of one split's run (``metrics``: (split, tag) -> title,
+    the split's run being the session's subdirectory, as Keras's hparams callback has it).
     """
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
@@ -112,7 +119,8 @@ def hparams_summaries(facts: Dict[str, Any], metrics: Dict[str, str]) -> list:
         if value is not None:
             values[key] = value
     experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[
-        api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title) for tag, title in metrics.items()])
+        api_pb2.MetricInfo(name=api_pb2.MetricName(group=group, tag=tag), display_name=title)
+        for (group, tag), title in metrics.items()])
     config = Summary()
     config.value.add(tag=metadata.EXPERIMENT_TAG, tensor=metadata.NULL_TENSOR,
                      metadata=metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(experiment=experiment)))
@@ -139,8 +147,9 @@ def _text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -> Non
 class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
-    One Ignite ``TensorboardLogger`` with small handlers attached (:mod:`.tensorboard_scalars`:
-    ``TrainWindow``, ``DeviceMemory``, ``BatchShape``, ``Validation``; Ignite's
+    One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) with small
+    handlers attached (:mod:`.tensorboard_scalars`: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; Ignite's
     ``OptimizerParamsHandler`` for the learning rate; :class:`RunFacts` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
     and best validation metrics and the median samples/s as metric columns). Every ``log_every``
@@ -151,7 +160,8 @@ class TensorBoardMetrics:
     Rank 0 writes (with ``ranks_memory``, every rank attaches it). The tags are in ``TAGS``.
 
     Args:
-        logdir: directory of the event files: one TensorBoard run (``tensorboard --logdir`` its parent).
+        logdir: directory of the event files: the run, with its ``train`` and ``val`` runs in
+            subdirectories (``tensorboard --logdir`` it, or its parent to compare runs).
         log_every: iterations between two logs.
         facts: what the step cannot tell, e.g. ``ignite_amp.facts.config_facts(cfg, loader)``
             (batch size, model, optimizer...): a flat mapping to bool, int, float, str or None,
@@ -162,7 +172,7 @@ class TensorBoardMetrics:
         hparam_metrics: validation metrics shown as HParams columns (final and best) and charts.
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
-        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/val_best``, as given to ``BestCheckpoint``;
+        modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/best``, as given to ``BestCheckpoint``;
             other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
         ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
             one all-reduce per log): then attach on every rank, not on rank 0 only.
@@ -213,7 +223,8 @@ class TensorBoardMetrics:
         self.ranks_memory = bool(ranks_memory)
         self.ranks: Optional[RanksMemory] = None
         self.hparam_metrics = tuple(hparam_metrics)
-        self.tb: Optional[TensorboardLogger] = None
+        self.tb: Optional[TensorboardLogger] = None  # the run's own: text, HParams, layout
+        self.splits: Dict[str, TensorboardLogger] = {}  # train, val: the scalars
         self.step = self.window = self.memory = self.run_facts = None
         self.validation = Validation(None, self.modes)
         self.trainer: Optional[Engine] = None
@@ -250,16 +261,19 @@ class TensorBoardMetrics:
         step.track_grad_norm()
         optimizer = optimizer if optimizer is not None else step.optimizer
         self.tb = tb = TensorboardLogger(log_dir=self.logdir)
+        self.splits = {split: TensorboardLogger(log_dir=os.path.join(self.logdir, split))
+                       for split in (SPLITS if evaluator is not None else SPLITS[:1])}
+        train = self.splits["train"]
         self.window = TrainWindow(step, self.clipping)
         self.window.attach(trainer)  # before the log's handlers: the log's iteration is in its window
         self.memory = DeviceMemory(step.device, self.ranks)
         self.memory.attach(trainer)
-        metrics = {}
+        metrics = {}  # (run, tag) -> title
         if evaluator is not None:
             for name in self.hparam_metrics:
-                metrics[f"{name}/val"] = f"val {name} (final)"
-                metrics[f"{name}/val_best"] = f"val {name} (best)"
-        metrics["throughput/median_samples_per_sec"] = "samples/s (median)"
+                metrics[("val", name)] = f"val {name} (final)"
+                metrics[("val", f"{name}/best")] = f"val {name} (best)"
+        metrics[("train", "throughput/median_samples_per_sec")] = "samples/s (median)"
         self.run_facts = RunFacts(self.facts, self.texts, metrics, step)
         tb.attach(trainer, self.run_facts, Events.STARTED)
         trainer.add_event_handler(Events.STARTED, lambda _: setattr(self, "_ended", False))
@@ -271,15 +285,19 @@ class TensorBoardMetrics:
         # a crashed run keeps what it logged. (No EXCEPTION_RAISED handler: Ignite does not re-raise
         # when one exists.) close() is safe to call twice.
         self._log_handlers = [shape, self.window, OptimizerParamsHandler(optimizer, "lr", tag="optimizer"),
-                              self.memory, self._logged]
+                              self.memory, _flush]
+        self._lr_groups = len(optimizer.param_groups)
         for handler in self._log_handlers:
-            tb.attach(trainer, handler, log)
+            train.attach(trainer, handler, log)
+        tb.attach(trainer, self._logged_once, log)
+        self.trainer_metrics = TrainerMetrics(train)
+        self.trainer_metrics.attach(trainer)
         if evaluator is not None:
             self.validation.trainer = trainer
-            tb.attach(evaluator, self.validation, Events.COMPLETED)
-            tb.attach(evaluator, _flush, Events.COMPLETED)
+            self.splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
+            self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
 
-    def _logged(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+    def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         if not self._layout_written:  # at the first log: the FLOP count and what is logged are known
             step = self.step
             if step.flops_per_sample:
@@ -290,9 +308,9 @@ class TensorBoardMetrics:
                 [m for m in self.hparam_metrics if self.validation.trainer is not None], step.scaler.is_enabled(),
                 self.clipping is not None and self.clipping.max_norm is not None, step.device.type == "cuda",
                 bool(step.flops_per_sample), bool(step.flops_per_sample) and self.window.peak is not None,
-                self.ranks is not None))
+                self.ranks is not None, self._lr_groups))
             self._layout_written = True
-        logger.writer.flush()
+            logger.writer.flush()
 
     def health(self) -> List[str]:
         """The health summary of the run so far (see :mod:`~ignite_amp.handlers.run_health`); [] on other ranks."""
@@ -325,7 +343,8 @@ class TensorBoardMetrics:
         # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
         if self.window.losses:  # the last iterations since the last log (all of a run shorter than log_every)
             for handler in self._log_handlers:
-                handler(engine, logger, Events.ITERATION_COMPLETED)
+                handler(engine, self.splits["train"], Events.ITERATION_COMPLETED)
+            self._logged_once(engine, logger, Events.ITERATION_COMPLETED)
         self._write_health(engine.state.iteration)
         self._ended = True
         logger.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)
@@ -339,12 +358,14 @@ class TensorBoardMetrics:
                     self._ended = True
                     self._write_health(self.trainer.state.iteration)
             finally:
-                self.tb.close()
+                for logger in (self.tb, *self.splits.values()):
+                    logger.close()
                 self.tb = None
 
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
     logger.writer.flush()
+
 
 
 class RunFacts:

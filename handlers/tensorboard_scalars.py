@@ -20,10 +20,12 @@ from ignite_amp.collectives import max_across_ranks
 from ignite_amp.device import peak_tflops
 from ignite_amp.events import AmpEvents
 from ignite_amp.metric_modes import better, metric_mode
+from ignite_amp.rundir import TENSORBOARD_SPLITS
 from ignite_amp.scaler import scale_tensor
 from ignite_amp.step import AmpStep
 
-__all__ = ["TrainWindow", "DeviceMemory", "RanksMemory", "BatchShape", "Validation", "rss_mb", "layout"]
+__all__ = ["TrainWindow", "DeviceMemory", "RanksMemory", "BatchShape", "Validation", "TrainerMetrics", "rss_mb",
+           "layout", "SPLITS"]
 
 
 def rss_mb() -> float:
@@ -38,36 +40,49 @@ def rss_mb() -> float:
 
 
 
+SPLITS = TENSORBOARD_SPLITS  # one TensorBoard run per split, in the run's log directory
+
+
 def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping: bool = True, cuda: bool = True,
-           flops: bool = True, mfu: bool = True, ranks: bool = False) -> dict:
-    """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills.
+           flops: bool = True, mfu: bool = True, ranks: bool = False, lr_groups: int = 1) -> dict:
+    """The Custom Scalars layout of a run: one scale per chart, only the charts the run fills, and one
+    quantity per run in each chart (TensorBoard colours a line by its run, so the lines of one chart
+    differ by run: ``train`` and ``val`` hold the same tag names, as Keras's runs do; the best so far,
+    ``<metric>/best``, has its own chart, where it cannot hide the val line it equals while it improves).
 
     ``tensorboard --logdir runs`` merges the runs' layouts (same categories, charts unioned)."""
-    health = {"loss: train, val": ["Multiline", [r"^loss/(train|val)$"]]}
+    health = {"loss: train (window mean), val": ["Multiline", [r"^loss$"]]}
     for name in metrics:
         if name != "loss":
-            health[f"val {name} (and best so far)"] = ["Multiline", [rf"^{name}/val(_best)?$"]]
+            health[f"{name}: train (when measured), val"] = ["Multiline", [rf"^{name}$"]]
+    for name in metrics:
+        health[f"best val {name} so far"] = ["Multiline", [rf"^{name}/best$"]]
     if scaler:
         health["loss scale (float16)"] = ["Multiline", [r"^precision/loss_scale$"]]
         health["skipped optimizer steps (float16, since the start)"] = ["Multiline", [r"^precision/skipped_steps$"]]
     if clipping:
         health["share of optimizer steps clipped (1.0: every step)"] = ["Multiline", [r"^optimizer/clip_share$"]]
-    health["samples/s: each window, the median so far"] = ["Multiline", [r"^throughput/(median_)?samples_per_sec$"]]
-    details = {"grad norm (pre-clip, L2)": ["Multiline", [r"^optimizer/grad_norm$"]],
-               "learning rate": ["Multiline", [r"^optimizer/lr/group_\d+$"]],
-               "share of wall time waiting for data": ["Multiline", [r"^throughput/data_wait_share$"]],
-               "ms per iteration": ["Multiline", [r"^throughput/step_time_ms$"]]}
+    health["samples/s of each window"] = ["Multiline", [r"^throughput/samples_per_sec$"]]
+    health["samples/s: the median of the windows so far"] = ["Multiline", [r"^throughput/median_samples_per_sec$"]]
+    details = {"grad norm (pre-clip, L2)": ["Multiline", [r"^optimizer/grad_norm$"]]}
+    for group in range(lr_groups):
+        title = "learning rate" + (f" (param group {group})" if lr_groups > 1 else "")
+        details[title] = ["Multiline", [rf"^optimizer/lr/group_{group}$"]]
+    details["share of wall time waiting for data"] = ["Multiline", [r"^throughput/data_wait_share$"]]
+    details["ms per iteration"] = ["Multiline", [r"^throughput/step_time_ms$"]]
     if flops:
         details["achieved TFLOP/s"] = ["Multiline", [r"^throughput/tflops$"]]
     if mfu:
         details["MFU (share of the dense peak)"] = ["Multiline", [r"^throughput/mfu$"]]
     if cuda:
-        details["device memory MB: allocated, reserved, peak"] = ["Multiline", [r"^memory/(allocated|reserved|peak)_mb$"]]
+        for kind in ("allocated", "reserved", "peak"):
+            details[f"device memory MB: {kind}"] = ["Multiline", [rf"^memory/{kind}_mb$"]]
     else:
         details["process memory MB (RSS)"] = ["Multiline", [r"^memory/rss_mb$"]]
     if ranks:
         details["the largest rank's memory MB"] = ["Multiline", [r"^memory/max_rank_(peak|rss)_mb$"]]
     return {"AMP health": health, "AMP details": details}
+
 
 class TrainWindow:
     """The window's training scalars (loss, grad norm, clip share, loss scale, skipped steps, speed,
@@ -141,7 +156,7 @@ class TrainWindow:
     def read(self, iteration: int) -> Dict[str, float]:
         """The window's values by tag (one host sync), kept in ``history``; then a new window starts."""
         amp, device = self.step, self.losses[0].device
-        reads = {"loss/train": torch.stack(self.losses).mean()}
+        reads = {"loss": torch.stack(self.losses).mean()}
         if self.norms:
             reads["optimizer/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
         if self.clip_norms:
@@ -284,9 +299,10 @@ class BatchShape:
 
 
 class Validation:
-    """Each evaluation's metrics as ``<metric>/val`` and the best so far as ``<metric>/val_best`` (min for a
-    loss or an error, else max; or as ``modes`` says), at the trainer's iteration: a metric's training
-    and validation cards sit side by side. Attach to the evaluator; ``final`` and ``best`` hold the values."""
+    """Each evaluation's metrics as ``<metric>`` and the best so far as ``<metric>/best`` (min for a loss or an
+    error, else max; or as ``modes`` says) in the ``val`` run, at the trainer's iteration: one chart overlays
+    a metric's train and val lines, each in its run's colour. Attach to the evaluator with the ``val`` run's
+    logger; ``final`` and ``best`` hold the values."""
 
     def __init__(self, trainer: Optional[Engine], modes: Optional[Dict[str, str]] = None):
         self.trainer = trainer
@@ -297,14 +313,45 @@ class Validation:
 
     def __call__(self, evaluator: Engine, logger: Optional[TensorboardLogger], event_name: Any = None) -> None:
         self.evaluations += 1
-        for name, value in evaluator.state.metrics.items():
-            if not isinstance(value, (int, float)) and not (torch.is_tensor(value) and value.numel() == 1):
-                continue
-            value = float(value)
+        for name, value in scalar_metrics(evaluator.state.metrics).items():
             self.final[name] = value
             pick = better(self.modes.get(name) or metric_mode(name))
             self.best[name] = pick(self.best.get(name, value), value)
             if logger is not None:
                 iteration = self.trainer.state.iteration
-                logger.writer.add_scalar(f"{name}/val", value, iteration)
-                logger.writer.add_scalar(f"{name}/val_best", self.best[name], iteration)
+                logger.writer.add_scalar(name, value, iteration)
+                logger.writer.add_scalar(f"{name}/best", self.best[name], iteration)
+
+
+def scalar_metrics(metrics: Dict[str, Any]) -> Dict[str, float]:
+    """The metrics that are one number (a number or a one-element tensor), as floats."""
+    return {name: float(value) for name, value in metrics.items()
+            if isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)}
+
+
+class TrainerMetrics:
+    """Metrics attached to the trainer (``Accuracy(output_transform=...).attach(trainer, "accuracy")``), logged
+    at each epoch's end in the ``train`` run under their own names, beside the ``val`` run's same-named metric.
+    A name the ``train`` run already writes (``loss``: the window mean) is logged as ``<name>_epoch``.
+
+    :meth:`attach` registers the epoch-end log when the trainer starts: after every metric attached before
+    ``run()``, whose epoch-end computation must come first."""
+
+    def __init__(self, logger: TensorboardLogger, taken: Sequence[str] = ("loss",)):
+        self.logger, self.taken = logger, set(taken)
+        self.logged: Dict[str, Dict[int, float]] = {}  # tag -> {iteration: value}
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.STARTED, self._started)
+
+    def _started(self, engine: Engine) -> None:
+        if not engine.has_event_handler(self, Events.EPOCH_COMPLETED):
+            engine.add_event_handler(Events.EPOCH_COMPLETED, self)
+
+    def __call__(self, engine: Engine) -> None:
+        iteration = engine.state.iteration
+        for name, value in scalar_metrics(engine.state.metrics).items():
+            tag = f"{name}_epoch" if name in self.taken else name
+            self.logger.writer.add_scalar(tag, value, iteration)
+            self.logged.setdefault(tag, {})[iteration] = value
+        self.logger.writer.flush()

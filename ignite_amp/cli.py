@@ -156,10 +156,21 @@ def _train(args: argparse.Namespace) -> int:
     if result["best_checkpoint"]:
         safe_print(f"best checkpoint: {result['best_checkpoint']}")
     if result["tensorboard_dir"]:
-        tb = os.path.normpath(result["tensorboard_dir"])
-        safe_print(f"dashboard: tensorboard --logdir {os.path.dirname(tb) or '.'}, then open "
-                   f"http://localhost:6006/#custom_scalars&_smoothingWeight=0 (run \"{os.path.basename(tb)}\")")
+        safe_print(_dashboard_hint(result["tensorboard_dir"]))
     return 0
+
+
+def _dashboard_hint(tensorboard_dir: str) -> str:
+    """The last line of a training run: how to open its dashboard, quoted for a shell."""
+    import shlex
+
+    from ignite_amp.rundir import dashboard_logdir
+
+    run = os.path.normpath(tensorboard_dir)
+    logdir = dashboard_logdir(run)
+    named = f' (run "{os.path.basename(run)}")' if logdir != run else ""
+    return (f"dashboard: tensorboard --logdir {shlex.quote(logdir)}, then open "
+            f"http://localhost:6006/#custom_scalars&_smoothingWeight=0{named}")
 
 
 COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size, "schema": _schema}

@@ -228,16 +228,17 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
               files)
     run.command, run.batch_search = command, batch_search
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
+    if progress:
+        from ignite.handlers import ProgressBar
+
+        # Before the epoch-end handlers: the bar ends at 100% on its own line before the validation and the
+        # epoch's line print. No loss in the bar: showing it would sync the host with the device every iteration.
+        ProgressBar(persist=True).attach(trainer)
     _attach_handlers(run)
     if resuming.path is not None:
         run.resumed_from = resuming.path
         run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
                                 epoch_length, scheduled=scheduler is not None))
-    if progress:
-        from ignite.handlers import ProgressBar
-
-        # No loss in the bar: showing it would sync the host with the device every iteration.
-        ProgressBar(persist=False).attach(trainer)
     if main:
         layout = RunLayout(cfg["output_dir"])
         save_config(cfg, layout.config_path)

@@ -17,7 +17,8 @@ try:
 except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
-__all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
+__all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS",
+           "TENSORBOARD_SPLITS", "dashboard_logdir", "free_bytes",
            "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside"]
 
 logger = logging.getLogger("ignite_amp")
@@ -28,7 +29,8 @@ CONFIG_NAME = "config.yaml"
 CHECKPOINTS = "checkpoints"
 PROFILER = "profiler"
 # What a training run writes in its output_dir (and what "starting over" moves aside).
-RUN_ARTIFACTS = (CHECKPOINTS, PROFILER, CONFIG_NAME, LOG_NAME, "events.out.tfevents.*")
+TENSORBOARD_SPLITS = ("train", "val")  # TensorBoardMetrics' runs: one per split, in subdirectories
+RUN_ARTIFACTS = (CHECKPOINTS, PROFILER, CONFIG_NAME, LOG_NAME, "events.out.tfevents.*", *TENSORBOARD_SPLITS)
 
 
 class RunLayout(NamedTuple):
@@ -60,6 +62,25 @@ class RunLayout(NamedTuple):
     @property
     def lock_path(self) -> str:
         return os.path.join(self.output_dir, LOCK_NAME)
+
+    def is_run(self) -> bool:
+        """Whether a training run has written here (its resolved config and its log)."""
+        return os.path.isfile(self.config_path) and os.path.isfile(self.log_path)
+
+
+def dashboard_logdir(output_dir: str) -> str:
+    """What ``tensorboard --logdir`` should read to show this run: the parent of ``output_dir`` when that
+    is a runs folder (it holds only this project's runs, so they can be compared), else ``output_dir``
+    itself, so that TensorBoard never scans a home or scratch directory."""
+    run = os.path.normpath(output_dir)
+    parent = os.path.dirname(run) or "."
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return run
+    if entries and all(RunLayout(os.path.join(parent, name)).is_run() for name in entries):
+        return parent
+    return run
 
 
 class RunLock:

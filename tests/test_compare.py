@@ -24,10 +24,10 @@ def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
     table = format_table(results)
     assert table.splitlines()[0].startswith("mode") and len(table.splitlines()) == 5
     # Each mode logs what a training run of its dtype logs: the scaler's figures only with the scaler.
-    tags = {mode: set(scalar_tags(os.path.join(quick_cfg["output_dir"], "compare", mode)))
+    tags = {mode: set(scalar_tags(os.path.join(quick_cfg["output_dir"], "compare", mode, "train")))
             for mode in ("float16", "float16+scaler", "bfloat16")}
-    assert {"precision/loss_scale", "precision/skipped_steps", "loss/train"} <= tags["float16+scaler"]
-    assert "loss/train" in tags["bfloat16"] and not {t for t in tags["bfloat16"] | tags["float16"]
+    assert {"precision/loss_scale", "precision/skipped_steps", "loss"} <= tags["float16+scaler"]
+    assert "loss" in tags["bfloat16"] and not {t for t in tags["bfloat16"] | tags["float16"]
                                                         if t.startswith("precision/")}
 
 

@@ -99,20 +99,20 @@ def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
     def listing(run):
         return sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs)
 
-    def tensorboard(f):  # event files in output_dir itself, the profiler's under profiler/
+    def tensorboard(f):  # event files in output_dir and its train/ and val/ runs, the profiler's under profiler/
         return os.path.basename(f).startswith("events.out.tfevents") or f.startswith("profiler" + os.sep)
 
     files = listing(tmp_path / "two")
     assert [f for f in files if not tensorboard(f)] == [f for f in listing(tmp_path / "one") if not tensorboard(f)]
     logs = [f for f in files if tensorboard(f)]
     pids = {re.search(r"\.(\d+)\.\d+$", f).group(1) for f in logs if "events.out.tfevents" in f}
-    assert len(pids) == 1 and len(logs) == 4, logs  # two event files, one trace, one table
+    assert len(pids) == 1 and len(logs) == 6, logs  # four event files (run, train, val, profiler), a trace, a table
     assert sum(os.path.basename(f).startswith("trace_iterations_") for f in logs) == 1
 
     # Rank 0's memory, and the largest rank's (every rank reads its own; one all-reduce per log).
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "two"))
+    acc = EventAccumulator(str(tmp_path / "two" / "train"))
     acc.Reload()
     own, largest = ([e.value for e in acc.Scalars(t)] for t in ("memory/rss_mb", "memory/max_rank_rss_mb"))
     assert len(largest) == len(own) > 0 and all(m >= o for m, o in zip(largest, own))

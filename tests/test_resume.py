@@ -125,6 +125,16 @@ def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path
     assert f"resumed from {cfg['output_dir']}/checkpoints/last_checkpoint_1.pt at epoch 1" in capsys.readouterr().out
 
 
+def test_starting_over_moves_the_tensorboard_split_runs_aside_too(tmp_path, capsys):
+    """The train and val runs (subdirectories of output_dir) go with the rest: no old curve under a new run."""
+    path, cfg = base(tmp_path, handlers={"tensorboard": {"enabled": True}})
+    assert main(["train", path]) == 0
+    assert main(["train", path, "--set", "handlers.checkpoint.resume=never"]) == 0
+    moved = re.search(r"moved the previous run's files to (\S+)", capsys.readouterr().out).group(1)
+    for split in ("train", "val"):
+        assert len(os.listdir(os.path.join(moved, split))) == 1 == len(os.listdir(os.path.join(cfg["output_dir"], split)))
+
+
 def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_path, capsys):
     path, cfg = base(tmp_path)
     bad = ["--set", "data.name=cifar10", "--set", f"data.root={tmp_path / 'none'}"]

@@ -20,10 +20,15 @@ from ignite_amp.handlers.tensorboard_metrics import FACTS_TAG, HEALTH_TAG, HPARA
 MAX_NORM = 10.0
 
 
-def read(path):
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
+def read(path, split=""):
+    """The events of the run in ``path`` (its text, HParams and layout) or of one split's run (its scalars)."""
+    acc = EventAccumulator(os.path.join(str(path), split), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
+
+
+def runs(path):
+    return {split: read(path, split) for split in ("", "train", "val")}
 
 
 @pytest.fixture
@@ -59,7 +64,7 @@ def logged(tmp_path):
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(id_batches(16, 8)))
     trainer.run(batches, max_epochs=2)
     tb.close()
-    return read(tmp_path), record, tb
+    return runs(tmp_path), record, tb
 
 
 def values(acc, tag):
@@ -70,28 +75,32 @@ def test_docstring_example_runs():
     assert_doctests_pass(ignite_amp.handlers.tensorboard_metrics)
 
 
-def test_logs_every_tag_of_a_cpu_run_and_no_hparam_scalars(logged):
-    acc, _, _ = logged
-    tags = set(acc.Tags()["scalars"])
-    expected = {"loss/train", "loss/val", "loss/val_best", "accuracy/val", "accuracy/val_best", "optimizer/lr/group_0",
+def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(logged):
+    split, _, _ = logged
+    tags = set(split["train"].Tags()["scalars"])
+    expected = {"loss", "optimizer/lr/group_0",
                 "optimizer/grad_norm", "optimizer/clip_share", "precision/loss_scale", "precision/skipped_steps",
                 "throughput/samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
                 "throughput/tflops", "memory/rss_mb", "step/micro_batches", "throughput/median_samples_per_sec"}
     # Nothing constant or empty: the batch size (8, as the facts say), no OOM, the clip bound (a fact).
     assert expected == tags
+    # The same tag names in the train and val runs: one chart overlays train and val, one colour each.
+    assert set(split["val"].Tags()["scalars"]) == {"accuracy", "loss", "accuracy/best", "loss/best"}
+    assert split[""].Tags()["scalars"] == []  # the run itself: text, HParams, layout
     assert not [t for t in tags if t.startswith("hparam")]
-    assert sorted(values(acc, "loss/train")) == list(range(2, 17, 2))
+    assert sorted(values(split["train"], "loss")) == list(range(2, 17, 2))
 
 
-def test_time_series_opens_on_validation_and_loss(logged):
+def test_time_series_opens_on_the_metrics(logged):
     """TensorBoard's Time Series sorts the groups (a tag's part before the first '/') by name."""
-    acc, _, _ = logged
-    groups = sorted({t.split("/")[0] for t in acc.Tags()["scalars"]})
+    split, _, _ = logged
+    groups = sorted({t.split("/")[0] for run in ("train", "val") for t in split[run].Tags()["scalars"]})
+    # Time Series opens the first two groups only: the metrics, each with its best so far (accuracy/best).
     assert groups[:2] == ["accuracy", "loss"] and groups[-1] == "throughput"
 
 
 def test_constant_batch_values_are_logged_only_when_they_change(logged):
-    acc, _, _ = logged
+    acc = logged[0]["train"]
     assert values(acc, "step/micro_batches") == {6: 2}  # raised at iteration 5, from 1 in the facts
 
 
@@ -100,11 +109,11 @@ def test_batch_size_without_facts_is_logged_at_the_first_log_then_on_change(tmp_
     trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
     TensorBoardMetrics(str(tmp_path), log_every=2).attach(trainer)
     trainer.run(id_batches(32, 8) + id_batches(16, 4), max_epochs=1)  # 4 batches of 8, then 4 of 4
-    assert values(read(tmp_path), "step/batch_size") == {2: 8, 6: 4}
+    assert values(read(tmp_path, "train"), "step/batch_size") == {2: 8, 6: 4}
 
 
 def test_loss_scale_and_skipped_steps_match_the_scaler(logged):
-    acc, record, _ = logged
+    acc, record = logged[0]["train"], logged[1]
     for step, value in values(acc, "precision/loss_scale").items():
         assert value == record["scale"][step]
     skipped = values(acc, "precision/skipped_steps")
@@ -114,9 +123,9 @@ def test_loss_scale_and_skipped_steps_match_the_scaler(logged):
 
 
 def test_window_means(logged):
-    acc, record, _ = logged
-    acc, record, tb = logged
-    for step, value in values(acc, "loss/train").items():
+    split, record, tb = logged
+    acc = split["train"]
+    for step, value in values(acc, "loss").items():
         window = [record["loss"][step - 1], record["loss"][step]]
         assert value == pytest.approx(sum(window) / 2, rel=1e-5, nan_ok=True)
     assert all(v == pytest.approx(0.05) for v in values(acc, "optimizer/lr/group_0").values())  # stored as float32
@@ -137,7 +146,8 @@ def test_window_means(logged):
 
 
 def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
-    acc, record, _ = logged
+    split, record, _ = logged
+    acc = split["train"]
     fractions = values(acc, "optimizer/clip_share")
     norms = record["norm"]  # iterations that stepped (the skipped ones fire no GRADS_READY)
     expected = {}
@@ -150,12 +160,13 @@ def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
 
 
 def test_validation_best_values(logged):
-    acc, _, tb = logged
-    assert sorted(values(acc, "accuracy/val")) == [8, 16]  # x axis: the trainer's iteration
-    accuracy, best = values(acc, "accuracy/val"), values(acc, "accuracy/val_best")
+    split, _, tb = logged
+    val = split["val"]
+    assert sorted(values(val, "accuracy")) == [8, 16]  # x axis: the trainer's iteration
+    accuracy, best = values(val, "accuracy"), values(val, "accuracy/best")
     assert best[16] == pytest.approx(max(accuracy.values())) and best[8] == pytest.approx(accuracy[8])
-    assert values(acc, "loss/val_best")[16] == pytest.approx(min(values(acc, "loss/val").values()))
-    assert tb.final["accuracy"] == pytest.approx(accuracy[16]) and tb.best["loss"] == values(acc, "loss/val_best")[16]
+    assert values(val, "loss/best")[16] == pytest.approx(min(values(val, "loss").values()))
+    assert tb.final["accuracy"] == pytest.approx(accuracy[16]) and tb.best["loss"] == values(val, "loss/best")[16]
 
 
 def fact_text(acc, last=False):
@@ -165,7 +176,7 @@ def fact_text(acc, last=False):
 
 
 def test_run_facts_text_says_what_ran(logged):
-    acc, _, tb = logged
+    acc, tb = logged[0][""], logged[2]
     text = fact_text(acc)
     assert text.startswith("**float16 autocast, GradScaler from scale 256, on cpu")
     assert "| grad_scaler | true |" in text and "| batch_size | 8 |" in text and "| model | mlp |" in text
@@ -174,7 +185,7 @@ def test_run_facts_text_says_what_ran(logged):
 
 
 def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
-    acc, _, tb = logged
+    acc = logged[0][""]
     content = acc.PluginTagToContent("hparams")
     experiment = hparams_metadata.parse_experiment_plugin_data(content[hparams_metadata.EXPERIMENT_TAG])
     shown = [info.display_name for info in experiment.hparam_infos]
@@ -188,8 +199,11 @@ def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
     assert domains == {"dtype": ["float32", "float16", "bfloat16"], "device_type": ["cpu", "cuda", "mps", "xpu"],
                        "strategy": ["none", "ddp", "fsdp"]}
     assert "model" not in shown  # an open set of strings: in the text facts, not a column without a domain
-    metrics = [m.name.tag for m in experiment.metric_infos]
-    assert metrics == ["accuracy/val", "accuracy/val_best", "loss/val", "loss/val_best", "throughput/median_samples_per_sec"]
+    metrics = [(m.name.group, m.name.tag) for m in experiment.metric_infos]  # a split's run, a tag of it (Keras's way)
+    assert metrics == [("val", "accuracy"), ("val", "accuracy/best"), ("val", "loss"), ("val", "loss/best"),
+                       ("train", "throughput/median_samples_per_sec")]
+    for group, tag in metrics:
+        assert tag in logged[0][group].Tags()["scalars"]
     start = hparams_metadata.parse_session_start_info_plugin_data(content[hparams_metadata.SESSION_START_INFO_TAG])
     by_name = {i.display_name: start.hparams[i.name] for i in experiment.hparam_infos}
     assert by_name["grad_scaler"].WhichOneof("kind") == "bool_value" and by_name["grad_scaler"].bool_value
@@ -206,10 +220,11 @@ def test_a_bfloat16_script_run_without_facts_says_no_grad_scaler(tmp_path):
     trainer.run(id_batches(32, 8), max_epochs=1)
     acc = read(tmp_path)
     assert fact_text(acc).startswith("**bfloat16 autocast, no GradScaler, on cpu")
+    assert sorted(os.listdir(tmp_path))[-1] == "train"  # no evaluator: no val runs
     start = hparams_metadata.parse_session_start_info_plugin_data(
         acc.PluginTagToContent("hparams")[hparams_metadata.SESSION_START_INFO_TAG])
     assert start.hparams["02 grad_scaler"].bool_value is False
-    assert not [t for t in acc.Tags()["scalars"] if t.startswith("precision/")]
+    assert not [t for t in read(tmp_path, "train").Tags()["scalars"] if t.startswith("precision/")]
 
 
 def run_layout(acc):
@@ -219,27 +234,33 @@ def run_layout(acc):
     return layout
 
 
-def test_dashboard_charts_have_one_scale_and_no_empty_card(logged):
-    acc, _, _ = logged
-    layout = run_layout(acc)
+def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(logged):
+    split, _, _ = logged
+    layout = run_layout(split[""])
     assert [c.title for c in layout.category] == ["AMP health", "AMP details"]
     charts = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
-    assert list(charts) == ["loss: train, val", "val accuracy (and best so far)", "loss scale (float16)",
+    assert list(charts) == ["loss: train (window mean), val", "accuracy: train (when measured), val",
+                            "best val accuracy so far", "best val loss so far", "loss scale (float16)",
                             "skipped optimizer steps (float16, since the start)",
-                            "share of optimizer steps clipped (1.0: every step)", "samples/s: each window, the median so far"]
-    logged_tags = set(acc.Tags()["scalars"])
+                            "share of optimizer steps clipped (1.0: every step)", "samples/s of each window",
+                            "samples/s: the median of the windows so far"]
+    assert charts["loss: train (window mean), val"] == ["^loss$"]
     for category in layout.category:
         for chart in category.chart:
             (pattern,) = chart.multiline.tag
-            matched = {t for t in logged_tags if re.search(pattern, t)}
+            matched = {(run, t) for run in ("train", "val") for t in split[run].Tags()["scalars"]
+                       if re.search(pattern, t)}
             assert matched, chart.title  # no "Matches (0)" card
-            units = {t.split("/")[0] if t.startswith("loss/") else re.sub(r"_best$|/group_\d+$|median_", "", t) for t in matched}
-            assert len(units) == 1 or chart.title == "loss: train, val", (chart.title, matched)  # one scale
+            # TensorBoard colours a line by its run: one tag per run, so no two quantities share a colour.
+            runs_drawn = [run for run, _ in matched]
+            assert len(runs_drawn) == len(set(runs_drawn)), (chart.title, matched)
+            assert len({t for _, t in matched}) == 1, (chart.title, matched)  # one quantity, one scale
 
 
 def test_every_layout_pattern_names_documented_tags():
-    documented = [re.escape(t).replace(re.escape("<metric>"), r"\w+").replace(re.escape("<N>"), r"\d+") for t in TAGS]
-    examples = [t.replace("<metric>", "accuracy").replace("<N>", "0") for t in TAGS]
+    tags = [t.split("/", 1)[1] if t.startswith("val/") else t for t in TAGS]  # the val run's tags
+    documented = [re.escape(t).replace(re.escape("<metric>"), r"\w+").replace(re.escape("<N>"), r"\d+") for t in tags]
+    examples = [t.replace("<metric>", "accuracy").replace("<N>", "0") for t in tags]
     for category in LAYOUT.values():
         for title, (_, patterns) in category.items():
             for pattern in patterns:
@@ -249,7 +270,7 @@ def test_every_layout_pattern_names_documented_tags():
 
 
 def test_health_summary_is_written_and_returned(logged):
-    acc, _, tb = logged
+    acc, tb = logged[0][""], logged[2]
     (event,) = acc.Tensors(HEALTH_TAG)
     text = event.tensor_proto.string_val[0].decode()
     lines = tb.health()
@@ -304,7 +325,7 @@ def test_one_host_sync_per_log(tmp_path, monkeypatch):
     # Every TensorBoard handler together: one read per log (loss, grad norm, clip count, scale), none between.
     assert logs == [(1, 0), (2, 1), (3, 1), (4, 2)] and reads[:2] == ["tolist", "tolist"]
     assert len(reads) <= 3  # and the end-of-run summary's final loss scale
-    acc = read(tmp_path)
+    acc = read(tmp_path, "train")
     assert sorted(values(acc, "precision/loss_scale")) == [2, 4] and values(acc, "optimizer/clip_share")
 
 
@@ -322,7 +343,7 @@ def test_grad_norm_is_pre_clip_whatever_the_attach_order(tmp_path, clip_first, n
     for handler in ([clip, tb] if clip_first else [tb, clip]):
         handler.attach(trainer)
     trainer.run(id_batches(16, 8), max_epochs=1)
-    acc = read(tmp_path)
+    acc = read(tmp_path, "train")
     logged = values(acc, "optimizer/grad_norm")
     assert [logged[1], logged[2]] == pytest.approx(norms, rel=1e-5) and min(norms) > 1e-3
     assert values(acc, "optimizer/clip_share") == {1: 1.0, 2: 1.0}
@@ -367,6 +388,46 @@ def test_a_run_shorter_than_log_every_still_fills_the_dashboard(tmp_path):
     tb.attach(trainer)
     trainer.run(id_batches(24, 8), max_epochs=1)  # 3 iterations
     tb.close()
-    acc = read(tmp_path)
-    assert values(acc, "loss/train").keys() == {3} and "throughput/samples_per_sec" in acc.Tags()["scalars"]
-    assert run_layout(acc).category[0].title == "AMP health"
+    acc = read(tmp_path, "train")
+    assert values(acc, "loss").keys() == {3} and "throughput/samples_per_sec" in acc.Tags()["scalars"]
+    assert run_layout(read(tmp_path)).category[0].title == "AMP health"
+
+
+def test_trainer_metrics_are_logged_in_the_train_run_beside_val(tmp_path):
+    """A metric attached to the trainer (after TensorBoardMetrics, as users do) reaches TensorBoard at each
+    epoch's end, in the train run under its own name: one chart overlays train and val accuracy."""
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), cross_entropy, device="cpu",
+                                 output_transform=lambda x, y, y_pred, loss: {"y_pred": y_pred, "y": y, "loss": loss})
+    evaluator = create_amp_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(cross_entropy)}, device="cpu")
+    tb = TensorBoardMetrics(str(tmp_path), log_every=2)
+    tb.attach(trainer, evaluator=evaluator)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(id_batches(16, 8)))
+    Accuracy(output_transform=lambda out: (out["y_pred"], out["y"])).attach(trainer, "accuracy")
+    Loss(cross_entropy, output_transform=lambda out: (out["y_pred"], out["y"])).attach(trainer, "loss")
+    epochs = []
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: epochs.append(dict(e.state.metrics)))
+    trainer.run(id_batches(32, 8), max_epochs=2)
+    tb.close()
+    train = read(tmp_path, "train")
+    assert values(train, "accuracy") == pytest.approx({4: epochs[0]["accuracy"], 8: epochs[1]["accuracy"]})
+    # "loss" is the train run's window mean: the trainer's epoch loss goes beside it, not into its line.
+    assert values(train, "loss_epoch") == pytest.approx({4: epochs[0]["loss"], 8: epochs[1]["loss"]})
+    assert sorted(values(train, "loss")) == [2, 4, 6, 8]
+    assert sorted(values(read(tmp_path, "val"), "accuracy")) == [4, 8]
+
+
+def test_trainer_metrics_of_a_config_run_are_logged(quick_cfg):
+    from ignite_amp.run import build_run
+
+    run = build_run(dict(quick_cfg, train={"epochs": 1}), print_fn=lambda *a: None)
+    seen = []
+    # The config trainer's output is the loss: a metric of it, as Ignite's RunningAverage docs attach one.
+    from ignite.metrics import RunningAverage
+
+    RunningAverage(output_transform=lambda out: out["loss"] if isinstance(out, dict) else out).attach(
+        run.trainer, "smooth_loss")
+    run.trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: seen.append(e.state.metrics["smooth_loss"]))
+    run.train()
+    train = read(quick_cfg["output_dir"], "train")
+    assert list(values(train, "smooth_loss").values()) == pytest.approx(seen)

@@ -54,7 +54,7 @@ def served(quick_cfg, tmp_path):
                 runs_seen = fetch(base, "/data/runs")
             except OSError:
                 runs_seen = []
-            if "quick" in runs_seen and "quick/profiler" in runs_seen:
+            if {"quick", "quick/train", "quick/val", "quick/profiler"} <= set(runs_seen):
                 break
             time.sleep(0.2)
         else:
@@ -71,23 +71,25 @@ def served(quick_cfg, tmp_path):
 
 def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served):
     base, result = served
-    # The run is named after output_dir; the profiler's text is its own run beside it.
-    assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler"]
+    # The run is named after output_dir, one run per split under it (as Keras's); the profiler's text beside.
+    assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler", "quick/train", "quick/val"]
 
-    tags = set(fetch(base, "/data/plugin/scalars/tags")["quick"])
-    assert {"loss/train", "loss/val", "loss/val_best", "accuracy/val", "accuracy/val_best", "optimizer/grad_norm",
+    scalars = fetch(base, "/data/plugin/scalars/tags")
+    assert {"loss", "optimizer/grad_norm",
             "optimizer/clip_share", "optimizer/lr/group_0", "throughput/samples_per_sec",
             "throughput/median_samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
-            "throughput/tflops", "memory/rss_mb"} == tags
+            "throughput/tflops", "memory/rss_mb"} == set(scalars["quick/train"])
+    assert set(scalars["quick/val"]) == {"loss", "accuracy", "loss/best", "accuracy/best"}
     # bfloat16: no GradScaler, so no precision/ tags; constant batch values live in the facts; no hparam/* dots.
 
     layout = fetch(base, "/data/plugin/custom_scalars/layout")
     assert [c["title"] for c in layout["category"]] == ["AMP health", "AMP details"]
     first = layout["category"][0]
     assert [c["title"] for c in first["chart"]] == [
-        "loss: train, val", "val accuracy (and best so far)", "share of optimizer steps clipped (1.0: every step)",
-        "samples/s: each window, the median so far"]
-    assert first["chart"][0]["multiline"]["tag"] == ["^loss/(train|val)$"]
+        "loss: train (window mean), val", "accuracy: train (when measured), val", "best val accuracy so far",
+        "best val loss so far", "share of optimizer steps clipped (1.0: every step)", "samples/s of each window",
+        "samples/s: the median of the windows so far"]
+    assert first["chart"][0]["multiline"]["tag"] == ["^loss$"]
 
     text_tags = {run: sorted(tags) for run, tags in fetch(base, "/data/plugin/text/tags").items()}
     assert text_tags == {"quick": ["run/facts", "run/health"],
@@ -103,9 +105,9 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
 
     experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
     types = {h["displayName"]: h["type"] for h in experiment["hparamInfos"]}
-    metrics = [m["name"]["tag"] for m in experiment["metricInfos"]]
-    assert metrics == ["accuracy/val", "accuracy/val_best", "loss/val", "loss/val_best",
-                       "throughput/median_samples_per_sec"]
+    metrics = [(m["name"]["group"], m["name"]["tag"]) for m in experiment["metricInfos"]]
+    assert metrics == [("val", "accuracy"), ("val", "accuracy/best"), ("val", "loss"), ("val", "loss/best"),
+                       ("train", "throughput/median_samples_per_sec")]
     assert list(types)[:5] == ["dtype", "device_type", "grad_scaler", "batch_size", "lr"]
     assert types["grad_scaler"] == "DATA_TYPE_BOOL" and types["dtype"] == "DATA_TYPE_STRING"
     assert types["batch_size"] == "DATA_TYPE_FLOAT64" and "torch" not in types  # open strings: text facts only
@@ -118,8 +120,9 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     (group,) = groups
     assert group["name"] == "quick" and group["sessions"][0]["status"] == "STATUS_SUCCESS"
     assert group["hparams"]["02 grad_scaler"] is False and group["hparams"]["00 dtype"] == "bfloat16"
-    values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
-    assert values["accuracy/val"] == pytest.approx(result["final"]["val_accuracy"])
+    values = {(m["name"]["group"], m["name"]["tag"]): m["value"] for m in group["metricValues"]}
+    assert values[("val", "accuracy")] == pytest.approx(result["final"]["val_accuracy"])  # one session, every split
+    assert values[("train", "throughput/median_samples_per_sec")] > 0
 
 
 def test_in_a_real_browser_the_dashboard_renders_without_console_warnings(served, tmp_path):
