@@ -176,6 +176,7 @@ class TensorBoardMetrics:
             other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
         ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
             one all-reduce per log): then attach on every rank, not on rank 0 only.
+        from_config: the health advice names config keys, not Python arguments (``train_from_config`` sets it).
 
     Example:
         >>> import tempfile, torch
@@ -199,7 +200,7 @@ class TensorBoardMetrics:
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,
                  clipping: Optional[GradientClipping] = None, hparam_metrics: Sequence[str] = ("accuracy", "loss"),
                  texts: Optional[Dict[str, str]] = None, modes: Optional[Dict[str, str]] = None,
-                 ranks_memory: bool = False):
+                 ranks_memory: bool = False, from_config: bool = False):
         argument(TensorBoardConfig, "log_every", log_every)
         if facts is not None:
             if not isinstance(facts, dict):
@@ -220,7 +221,7 @@ class TensorBoardMetrics:
         self.logdir, self.log_every = str(logdir), log_every
         self.facts = dict(facts or {})
         self.clipping = clipping
-        self.ranks_memory = bool(ranks_memory)
+        self.ranks_memory, self.from_config = bool(ranks_memory), bool(from_config)
         self.ranks: Optional[RanksMemory] = None
         self.hparam_metrics = tuple(hparam_metrics)
         self.tb: Optional[TensorboardLogger] = None  # the run's own: text, HParams, layout
@@ -331,7 +332,7 @@ class TensorBoardMetrics:
             micro_batch_size=-(-step.batch_size // micro) if micro else None,
             flops_per_sample=step.flops_per_sample, peak_name=window.peak[1] if window.peak else None,
             since=f" since the resume at iteration {window.start_iteration}" if window.start_iteration else "",
-            processes=idist.get_world_size()))
+            processes=idist.get_world_size(), from_config=self.from_config))
 
     def _write_health(self, iteration: int) -> None:
         self.memory.read()

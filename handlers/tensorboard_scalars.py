@@ -156,7 +156,7 @@ class TrainWindow:
     def read(self, iteration: int) -> Dict[str, float]:
         """The window's values by tag (one host sync), kept in ``history``; then a new window starts."""
         amp, device = self.step, self.losses[0].device
-        reads = {"loss": torch.stack(self.losses).mean()}
+        reads = {"loss": torch.stack(self.losses).nanmean()}  # NaN: a batch of padding only has no loss
         if self.norms:
             reads["optimizer/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
         if self.clip_norms:

@@ -360,7 +360,7 @@ def _attach_handlers(run: Run) -> None:
     tensorboard = _switched_on(cfg["tensorboard"])
     if tensorboard is not None:
         texts = {"run/batch_size_search": run.batch_search.table} if run.batch_search is not None else None
-        tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts,
+        tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts, from_config=True,
                                 ranks_memory=is_distributed(), **tensorboard)
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
