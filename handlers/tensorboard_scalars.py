@@ -103,6 +103,7 @@ class TrainWindow:
 
     def reset(self) -> None:
         self.losses: List[torch.Tensor] = []
+        self.empty: List[Any] = []  # per iteration: False, or True / a device flag when num_items counted 0
         self.norms: List[torch.Tensor] = []
         self.clip_norms: List[torch.Tensor] = []  # the clipping's pre-clip norms: compared at the log, not per step
         self.samples = self.largest_batch = 0
@@ -148,6 +149,7 @@ class TrainWindow:
                 self.clip_norms.append(clip_norm)
                 self._last_clip_norm = clip_norm
         self.losses.append(step.loss)
+        self.empty.append(step.items == 0)  # num_items counted nothing (padding only): no loss to average
         self.samples += step.batch_size
         self.largest_batch = max(self.largest_batch, step.batch_size)
         # From the batch's fetch to now: evaluation, checkpoints and other epoch-end work are not training time.
@@ -156,7 +158,11 @@ class TrainWindow:
     def read(self, iteration: int) -> Dict[str, float]:
         """The window's values by tag (one host sync), kept in ``history``; then a new window starts."""
         amp, device = self.step, self.losses[0].device
-        reads = {"loss": torch.stack(self.losses).nanmean()}  # NaN: a batch of padding only has no loss
+        losses = torch.stack(self.losses)
+        if any(e is not False for e in self.empty):  # leave out batches of padding only (their loss is 0/0)
+            kept = ~torch.stack([torch.as_tensor(e, device=device) for e in self.empty])
+            losses = torch.where(kept, losses, torch.zeros_like(losses)).sum() / kept.sum()
+        reads = {"loss": losses.mean()}
         if self.norms:
             reads["optimizer/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
         if self.clip_norms:

@@ -431,3 +431,20 @@ def test_trainer_metrics_of_a_config_run_are_logged(quick_cfg):
     run.train()
     train = read(quick_cfg["output_dir"], "train")
     assert list(values(train, "smooth_loss").values()) == pytest.approx(seen)
+
+
+def test_a_batch_of_padding_only_is_left_out_of_the_window_loss(tmp_path):
+    """Issue 32, case 15: its loss is 0/0 (no items); the logged window mean is the other batches'."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    loss_fn = lambda y_pred, y: cross_entropy(y_pred, y, ignore_index=-100)  # noqa: E731
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn, device="cpu",
+                                 dtype="float32", num_items=lambda x, y: (y != -100).sum())
+    TensorBoardMetrics(str(tmp_path), log_every=3).attach(trainer)
+    seen = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append(e.amp_step.loss.item()))
+    real = [(torch.randn(4, 5), torch.tensor([0, 1, 2, 0])) for _ in range(2)]
+    trainer.run([real[0], (torch.randn(4, 5), torch.full((4,), -100)), real[1]], max_epochs=1)
+    assert seen[1] != seen[1]  # the padding batch itself has no loss (NaN)
+    (logged,) = values(read(tmp_path, "train"), "loss").values()
+    assert logged == pytest.approx((seen[0] + seen[2]) / 2, rel=1e-5)
