@@ -16,10 +16,9 @@ What a resume may change is each key's ``resume`` rule, declared with the key
 import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-import ignite.distributed as idist
 
 from ignite_amp.checkpoint_io import load_checkpoint
-from ignite_amp.collectives import is_distributed
+from ignite_amp.collectives import broadcast_text, is_distributed
 from ignite_amp.config import Config, default_config, flatten_config
 from ignite_amp.errors import CheckpointError
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
@@ -129,7 +128,7 @@ def choose_checkpoint(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[st
                 why = "resume: never" if not resume else "nothing to resume"
                 say(f"starting over in {cfg['output_dir']} ({why}): moved the previous run's files to {moved}")
     if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
-        path = idist.broadcast(path or "", src=0) or None
+        path = broadcast_text(path or "") or None
         if not main and path:
             state = load_checkpoint(path)
     return path, state

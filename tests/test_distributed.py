@@ -344,3 +344,30 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has died
     except FileNotFoundError:
         return False
+
+
+def _choose_non_ascii(rank, out):
+    import ignite.distributed as idist
+
+    from ignite_amp.collectives import broadcast_text
+    from ignite_amp.resume import choose_checkpoint
+
+    cfg = {"output_dir": os.path.join(out, "runü"),
+           "handlers": {"checkpoint": {"resume": os.path.join(out, "runü", "checkpoints", "last_checkpoint_1.pt")}}}
+    path, state = choose_checkpoint(cfg, idist.get_rank() == 0, print)
+    texts = [broadcast_text(t if rank == 0 else "") for t in ("😀 €ü", "", "ascii")]
+    torch.save({"path": path, "epoch": state["trainer"]["epoch"], "texts": texts}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
+    """Case 32.1: rank 0's chosen checkpoint went to the other ranks in a buffer sized in characters, filled with
+    UTF-8 bytes ('.../runü/.../last_checkpoint_1.pM')."""
+    from test_fsdp import free_port, in_group
+
+    ckpt = tmp_path / "runü" / "checkpoints" / "last_checkpoint_1.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"trainer": {"epoch": 1}, "config": {"value": {}}}, ckpt)
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _choose_non_ascii, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result == {"path": str(ckpt), "epoch": 1, "texts": ["😀 €ü", "", "ascii"]}, rank
