@@ -19,6 +19,7 @@ from ignite_amp.errors import CheckpointError, NonFiniteError, first_line
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
+from ignite_amp.rundir import move_files_aside
 from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
@@ -71,8 +72,10 @@ class BestCheckpoint:
 
     :meth:`resume` continues from the newest ``last`` checkpoint that loads (an unreadable one is
     renamed ``*.unreadable`` and named in a warning) and rebuilds the best table from the best
-    files present, so a worse model after a resume never replaces a better one, and a best file
-    that is gone is simply not in the table.
+    files present with the exact scores the checkpoint stored, so a worse model after a resume
+    never replaces a better one, and a best file that is gone is simply not in the table.
+    Checkpoints saved after the one resumed (an older checkpoint resumed on purpose) belong to a
+    run this one does not continue: they are moved to ``<dirname>.replaced-<time>``, never deleted.
 
     Args:
         dirname: where checkpoints go (created if missing).
@@ -270,29 +273,49 @@ class BestCheckpoint:
             raise CheckpointError(f"checkpoint {path}: a single-file checkpoint, and this run saves sharded ones "
                                   f"(distributed.strategy: fsdp)")
         # The file's number is the trainer's epoch when it was saved (global_step_from_engine).
-        match = re.fullmatch(rf"{self.LAST_PREFIX}_checkpoint_(\d+)\.(?:pt|dcp)", os.path.basename(path))
-        epoch = int(match.group(1)) if match else None
-        if match and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname):
+        match = re.fullmatch(r"(last|best)_checkpoint_(\d+)(?:_.+)?\.(?:pt|dcp)", os.path.basename(path))
+        epoch = int(match.group(2)) if match else None
+        in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname)
+        if match and match.group(1) == self.LAST_PREFIX and in_dir:
             _load_table(self.last, [(epoch, os.path.basename(path))])
-        _load_table(self.best, self._best_table(epoch))
+        if epoch is not None:
+            self._move_newer_aside(epoch, path)
+        _load_table(self.best, self._best_table(epoch, state.get("best_table")))
         return path
 
-    def _best_table(self, epoch: Optional[int]) -> List[Tuple[float, str]]:
-        """The best files present, as (priority, name); files from epochs after ``epoch`` (a run killed
-        between its best and last saves) are removed: that epoch is trained again."""
+    def _move_newer_aside(self, epoch: int, resumed: str) -> None:
+        """Checkpoints saved after ``epoch`` belong to a run this one does not continue (an older
+        checkpoint resumed, or a kill between a best and a last save): rank 0 moves them to a sibling
+        folder, so that ``resume: auto`` continues this run and nothing is deleted."""
+        newer = [name for prefix in (self.LAST_PREFIX, self.BEST_PREFIX)
+                 for file_epoch, name, _ in self._files(self.dirname, prefix, "" if prefix == self.LAST_PREFIX
+                                                        else r"_.+")
+                 if file_epoch > epoch and os.path.abspath(os.path.join(self.dirname, name)) != os.path.abspath(resumed)]
+        if not newer or idist.get_rank() != 0:
+            return
+        target = move_files_aside([os.path.join(self.dirname, name) for name in newer], self.dirname)
+        logger.warning("moved %s to %s: saved after the checkpoint resumed from (epoch %d); this run continues "
+                       "from that checkpoint", ", ".join(newer), target, epoch)
+
+    def _best_table(self, epoch: Optional[int], stored: Any = None) -> List[Tuple[float, str]]:
+        """The best files present up to ``epoch``, as (priority, name), in Ignite's order: the exact scores
+        the resumed checkpoint stored with its best table (``stored``), else the scores in the file names
+        (rounded to 4 decimals: a best file resumed from, or files the stored table does not name)."""
+        exact = {}
+        for item in (stored or {}).get("_saved", []) if isinstance(stored, Mapping) else []:
+            if isinstance(item, (tuple, list)) and len(item) == 2:
+                exact[str(item[1])] = float(item[0])
         table = []
         for file_epoch, name, match in self._files(self.dirname, self.BEST_PREFIX,
                                                    rf"_{re.escape(self.score_name)}=(\S+?)"):
             if epoch is not None and file_epoch > epoch:
-                remove_path(os.path.join(self.dirname, name))
-                logger.warning("removed %s: saved after the checkpoint resumed from (epoch %d), whose epochs are "
-                               "trained again", name, epoch)
-                continue
+                continue  # moved aside by rank 0 (_move_newer_aside)
             try:
-                table.append((float(match.group(2)), name))
+                table.append((exact[name] if name in exact else float(match.group(2)), name))
             except ValueError:
                 continue
-        table.sort()
+        order = list(exact)  # ties keep the stored order (Ignite's stable sort); unnamed files come first
+        table.sort(key=lambda item: (item[0], order.index(item[1]) if item[1] in order else -1, item[1]))
         while len(table) > self.n_saved:  # left by a removal that failed (or a smaller n_saved now)
             _, name = table.pop(0)
             remove_path(os.path.join(self.dirname, name))

@@ -18,7 +18,7 @@ except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
-           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside"]
+           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside", "move_files_aside"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -177,6 +177,19 @@ def move_aside(path: str) -> Optional[str]:
         os.rename(path, target)
     except OSError as exc:
         raise ConfigError(f"output_dir: cannot move {path} aside ({exc.strerror or exc})") from None
+    return target
+
+
+def move_files_aside(paths: List[str], near: str) -> str:
+    """Move the files or directories ``paths`` into a new sibling of ``near``, ``<near>.replaced-<time>``; returns it."""
+    target = _aside(near)
+    try:
+        os.makedirs(target)
+        for path in paths:
+            shutil.move(path, os.path.join(target, os.path.basename(path)))
+    except OSError as exc:
+        raise ConfigError(f"output_dir: cannot move {', '.join(map(os.path.basename, paths))} out of {near} "
+                          f"({exc.strerror or exc}); move them yourself, or resume from the newest checkpoint") from None
     return target
 
 
