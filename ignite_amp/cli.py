@@ -144,6 +144,8 @@ def _train(args: argparse.Namespace) -> int:
     _refuse_to_replace_the_source(args.config, RunLayout(cfg["output_dir"]).config_path, cfg["output_dir"])
     _state["log"] = RunLayout(cfg["output_dir"]).log_path
     _state["checkpoints"] = RunLayout(cfg["output_dir"]).checkpoint_dir
+    if cfg["handlers"]["checkpoint"]["resume"] != "auto":  # the same command would resume another checkpoint
+        _state["resume"] = f"{_train_command(args)} --set handlers.checkpoint.resume=auto"
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     result = train_from_config(cfg, progress=progress, command=_train_command(args))
     if int(os.environ.get("RANK", 0)) != 0:
@@ -202,6 +204,13 @@ def _checkpoint_kept() -> bool:
         n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(folder))
 
 
+def _rerun() -> str:
+    """How to resume the run being trained from its last checkpoint: the same command, unless that names
+    another checkpoint (``resume:`` a path) or starts over (``never``)."""
+    command = _state.get("resume")
+    return f"run {command}" if command else "run the same command"
+
+
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
     from ignite_amp.checkpoint_io import disk_full
@@ -213,7 +222,7 @@ def describe(exc: BaseException) -> Tuple[int, str]:
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
     if disk_full(exc):
         where = getattr(exc, "filename", None) or "writing the run"
-        then = ("the last checkpoint is kept: free space and run the same command to resume" if _checkpoint_kept() else
+        then = (f"the last checkpoint is kept: free space and {_rerun()} to resume" if _checkpoint_kept() else
                 "no checkpoint was written yet: free space and run the same command again")
         return 1, f"ignite-amp: stopped: no space left on device ({where}); {then}"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
@@ -261,7 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command != "train":
             then = "nothing was kept: run the command again"
         elif _checkpoint_kept():
-            then = "run the same command to resume from the last checkpoint"
+            then = f"{_rerun()} to resume from the last checkpoint"
         else:
             then = "no checkpoint was written yet: run the same command to start again"
         if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal: rank 0 says it
