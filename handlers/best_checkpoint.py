@@ -12,15 +12,15 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint,
-                                      remove_path)
-from ignite_amp.collectives import any_rank, is_distributed
-from ignite_amp.errors import CheckpointError, NonFiniteError, first_line
+from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, dcp_cause,
+                                      load_checkpoint, remove_path)
+from ignite_amp.collectives import any_rank, broadcast_text, is_distributed
+from ignite_amp.errors import CheckpointError, NonFiniteError, UnreadableCheckpointError, first_line
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
 from ignite_amp.rundir import move_files_aside
-from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects
+from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects, unreadable_shards
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
@@ -130,6 +130,7 @@ class BestCheckpoint:
             to_save = sharded_objects(to_save)
         self.to_save = dict(to_save, rng=RNGState(), config=self.config)
         self.resumed_config: Optional[dict] = None
+        self.resumed_path: Optional[str] = None
         self.best: Optional[Checkpoint] = None
         self.last: Optional[Checkpoint] = None
         self.n_saved = n_saved
@@ -231,15 +232,20 @@ class BestCheckpoint:
         if missing:
             raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing {', '.join(missing)})")
 
-    def resume(self, path: Optional[str] = None, state: Optional[dict] = None) -> Optional[str]:
+    def resume(self, path: Optional[str] = None, state: Optional[dict] = None,
+               fall_back: Optional[bool] = None) -> Optional[str]:
         """Load the checkpoint at ``path`` (default: :meth:`find_resumable`) into every saved object.
 
         ``state`` is the already loaded file, if the caller read it (to compare configs first).
         Returns the path loaded, or None when ``path`` is None and there is nothing to resume.
         Raises :class:`CheckpointError` (one line) for a missing, truncated or incompatible file.
+        ``fall_back`` (default: when ``path`` is None): a sharded checkpoint whose shards do not read
+        back (bytes overwritten) is renamed ``*.unreadable``, named in a warning, and the previous
+        checkpoint that loads is resumed instead, as :meth:`find_resumable` does for truncated files.
         """
         if self.best is None:
             raise RuntimeError("BestCheckpoint.resume() needs attach() first")
+        fall_back = path is None if fall_back is None else fall_back
         if state is None:
             if path is None:
                 path, state = self.find_resumable(self.dirname)
@@ -247,7 +253,31 @@ class BestCheckpoint:
                     return None
             else:
                 state = load_checkpoint(path)
+        while True:
+            try:
+                return self._load(path, state)
+            except UnreadableCheckpointError as exc:
+                if not fall_back:
+                    raise
+                path, state = self._fall_back(path, str(exc).split(": ", 1)[-1])
+
+    def _fall_back(self, bad: str, why: str) -> Tuple[str, dict]:
+        """Rank 0 renames ``bad`` ``*.unreadable`` and chooses the newest checkpoint that loads; every rank loads it."""
+        path = None
+        if idist.get_rank() == 0:
+            os.replace(bad, bad + self.UNREADABLE)
+            path, _ = self.find_resumable(self.dirname)
+            logger.warning("skipped %s (%s): resuming from the older %s; renamed it %s%s", bad, why,
+                           os.path.basename(path) if path else "nothing", os.path.basename(bad), self.UNREADABLE)
+        path = broadcast_text(path or "") or None
+        if path is None:
+            raise CheckpointError(f"no checkpoint in {self.dirname} loads ({os.path.basename(bad)}: {why}); to start "
+                                  f"over, set handlers.checkpoint.resume: never (the old files are moved aside)")
+        return path, load_checkpoint(path)
+
+    def _load(self, path: str, state: dict) -> str:
         self._check_keys(path, state)
+        self.resumed_path = path
         # The stored config is kept apart: later checkpoints store the config of this run.
         stored = state["config"]
         self.resumed_config = stored.get("value") if isinstance(stored, dict) else None
@@ -266,7 +296,12 @@ class BestCheckpoint:
             try:
                 load_sharded(path, {key: self.to_save[key] for key in SHARDED_KEYS})
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                first = first_line(exc)
+                first = first_line(dcp_cause(exc))
+                # Damaged bytes, or a checkpoint that does not fit? Rank 0 reads it back to tell, for every rank.
+                unreadable = broadcast_text((unreadable_shards(path) or "") if idist.get_rank() == 0 else "")
+                if unreadable:
+                    raise UnreadableCheckpointError(f"checkpoint {path}: a shard does not read back "
+                                                    f"({unreadable})") from None
                 raise CheckpointError(f"checkpoint {path}: its model or optimizer shards do not load ({first})") \
                     from None
         elif self.sharded:

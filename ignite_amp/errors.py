@@ -9,7 +9,8 @@ Two families, told apart by the CLI:
 """
 
 __all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
-           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "USER_ERRORS", "RUN_STOPPED"]
+           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "UnreadableCheckpointError",
+           "USER_ERRORS", "RUN_STOPPED"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -24,6 +25,11 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated or does not fit the run: one line, nothing overwritten."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint whose stored bytes do not read back (a shard overwritten, say): a resume that chose it
+    itself falls back to the previous one."""
 
 
 class RunDirInUseError(ValueError):

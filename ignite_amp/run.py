@@ -230,9 +230,9 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
     _attach_handlers(run)
     if resuming.path is not None:
-        run.resumed_from = resuming.path
         run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
                                 epoch_length, scheduled=scheduler is not None))
+        run.resumed_from = run.checkpoint.resumed_path  # an unreadable choice fell back to an older one
     if progress:
         from ignite.handlers import ProgressBar
 

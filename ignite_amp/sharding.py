@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ignite_amp.checkpoint_io import SHARDED_KEYS, single_process_quiet
+from ignite_amp.checkpoint_io import SHARDED_KEYS, dcp_cause, single_process_quiet
 from ignite_amp.collectives import is_distributed
 from ignite_amp.device import resolve_dtype
 
 __all__ = ["shard_model", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
-           "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state"]
+           "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state", "unreadable_shards"]
 
 
 
@@ -179,3 +179,23 @@ def load_full_model_state(path: str) -> Dict[str, torch.Tensor]:
     with single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
+
+
+def unreadable_shards(path: str) -> Optional[str]:
+    """Why the sharded checkpoint directory ``path`` does not read back, or None when every item it stores does.
+
+    Reads the whole checkpoint in this process (on the CPU, without a process group): called only after a
+    load failed, to tell a damaged checkpoint (shard bytes overwritten: the file sizes are right) from one
+    that does not fit the run."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 if isinstance(meta, TensorStorageMetadata) else None
+                 for key, meta in metadata.state_dict_metadata.items()}
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return dcp_cause(exc).__class__.__name__
+    return None

@@ -4,6 +4,7 @@ and sharded checkpoints that survive kill -9 and resume on another number of pro
 import errno
 import gc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -347,3 +348,25 @@ def test_a_truncated_shard_is_skipped_for_the_previous_checkpoint_and_named_when
     found, _ = BestCheckpoint.find_resumable(ckpts)
     assert os.path.basename(found).startswith("best_checkpoint_2_")  # the newest that loads
     assert os.path.isdir(os.path.join(ckpts, "last_checkpoint_2.dcp.unreadable"))
+
+
+def test_a_shard_overwritten_with_same_size_bytes_falls_back_and_is_named_when_asked_for(tmp_path, capsys):
+    """Case 32.12: the sizes are right, so only reading the shard tells; every rerun stopped in the same line."""
+    path, cfg = fsdp_config(tmp_path, "noise", epochs=2, nproc=1)
+    assert main(["train", path]) == 0
+    ckpts = os.path.join(cfg["output_dir"], "checkpoints")
+    bad = os.path.join(ckpts, "last_checkpoint_2.dcp")
+    shard = os.path.join(bad, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.write(os.urandom(os.path.getsize(shard)))
+    capsys.readouterr()
+    assert main(["train", path, "--set", f"handlers.checkpoint.resume={bad}", "--set", "train.epochs=3"]) == 2
+    assert error_lines(capsys.readouterr().err)[-1] == (
+        f"ignite-amp: error: checkpoint {bad}: a shard does not read back (UnpicklingError)")
+    assert main(["train", path, "--set", "train.epochs=3"]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped {bad} (a shard does not read back (UnpicklingError)): resuming from the older " \
+           f"best_checkpoint_2_" in captured.err
+    assert re.search(r"resumed from \S+best_checkpoint_2_\S+ at epoch 2", captured.out)
+    assert sorted(n for n in os.listdir(ckpts) if n.startswith("last_")) == [
+        "last_checkpoint_2.dcp.unreadable", "last_checkpoint_3.dcp"]
