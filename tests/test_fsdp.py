@@ -370,3 +370,31 @@ def test_a_shard_overwritten_with_same_size_bytes_falls_back_and_is_named_when_a
     assert re.search(r"resumed from \S+best_checkpoint_2_\S+ at epoch 2", captured.out)
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("last_")) == [
         "last_checkpoint_2.dcp.unreadable", "last_checkpoint_3.dcp"]
+
+
+def test_tied_weights_across_blocks_are_refused_naming_the_rule():
+    """Case 32.11: FSDP gathers and frees each block's parameters on its own; a weight two blocks share broke
+    inside a spawned rank, after the run had started."""
+    from ignite_amp.sharding import check_shardable
+
+    model = build_blocks()
+    model[2][2].weight = model[2][0].weight
+    with pytest.raises(ValueError, match=r"blocks: block '2.0' and block '2.2' share a parameter \(2.0.weight is "
+                                         r"2.2.weight\): FSDP shards each block on its own, so tied weights"):
+        check_shardable(model)
+    assert check_shardable(build_blocks()) == ["2.0", "2.1", "2.2"]
+    outer = build_blocks()
+    outer[2][0].bias = outer[3].bias = torch.nn.Parameter(torch.zeros(16))
+    with pytest.raises(ValueError, match=r"block '2.0' and the model outside the blocks share a parameter"):
+        check_shardable(outer)
+
+
+def test_blocks_naming_a_missing_class_is_one_line_on_one_process_too(tmp_path, capsys):
+    """Case 32.13: caught by shard_model on 2 processes, but one process (which saves sharded checkpoints
+    all the same) never sharded, so never checked."""
+    path, cfg = fsdp_config(tmp_path, "one", epochs=1, nproc=1)
+    cfg["distributed"]["blocks"] = ["Nope"]
+    open(path, "w").write(yaml.safe_dump(cfg))
+    assert main(["train", path]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "ignite-amp: error: distributed.blocks: the model has no submodule of class 'Nope'"]
