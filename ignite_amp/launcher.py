@@ -30,9 +30,9 @@ from torch.multiprocessing.spawn import ProcessException
 
 from ignite_amp.builders import config_device
 from ignite_amp.collectives import adopt_ignite_loggers
-from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError
+from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, first_line
 from ignite_amp.fields import FIXED, Boolean, Choice, Integer, Names, setting
-from ignite_amp.rundir import terminal_log_handler
+from ignite_amp.rundir import COMMAND_PID, terminal_log_handler
 
 __all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
 
@@ -196,7 +196,8 @@ def _collect(outbox: str, nproc: int) -> Any:
         rank, (_, exc, text) = errors[0]
         if isinstance(exc, USER_ERRORS + RUN_STOPPED + (KeyboardInterrupt,)):
             raise exc
-        raise RuntimeError(f"rank {rank} of {nproc} failed:\n{text}")
+        # The cause in the first line (the CLI's one line), the rank's traceback after it (train.log, --debug).
+        raise RuntimeError(f"rank {rank} of {nproc} failed: {exc.__class__.__name__}: {first_line(exc)}\n{text}")
     if 0 not in outcomes:
         raise RuntimeError(f"the {nproc} training processes ended without a result (killed?)")
     return outcomes[0][1]
@@ -253,6 +254,7 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         raise ConfigError(f"distributed.backend: {exc}") from None
     _quiet_launchers()
     if under_torchrun():
+        os.environ.setdefault(COMMAND_PID, str(os.getppid()))  # torchrun, which started this rank
         result = []
         with cpu_only(device.type == "cpu"), idist.Parallel(backend=backend) as parallel:
             _quiet_other_ranks()
@@ -266,6 +268,8 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         raise ValueError(f"spawning {nproc} processes needs picklable arguments (print_fn=print, not a lambda); "
                          f"{exc}") from None
     outbox = tempfile.mkdtemp(prefix="ignite-amp-")
+    before = os.environ.get(COMMAND_PID)
+    os.environ[COMMAND_PID] = before or str(os.getpid())  # the ranks' lock names this command, not a rank
     try:
         try:
             with cpu_only(device.type == "cpu"), \
@@ -279,3 +283,5 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         return _collect(outbox, nproc)
     finally:
         shutil.rmtree(outbox, ignore_errors=True)
+        if before is None:
+            os.environ.pop(COMMAND_PID, None)

@@ -18,11 +18,12 @@ except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS", "free_bytes",
-           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside", "move_files_aside"]
+           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside", "move_files_aside", "COMMAND_PID"]
 
 logger = logging.getLogger("ignite_amp")
 
 LOCK_NAME = ".lock"
+COMMAND_PID = "IGNITE_AMP_COMMAND_PID"  # set by the launcher: the command the user started, which the lock names
 LOG_NAME = "train.log"
 CONFIG_NAME = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -66,7 +67,8 @@ class RunLock:
     """An advisory ``flock`` on ``output_dir/.lock``, held while the run lives; the file holds the PID.
 
     A second run into the same directory gets :class:`~ignite_amp.errors.RunDirInUseError` at
-    once, naming the holder's PID. The kernel drops the lock when the process dies, so a killed
+    once, naming the holder's PID: that of the command the user started (``$IGNITE_AMP_COMMAND_PID``,
+    set by the launcher for the ranks it starts), not a spawned rank's. The kernel drops the lock when the process dies, so a killed
     run never leaves the directory locked (its ``.lock`` file stays, unlocked); a run that ends
     removes the file.
     """
@@ -94,7 +96,7 @@ class RunLock:
                 pass
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, (os.environ.get(COMMAND_PID) or str(os.getpid())).encode())
         os.fsync(fd)
         self._fd = fd
         return self

@@ -371,3 +371,44 @@ def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result == {"path": str(ckpt), "epoch": 1, "texts": ["😀 €ü", "", "ascii"]}, rank
+
+
+def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
+    """Case 32.11: the line ended at "rank 0 of 2 failed:", the cause only in train.log."""
+    from ignite_amp.cli import describe
+    from ignite_amp.launcher import _collect, _post
+
+    try:
+        raise KeyError("model.3.weight")
+    except KeyError as exc:
+        import traceback
+
+        _post(str(tmp_path), 1, ("error", exc, traceback.format_exc()))
+    with pytest.raises(RuntimeError) as raised:
+        _collect(str(tmp_path), 2)
+    assert "Traceback" in str(raised.value)  # kept for train.log and --debug
+    assert describe(raised.value)[1].startswith(
+        "ignite-amp: internal error: RuntimeError: rank 1 of 2 failed: KeyError: 'model.3.weight' (")
+
+
+def _lock_holder(output_dir):
+    import ignite.distributed as idist
+
+    from ignite_amp.rundir import RunLock
+
+    if idist.get_rank() != 0:  # rank 0 holds the run directory (RunFiles)
+        return None
+    lock = RunLock(output_dir).acquire()
+    try:
+        return open(lock.path).read()
+    finally:
+        lock.release()
+
+
+def test_a_busy_output_dir_names_the_command_the_user_started_not_a_rank(tmp_path):
+    """Case 32.14: spawned rank 0 wrote its own PID into the lock, which the user never saw."""
+    cfg = load_config(config(tmp_path / "busy"))
+    cfg["distributed"]["nproc_per_node"] = 2
+    os.makedirs(cfg["output_dir"])
+    assert launch(cfg, _lock_holder, cfg["output_dir"]) == str(os.getpid())
+    assert "IGNITE_AMP_COMMAND_PID" not in os.environ
