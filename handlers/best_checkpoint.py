@@ -313,10 +313,20 @@ class BestCheckpoint:
         in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname)
         if match and match.group(1) == self.LAST_PREFIX and in_dir:
             _load_table(self.last, [(epoch, os.path.basename(path))])
+            self._remove_replaced_lasts(epoch)
         if epoch is not None:
             self._move_newer_aside(epoch, path)
         _load_table(self.best, self._best_table(epoch, state.get("best_table")))
         return path
+
+    def _remove_replaced_lasts(self, epoch: int) -> None:
+        """Older ``last`` checkpoints than the one resumed: a save killed after its rename, before removing the
+        one it replaced. Rank 0 finishes that save (nothing would remove them later)."""
+        older = [name for file_epoch, name, _ in self._files(self.dirname, self.LAST_PREFIX) if file_epoch < epoch]
+        for name in older if idist.get_rank() == 0 else ():
+            remove_path(os.path.join(self.dirname, name))
+            logger.warning("removed %s: replaced by last_checkpoint_%d (a save stopped before removing it)", name,
+                           epoch)
 
     def _move_newer_aside(self, epoch: int, resumed: str) -> None:
         """Checkpoints saved after ``epoch`` belong to a run this one does not continue (an older

@@ -94,6 +94,19 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside_and_continues_i
     assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.9000.pt", "best_checkpoint_3_accuracy=0.6000.pt"]
 
 
+def test_a_last_checkpoint_a_killed_save_left_behind_is_removed_on_resume(tmp_path, caplog):
+    """Case 32.9: a kill after the new last checkpoint's rename, before the old one's removal, left a stray
+    last_checkpoint_1 that no later save removed."""
+    trainer, _ = scripted(tmp_path, [0.5, 0.9])
+    trainer.run([0], max_epochs=2)
+    (tmp_path / "last_checkpoint_1.pt").write_bytes((tmp_path / "last_checkpoint_2.pt").read_bytes())
+    trainer, _ = scripted(tmp_path, [0.7], resume=True)
+    assert trainer.state.epoch == 2 and files(tmp_path, "last") == ["last_checkpoint_2.pt"]
+    assert "removed last_checkpoint_1.pt: replaced by last_checkpoint_2" in caplog.text
+    trainer.run([0], max_epochs=3)
+    assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
+
+
 def test_nothing_to_resume_returns_none(tmp_path):
     _, ckpt = scripted(tmp_path, [])
     assert ckpt.resume() is None
