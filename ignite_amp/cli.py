@@ -214,10 +214,14 @@ def _rerun() -> str:
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
     from ignite_amp.checkpoint_io import disk_full
-    from ignite_amp.errors import RUN_STOPPED, USER_ERRORS
+    from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
 
     if isinstance(exc, USER_ERRORS):
         return 2, f"ignite-amp: error: {one_line(exc)}"
+    if isinstance(exc, RankDiedError):
+        then = (f"the last checkpoint is intact: {_rerun()} to resume" if _checkpoint_kept() else
+                "no checkpoint was written yet: run the same command to start again")
+        return 1, f"ignite-amp: stopped: {one_line(exc)}; {then}"
     if isinstance(exc, RUN_STOPPED):
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
     if disk_full(exc):
@@ -281,6 +285,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             traceback.print_exc()
         code, line = describe(exc)
         print(line, file=sys.stderr)
+        _log_rank_death(exc, line)
         return code
     finally:
         threading.excepthook, logging.raiseExceptions = quiet
@@ -288,6 +293,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if signals and not _exiting:  # the console command keeps ignoring a late Ctrl-C until it exits
             for number, before in previous.items():
                 signal.signal(number, before)
+
+
+def _log_rank_death(exc: BaseException, line: str) -> None:
+    """A killed rank wrote nothing about it: the command's line goes to train.log too."""
+    from ignite_amp.errors import RankDiedError
+
+    log = _state.get("log")
+    if isinstance(exc, RankDiedError) and log and os.path.exists(log):
+        with open(log, "a") as f:
+            f.write(line + "\n")
 
 
 def _thread_failed(args: "threading.ExceptHookArgs") -> None:

@@ -10,7 +10,7 @@ Two families, told apart by the CLI:
 
 __all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
            "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "UnreadableCheckpointError",
-           "USER_ERRORS", "RUN_STOPPED"]
+           "RankDiedError", "USER_ERRORS", "RUN_STOPPED"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -52,5 +52,10 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, say): the previous one is kept, the run stops."""
 
 
+class RankDiedError(RuntimeError):
+    """A spawned process ended without a result or an error of its own (killed: a signal, the out-of-memory
+    killer): one line naming it; the checkpoints on disk are as its last save left them."""
+
+
 USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError)
-RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError)
+RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError, RankDiedError)

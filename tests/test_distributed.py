@@ -412,3 +412,33 @@ def test_a_busy_output_dir_names_the_command_the_user_started_not_a_rank(tmp_pat
     os.makedirs(cfg["output_dir"])
     assert launch(cfg, _lock_holder, cfg["output_dir"]) == str(os.getpid())
     assert "IGNITE_AMP_COMMAND_PID" not in os.environ
+
+
+def _kill_rank_1(folder):
+    import ignite.distributed as idist
+
+    open(os.path.join(folder, f"rank{idist.get_rank()}.pid"), "w").write(str(os.getpid()))
+    if idist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    idist.barrier()  # rank 0 waits: its connection to rank 1 closes, or torch stops it
+    time.sleep(60)
+
+
+def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_path, monkeypatch):
+    """Case 32.9: "the 2 training processes ended without a result (killed?)", and nothing in train.log."""
+    from ignite_amp import cli
+    from ignite_amp.errors import RankDiedError
+
+    with pytest.raises(RankDiedError) as raised:
+        launch({"device": "cpu", "distributed": {"nproc_per_node": 2, "backend": "gloo"}}, _kill_rank_1, str(tmp_path))
+    pid = (tmp_path / "rank1.pid").read_text()
+    (tmp_path / "checkpoints" / "last_checkpoint_1.dcp").mkdir(parents=True)
+    (tmp_path / "train.log").write_text("")
+    monkeypatch.setattr(cli, "_state", {"checkpoints": str(tmp_path / "checkpoints"),
+                                        "log": str(tmp_path / "train.log")})
+    code, line = cli.describe(raised.value)
+    assert (code, line) == (1, f"ignite-amp: stopped: rank 1 of 2 (PID {pid}) was killed by SIGKILL (out of memory, "
+                               f"or a kill), and the other ranks were stopped; the last checkpoint is intact: run "
+                               f"the same command to resume")
+    cli._log_rank_death(raised.value, line)
+    assert (tmp_path / "train.log").read_text() == line + "\n"
