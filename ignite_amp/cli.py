@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import List, Optional, Tuple
 
@@ -281,6 +282,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"ignite-amp: {what}: {then}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:
+        stopped = _stopped_with_rank_0() if signals else None
+        if stopped is not None:  # under torchrun: rank 0 says it, in its one line
+            return stopped
         if getattr(args, "debug", False):
             traceback.print_exc()
         code, line = describe(exc)
@@ -293,6 +297,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         if signals and not _exiting:  # the console command keeps ignoring a late Ctrl-C until it exits
             for number, before in previous.items():
                 signal.signal(number, before)
+
+
+def _stopped_with_rank_0(wait: float = 3.0) -> Optional[int]:
+    """Under torchrun, on a rank other than 0: whether the error came from a stop of every worker (torchrun
+    sends each one the signal; rank 0 stopped first and this rank's collective lost its peer, "Connection
+    closed by peer"). Waits up to ``wait`` seconds for this rank's own signal; returns its exit code, or None."""
+    if int(os.environ.get("RANK", 0)) == 0 or "LOCAL_RANK" not in os.environ:
+        return None
+    deadline = time.monotonic() + wait
+    try:
+        while "signalled" not in _state and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except KeyboardInterrupt as exc:
+        _state["signalled"] = 143 if isinstance(exc, Terminated) else 130
+    return _state.get("signalled")
 
 
 def _log_rank_death(exc: BaseException, line: str) -> None:
@@ -325,6 +344,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminated(signum, frame) -> None:
+    _state["signalled"] = 143
     raise Terminated()
 
 
