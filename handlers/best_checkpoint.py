@@ -332,10 +332,10 @@ class BestCheckpoint:
         """Checkpoints saved after ``epoch`` belong to a run this one does not continue (an older
         checkpoint resumed, or a kill between a best and a last save): rank 0 moves them to a sibling
         folder, so that ``resume: auto`` continues this run and nothing is deleted."""
-        newer = [name for prefix in (self.LAST_PREFIX, self.BEST_PREFIX)
-                 for file_epoch, name, _ in self._files(self.dirname, prefix, "" if prefix == self.LAST_PREFIX
-                                                        else r"_.+")
-                 if file_epoch > epoch and os.path.abspath(os.path.join(self.dirname, name)) != os.path.abspath(resumed)]
+        resumed = os.path.abspath(resumed)
+        newer = [name for prefix, pattern in ((self.LAST_PREFIX, ""), (self.BEST_PREFIX, r"_.+"))
+                 for file_epoch, name, _ in self._files(self.dirname, prefix, pattern)
+                 if file_epoch > epoch and os.path.abspath(os.path.join(self.dirname, name)) != resumed]
         if not newer or idist.get_rank() != 0:
             return
         target = move_files_aside([os.path.join(self.dirname, name) for name in newer], self.dirname)

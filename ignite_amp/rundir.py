@@ -68,9 +68,9 @@ class RunLock:
 
     A second run into the same directory gets :class:`~ignite_amp.errors.RunDirInUseError` at
     once, naming the holder's PID: that of the command the user started (``$IGNITE_AMP_COMMAND_PID``,
-    set by the launcher for the ranks it starts), not a spawned rank's. The kernel drops the lock when the process dies, so a killed
-    run never leaves the directory locked (its ``.lock`` file stays, unlocked); a run that ends
-    removes the file.
+    set by the launcher for the ranks it starts), not a spawned rank's. The kernel drops the lock
+    when the process dies, so a killed run never leaves the directory locked (its ``.lock`` file
+    stays, unlocked); a run that ends removes the file.
     """
 
     def __init__(self, output_dir: str):
@@ -183,7 +183,7 @@ def move_aside(path: str) -> Optional[str]:
 
 
 def move_files_aside(paths: List[str], near: str) -> str:
-    """Move the files or directories ``paths`` into a new sibling of ``near``, ``<near>.replaced-<time>``; returns it."""
+    """Move the files or directories ``paths`` into a new sibling ``<near>.replaced-<time>`` of ``near``; returns it."""
     target = _aside(near)
     try:
         os.makedirs(target)
@@ -191,7 +191,8 @@ def move_files_aside(paths: List[str], near: str) -> str:
             shutil.move(path, os.path.join(target, os.path.basename(path)))
     except OSError as exc:
         raise ConfigError(f"output_dir: cannot move {', '.join(map(os.path.basename, paths))} out of {near} "
-                          f"({exc.strerror or exc}); move them yourself, or resume from the newest checkpoint") from None
+                          f"({exc.strerror or exc}); move them yourself, or resume from the newest checkpoint"
+                          ) from None
     return target
 
 
