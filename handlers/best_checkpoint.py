@@ -12,14 +12,15 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint,
-                                      remove_path)
-from ignite_amp.collectives import any_rank, is_distributed
-from ignite_amp.errors import CheckpointError, NonFiniteError, first_line
+from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, dcp_cause,
+                                      load_checkpoint, remove_path)
+from ignite_amp.collectives import any_rank, broadcast_text, is_distributed
+from ignite_amp.errors import CheckpointError, NonFiniteError, UnreadableCheckpointError, first_line
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
-from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects
+from ignite_amp.rundir import move_files_aside
+from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects, unreadable_shards
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
@@ -71,8 +72,10 @@ class BestCheckpoint:
 
     :meth:`resume` continues from the newest ``last`` checkpoint that loads (an unreadable one is
     renamed ``*.unreadable`` and named in a warning) and rebuilds the best table from the best
-    files present, so a worse model after a resume never replaces a better one, and a best file
-    that is gone is simply not in the table.
+    files present with the exact scores the checkpoint stored, so a worse model after a resume
+    never replaces a better one, and a best file that is gone is simply not in the table.
+    Checkpoints saved after the one resumed (an older checkpoint resumed on purpose) belong to a
+    run this one does not continue: they are moved to ``<dirname>.replaced-<time>``, never deleted.
 
     Args:
         dirname: where checkpoints go (created if missing).
@@ -127,6 +130,7 @@ class BestCheckpoint:
             to_save = sharded_objects(to_save)
         self.to_save = dict(to_save, rng=RNGState(), config=self.config)
         self.resumed_config: Optional[dict] = None
+        self.resumed_path: Optional[str] = None
         self.best: Optional[Checkpoint] = None
         self.last: Optional[Checkpoint] = None
         self.n_saved = n_saved
@@ -228,15 +232,20 @@ class BestCheckpoint:
         if missing:
             raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing {', '.join(missing)})")
 
-    def resume(self, path: Optional[str] = None, state: Optional[dict] = None) -> Optional[str]:
+    def resume(self, path: Optional[str] = None, state: Optional[dict] = None,
+               fall_back: Optional[bool] = None) -> Optional[str]:
         """Load the checkpoint at ``path`` (default: :meth:`find_resumable`) into every saved object.
 
         ``state`` is the already loaded file, if the caller read it (to compare configs first).
         Returns the path loaded, or None when ``path`` is None and there is nothing to resume.
         Raises :class:`CheckpointError` (one line) for a missing, truncated or incompatible file.
+        ``fall_back`` (default: when ``path`` is None): a sharded checkpoint whose shards do not read
+        back (bytes overwritten) is renamed ``*.unreadable``, named in a warning, and the previous
+        checkpoint that loads is resumed instead, as :meth:`find_resumable` does for truncated files.
         """
         if self.best is None:
             raise RuntimeError("BestCheckpoint.resume() needs attach() first")
+        fall_back = path is None if fall_back is None else fall_back
         if state is None:
             if path is None:
                 path, state = self.find_resumable(self.dirname)
@@ -244,7 +253,31 @@ class BestCheckpoint:
                     return None
             else:
                 state = load_checkpoint(path)
+        while True:
+            try:
+                return self._load(path, state)
+            except UnreadableCheckpointError as exc:
+                if not fall_back:
+                    raise
+                path, state = self._fall_back(path, str(exc).split(": ", 1)[-1])
+
+    def _fall_back(self, bad: str, why: str) -> Tuple[str, dict]:
+        """Rank 0 renames ``bad`` ``*.unreadable`` and chooses the newest checkpoint that loads; every rank loads it."""
+        path = None
+        if idist.get_rank() == 0:
+            os.replace(bad, bad + self.UNREADABLE)
+            path, _ = self.find_resumable(self.dirname)
+            logger.warning("skipped %s (%s): resuming from the older %s; renamed it %s%s", bad, why,
+                           os.path.basename(path) if path else "nothing", os.path.basename(bad), self.UNREADABLE)
+        path = broadcast_text(path or "") or None
+        if path is None:
+            raise CheckpointError(f"no checkpoint in {self.dirname} loads ({os.path.basename(bad)}: {why}); to start "
+                                  f"over, set handlers.checkpoint.resume: never (the old files are moved aside)")
+        return path, load_checkpoint(path)
+
+    def _load(self, path: str, state: dict) -> str:
         self._check_keys(path, state)
+        self.resumed_path = path
         # The stored config is kept apart: later checkpoints store the config of this run.
         stored = state["config"]
         self.resumed_config = stored.get("value") if isinstance(stored, dict) else None
@@ -263,36 +296,71 @@ class BestCheckpoint:
             try:
                 load_sharded(path, {key: self.to_save[key] for key in SHARDED_KEYS})
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                first = first_line(exc)
+                first = first_line(dcp_cause(exc))
+                # Damaged bytes, or a checkpoint that does not fit? Rank 0 reads it back to tell, for every rank.
+                unreadable = broadcast_text((unreadable_shards(path) or "") if idist.get_rank() == 0 else "")
+                if unreadable:
+                    raise UnreadableCheckpointError(f"checkpoint {path}: a shard does not read back "
+                                                    f"({unreadable})") from None
                 raise CheckpointError(f"checkpoint {path}: its model or optimizer shards do not load ({first})") \
                     from None
         elif self.sharded:
             raise CheckpointError(f"checkpoint {path}: a single-file checkpoint, and this run saves sharded ones "
                                   f"(distributed.strategy: fsdp)")
         # The file's number is the trainer's epoch when it was saved (global_step_from_engine).
-        match = re.fullmatch(rf"{self.LAST_PREFIX}_checkpoint_(\d+)\.(?:pt|dcp)", os.path.basename(path))
-        epoch = int(match.group(1)) if match else None
-        if match and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname):
+        match = re.fullmatch(r"(last|best)_checkpoint_(\d+)(?:_.+)?\.(?:pt|dcp)", os.path.basename(path))
+        epoch = int(match.group(2)) if match else None
+        in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname)
+        if match and match.group(1) == self.LAST_PREFIX and in_dir:
             _load_table(self.last, [(epoch, os.path.basename(path))])
-        _load_table(self.best, self._best_table(epoch))
+            self._remove_replaced_lasts(epoch)
+        if epoch is not None:
+            self._move_newer_aside(epoch, path)
+        _load_table(self.best, self._best_table(epoch, state.get("best_table")))
         return path
 
-    def _best_table(self, epoch: Optional[int]) -> List[Tuple[float, str]]:
-        """The best files present, as (priority, name); files from epochs after ``epoch`` (a run killed
-        between its best and last saves) are removed: that epoch is trained again."""
+    def _remove_replaced_lasts(self, epoch: int) -> None:
+        """Older ``last`` checkpoints than the one resumed: a save killed after its rename, before removing the
+        one it replaced. Rank 0 finishes that save (nothing would remove them later)."""
+        older = [name for file_epoch, name, _ in self._files(self.dirname, self.LAST_PREFIX) if file_epoch < epoch]
+        for name in older if idist.get_rank() == 0 else ():
+            remove_path(os.path.join(self.dirname, name))
+            logger.warning("removed %s: replaced by last_checkpoint_%d (a save stopped before removing it)", name,
+                           epoch)
+
+    def _move_newer_aside(self, epoch: int, resumed: str) -> None:
+        """Checkpoints saved after ``epoch`` belong to a run this one does not continue (an older
+        checkpoint resumed, or a kill between a best and a last save): rank 0 moves them to a sibling
+        folder, so that ``resume: auto`` continues this run and nothing is deleted."""
+        resumed = os.path.abspath(resumed)
+        newer = [name for prefix, pattern in ((self.LAST_PREFIX, ""), (self.BEST_PREFIX, r"_.+"))
+                 for file_epoch, name, _ in self._files(self.dirname, prefix, pattern)
+                 if file_epoch > epoch and os.path.abspath(os.path.join(self.dirname, name)) != resumed]
+        if not newer or idist.get_rank() != 0:
+            return
+        target = move_files_aside([os.path.join(self.dirname, name) for name in newer], self.dirname)
+        logger.warning("moved %s to %s: saved after the checkpoint resumed from (epoch %d); this run continues "
+                       "from that checkpoint", ", ".join(newer), target, epoch)
+
+    def _best_table(self, epoch: Optional[int], stored: Any = None) -> List[Tuple[float, str]]:
+        """The best files present up to ``epoch``, as (priority, name), in Ignite's order: the exact scores
+        the resumed checkpoint stored with its best table (``stored``), else the scores in the file names
+        (rounded to 4 decimals: a best file resumed from, or files the stored table does not name)."""
+        exact = {}
+        for item in (stored or {}).get("_saved", []) if isinstance(stored, Mapping) else []:
+            if isinstance(item, (tuple, list)) and len(item) == 2:
+                exact[str(item[1])] = float(item[0])
         table = []
         for file_epoch, name, match in self._files(self.dirname, self.BEST_PREFIX,
                                                    rf"_{re.escape(self.score_name)}=(\S+?)"):
             if epoch is not None and file_epoch > epoch:
-                remove_path(os.path.join(self.dirname, name))
-                logger.warning("removed %s: saved after the checkpoint resumed from (epoch %d), whose epochs are "
-                               "trained again", name, epoch)
-                continue
+                continue  # moved aside by rank 0 (_move_newer_aside)
             try:
-                table.append((float(match.group(2)), name))
+                table.append((exact[name] if name in exact else float(match.group(2)), name))
             except ValueError:
                 continue
-        table.sort()
+        order = list(exact)  # ties keep the stored order (Ignite's stable sort); unnamed files come first
+        table.sort(key=lambda item: (item[0], order.index(item[1]) if item[1] in order else -1, item[1]))
         while len(table) > self.n_saved:  # left by a removal that failed (or a smaller n_saved now)
             _, name = table.pop(0)
             remove_path(os.path.join(self.dirname, name))

@@ -23,7 +23,7 @@ from ignite_amp.collectives import any_rank, is_distributed
 from ignite_amp.errors import CheckpointError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
-           "TEMP_MARK", "STATE_FILE"]
+           "TEMP_MARK", "STATE_FILE", "dcp_cause"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -185,7 +185,7 @@ class ShardedDiskSaver(SafeDiskSaver):
             self._remove_pending(filename)
 
 
-def _cause(error: BaseException) -> BaseException:
+def dcp_cause(error: BaseException) -> BaseException:
     """The error inside DCP's CheckpointException (the first failing rank's), else ``error`` itself."""
     failures = getattr(error, "failures", None)
     if isinstance(error, CheckpointException) and failures:
@@ -197,7 +197,7 @@ def _cause(error: BaseException) -> BaseException:
 
 def _gather_failures(error: Optional[BaseException]) -> List[tuple]:
     """Every rank's failure as ``(rank, first line, disk full)``, the same list on every rank."""
-    error = _cause(error) if error is not None else None
+    error = dcp_cause(error) if error is not None else None
     mine = None if error is None else (idist.get_rank(), first_line(error), disk_full(error))
     if not is_distributed():
         return [mine] if mine else []

@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import List, Optional, Tuple
 
@@ -144,6 +145,8 @@ def _train(args: argparse.Namespace) -> int:
     _refuse_to_replace_the_source(args.config, RunLayout(cfg["output_dir"]).config_path, cfg["output_dir"])
     _state["log"] = RunLayout(cfg["output_dir"]).log_path
     _state["checkpoints"] = RunLayout(cfg["output_dir"]).checkpoint_dir
+    if cfg["handlers"]["checkpoint"]["resume"] != "auto":  # the same command would resume another checkpoint
+        _state["resume"] = f"{_train_command(args)} --set handlers.checkpoint.resume=auto"
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     result = train_from_config(cfg, progress=progress, command=_train_command(args))
     if int(os.environ.get("RANK", 0)) != 0:
@@ -213,18 +216,29 @@ def _checkpoint_kept() -> bool:
         n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(folder))
 
 
+def _rerun() -> str:
+    """How to resume the run being trained from its last checkpoint: the same command, unless that names
+    another checkpoint (``resume:`` a path) or starts over (``never``)."""
+    command = _state.get("resume")
+    return f"run {command}" if command else "run the same command"
+
+
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
     from ignite_amp.checkpoint_io import disk_full
-    from ignite_amp.errors import RUN_STOPPED, USER_ERRORS
+    from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
 
     if isinstance(exc, USER_ERRORS):
         return 2, f"ignite-amp: error: {one_line(exc)}"
+    if isinstance(exc, RankDiedError):
+        then = (f"the last checkpoint is intact: {_rerun()} to resume" if _checkpoint_kept() else
+                "no checkpoint was written yet: run the same command to start again")
+        return 1, f"ignite-amp: stopped: {one_line(exc)}; {then}"
     if isinstance(exc, RUN_STOPPED):
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
     if disk_full(exc):
         where = getattr(exc, "filename", None) or "writing the run"
-        then = ("the last checkpoint is kept: free space and run the same command to resume" if _checkpoint_kept() else
+        then = (f"the last checkpoint is kept: free space and {_rerun()} to resume" if _checkpoint_kept() else
                 "no checkpoint was written yet: free space and run the same command again")
         return 1, f"ignite-amp: stopped: no space left on device ({where}); {then}"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
@@ -272,17 +286,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command != "train":
             then = "nothing was kept: run the command again"
         elif _checkpoint_kept():
-            then = "run the same command to resume from the last checkpoint"
+            then = f"{_rerun()} to resume from the last checkpoint"
         else:
             then = "no checkpoint was written yet: run the same command to start again"
         if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal: rank 0 says it
             print(f"ignite-amp: {what}: {then}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:
+        stopped = _stopped_with_rank_0() if signals else None
+        if stopped is not None:  # under torchrun: rank 0 says it, in its one line
+            return stopped
         if getattr(args, "debug", False):
             traceback.print_exc()
         code, line = describe(exc)
         print(line, file=sys.stderr)
+        _log_rank_death(exc, line)
         return code
     finally:
         threading.excepthook, logging.raiseExceptions = quiet
@@ -290,6 +308,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         if signals and not _exiting:  # the console command keeps ignoring a late Ctrl-C until it exits
             for number, before in previous.items():
                 signal.signal(number, before)
+
+
+def _stopped_with_rank_0(wait: float = 3.0) -> Optional[int]:
+    """Under torchrun, on a rank other than 0: whether the error came from a stop of every worker (torchrun
+    sends each one the signal; rank 0 stopped first and this rank's collective lost its peer, "Connection
+    closed by peer"). Waits up to ``wait`` seconds for this rank's own signal; returns its exit code, or None."""
+    if int(os.environ.get("RANK", 0)) == 0 or "LOCAL_RANK" not in os.environ:
+        return None
+    deadline = time.monotonic() + wait
+    try:
+        while "signalled" not in _state and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except KeyboardInterrupt as exc:
+        _state["signalled"] = 143 if isinstance(exc, Terminated) else 130
+    return _state.get("signalled")
+
+
+def _log_rank_death(exc: BaseException, line: str) -> None:
+    """A killed rank wrote nothing about it: the command's line goes to train.log too."""
+    from ignite_amp.errors import RankDiedError
+
+    log = _state.get("log")
+    if isinstance(exc, RankDiedError) and log and os.path.exists(log):
+        with open(log, "a") as f:
+            f.write(line + "\n")
 
 
 def _thread_failed(args: "threading.ExceptHookArgs") -> None:
@@ -312,6 +355,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminated(signum, frame) -> None:
+    _state["signalled"] = 143
     raise Terminated()
 
 

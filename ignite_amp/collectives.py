@@ -4,6 +4,7 @@
   group, so it never waits for work queued on the GPU;
 - :func:`all_reduce_gradients`: what DDP does during backward, done after it, once every rank
   agreed that none ran out of memory;
+- :func:`broadcast_text`: a string from rank 0 to every rank, any Unicode (sized in bytes);
 - :func:`broadcast_buffers`, :func:`min_across_ranks`, :func:`unwrap`, :func:`is_distributed`.
 
 Without a process group every function here is a no-op or returns its input.
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "max_across_ranks", "sum_across_ranks",
-           "all_reduce_gradients", "broadcast_buffers", "is_sharded",
+           "all_reduce_gradients", "broadcast_buffers", "is_sharded", "broadcast_text",
            "adopt_ignite_loggers", "no_buffer_sync_in_forward"]
 
 IGNITE_LOGGERS = ("ignite.distributed.launcher.Parallel", "ignite.distributed.auto.auto_dataloader",
@@ -130,6 +131,27 @@ def all_reduce_gradients(parameters: Iterator[torch.nn.Parameter], bucket_mb: fl
         bucket.append(grad)
         size += grad.numel() * grad.element_size()
     flush()
+
+
+def broadcast_text(text: str, src: int = 0) -> str:
+    """Rank ``src``'s ``text`` on every rank (``text`` itself when not distributed).
+
+    Ignite's ``idist.broadcast`` of a string sizes its buffer in characters and fills it with UTF-8
+    bytes: a path with a non-ASCII character arrived cut ("runü/last_checkpoint_1.pt" as "...pM").
+    Here the UTF-8 bytes are sent with their length, so any Unicode arrives whole.
+    """
+    if not is_distributed():
+        return text
+    device = idist.device()
+    data = text.encode("utf-8") if idist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if buffer.numel():
+        if idist.get_rank() == src:
+            buffer.copy_(torch.tensor(list(data), dtype=torch.uint8))
+        dist.broadcast(buffer, src=src)
+    return bytes(buffer.cpu().tolist()).decode("utf-8")
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:

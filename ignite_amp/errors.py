@@ -9,8 +9,8 @@ Two families, told apart by the CLI:
 """
 
 __all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
-           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "BatchError", "USER_ERRORS",
-           "RUN_STOPPED"]
+           "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "UnreadableCheckpointError",
+           "RankDiedError", "BatchError", "USER_ERRORS", "RUN_STOPPED"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -25,6 +25,11 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated or does not fit the run: one line, nothing overwritten."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint whose stored bytes do not read back (a shard overwritten, say): a resume that chose it
+    itself falls back to the previous one."""
 
 
 class RunDirInUseError(ValueError):
@@ -51,5 +56,10 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, say): the previous one is kept, the run stops."""
 
 
+class RankDiedError(RuntimeError):
+    """A spawned process ended without a result or an error of its own (killed: a signal, the out-of-memory
+    killer): one line naming it; the checkpoints on disk are as its last save left them."""
+
+
 USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError, BatchError)
-RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError)
+RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError, RankDiedError)

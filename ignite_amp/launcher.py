@@ -30,9 +30,9 @@ from torch.multiprocessing.spawn import ProcessException
 
 from ignite_amp.builders import config_device
 from ignite_amp.collectives import adopt_ignite_loggers
-from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError
+from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
 from ignite_amp.fields import FIXED, Boolean, Choice, Integer, Names, setting
-from ignite_amp.rundir import terminal_log_handler
+from ignite_amp.rundir import COMMAND_PID, terminal_log_handler
 
 __all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
 
@@ -185,7 +185,12 @@ def _post(outbox: str, rank: int, outcome: tuple) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _collect(outbox: str, nproc: int) -> Any:
+def _collect(outbox: str, nproc: int, died: Any = None) -> Any:
+    """Rank 0's result, or the first failure: a rank killed by a signal (``died``, torch's ProcessExitedException:
+    what the other ranks raised after it, a closed connection, follows from it), else the first rank's error."""
+    if getattr(died, "signal_name", None):
+        raise RankDiedError(f"rank {died.error_index} of {nproc} (PID {died.error_pid}) was killed by "
+                            f"{died.signal_name} (out of memory, or a kill), and the other ranks were stopped")
     outcomes = {}
     for rank in range(nproc):
         path = os.path.join(outbox, f"rank{rank}.pkl")
@@ -197,7 +202,8 @@ def _collect(outbox: str, nproc: int) -> Any:
         rank, (_, exc, text) = errors[0]
         if isinstance(exc, USER_ERRORS + RUN_STOPPED + (KeyboardInterrupt,)):
             raise exc
-        raise RuntimeError(f"rank {rank} of {nproc} failed:\n{text}")
+        # The cause in the first line (the CLI's one line), the rank's traceback after it (train.log, --debug).
+        raise RuntimeError(f"rank {rank} of {nproc} failed: {exc.__class__.__name__}: {first_line(exc)}\n{text}")
     if 0 not in outcomes:
         raise RuntimeError(f"the {nproc} training processes ended without a result (killed?)")
     return outcomes[0][1]
@@ -254,6 +260,7 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         raise ConfigError(f"distributed.backend: {exc}") from None
     _quiet_launchers()
     if under_torchrun():
+        os.environ.setdefault(COMMAND_PID, str(os.getppid()))  # torchrun, which started this rank
         result = []
         with cpu_only(device.type == "cpu"), idist.Parallel(backend=backend) as parallel:
             _quiet_other_ranks()
@@ -267,16 +274,21 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
         raise ValueError(f"spawning {nproc} processes needs picklable arguments (print_fn=print, not a lambda); "
                          f"{exc}") from None
     outbox = tempfile.mkdtemp(prefix="ignite-amp-")
+    before = os.environ.get(COMMAND_PID)
+    os.environ[COMMAND_PID] = before or str(os.getpid())  # the ranks' lock names this command, not a rank
+    died = None
     try:
         try:
             with cpu_only(device.type == "cpu"), \
                     idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=_free_port()) as parallel:
                 parallel.run(_spawned, fn, outbox, logging.getLogger().getEffectiveLevel(), os.getpid(), args)
-        except ProcessException:
-            pass  # a rank failed (and torch stopped the others): its error is in the outbox
+        except ProcessException as exc:  # a rank failed (and torch stopped the others): its error is in the outbox
+            died = exc
         except KeyboardInterrupt:  # Ctrl-C, or a scheduler's SIGTERM to this launcher alone
             _stop_ranks(outbox)
             raise
-        return _collect(outbox, nproc)
+        return _collect(outbox, nproc, died)
     finally:
         shutil.rmtree(outbox, ignore_errors=True)
+        if before is None:
+            os.environ.pop(COMMAND_PID, None)

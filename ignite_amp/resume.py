@@ -16,10 +16,9 @@ What a resume may change is each key's ``resume`` rule, declared with the key
 import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-import ignite.distributed as idist
 
 from ignite_amp.checkpoint_io import load_checkpoint
-from ignite_amp.collectives import is_distributed
+from ignite_amp.collectives import broadcast_text, is_distributed
 from ignite_amp.config import Config, default_config, flatten_config
 from ignite_amp.errors import CheckpointError
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
@@ -39,6 +38,7 @@ class Plan(NamedTuple):
     path: Optional[str] = None
     state: Optional[dict] = None
     changes: List["Change"] = []
+    auto: bool = False  # chosen by resume: auto: one that turns out unreadable falls back to the previous one
 
 
 def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
@@ -53,20 +53,20 @@ def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
         cfg["data"]["batch_size"] = stored["data"]["batch_size"]
         say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, the batch size of the resumed run "
             f"(no new search)")
-    return Plan(path, state, check_resume(stored, cfg, path))
+    return Plan(path, state, check_resume(stored, cfg, path), cfg["handlers"]["checkpoint"]["resume"] == "auto")
 
 
 def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
            scheduled: bool) -> str:
     """Load the chosen checkpoint into the built run, put the applied changes in effect; returns the line to print."""
-    checkpoint.resume(chosen.path, chosen.state)
+    path = checkpoint.resume(chosen.path, chosen.state, fall_back=chosen.auto)
     # The epoch length is the loader's in use now (a changed data.train_size or batch_size).
     trainer.state.epoch_length = epoch_length
     trainer.state.iteration = trainer.state.epoch * epoch_length
     apply_changes(chosen.changes, optimizer, trainer.amp_step, micro_batches)
     kept = "weights, optimizer, scaler, " + ("schedule, " if scheduled else "") + "RNG and data order"
     changed = f"; now in effect: {', '.join(map(str, chosen.changes))}" if chosen.changes else ""
-    return f"resumed from {chosen.path} at epoch {trainer.state.epoch} (keeps {kept}{changed})"
+    return f"resumed from {path} at epoch {trainer.state.epoch} (keeps {kept}{changed})"
 
 
 class Change(NamedTuple):
@@ -132,7 +132,7 @@ def choose_checkpoint(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[st
                 why = "resume: never" if not resume else "nothing to resume"
                 say(f"starting over in {cfg['output_dir']} ({why}): moved the previous run's files to {moved}")
     if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
-        path = idist.broadcast(path or "", src=0) or None
+        path = broadcast_text(path or "") or None
         if not main and path:
             state = load_checkpoint(path)
     return path, state

@@ -26,7 +26,7 @@ from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuar
                                  StepSchedule, TensorBoardMetrics)
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
-from ignite_amp.sharding import shard_model
+from ignite_amp.sharding import check_shardable, shard_model
 from ignite_amp.rundir import RunFiles, RunLayout, check_writable, warn_if_disk_is_short
 from ignite_amp.device import describe_device, dtype_name
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
@@ -236,9 +236,9 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         ProgressBar(persist=True).attach(trainer)
     _attach_handlers(run)
     if resuming.path is not None:
-        run.resumed_from = resuming.path
         run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
                                 epoch_length, scheduled=scheduler is not None))
+        run.resumed_from = run.checkpoint.resumed_path  # an unreadable choice fell back to an older one
     if main:
         layout = RunLayout(cfg["output_dir"])
         save_config(cfg, layout.config_path)
@@ -279,6 +279,8 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
     loss_fn = torch.nn.functional.cross_entropy
     trained = model
+    if _sharded(cfg) and not is_distributed():  # one process: the same checks of the blocks as on N
+        _shard(cfg, model, device, check_only=True)
     if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format
         model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
         if _sharded(cfg):
@@ -307,10 +309,13 @@ def _sharded(cfg: dict) -> bool:
     return cfg["distributed"]["strategy"] == "fsdp"
 
 
-def _shard(cfg: dict, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def _shard(cfg: dict, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
     """``distributed.strategy: fsdp``: the model sharded over the processes (:func:`ignite_amp.sharding.shard_model`)."""
     dist = cfg["distributed"]
     try:
+        if check_only:
+            check_shardable(model, dist["blocks"] or None, cfg["amp"]["fp32_modules"])
+            return model
         return shard_model(model, cfg["amp"]["dtype"], dist["blocks"] or None, dist["reshard_after_forward"],
                            cfg["amp"]["fp32_modules"], device)
     except ValueError as exc:

@@ -18,12 +18,13 @@ except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS",
-           "TENSORBOARD_SPLITS", "dashboard_logdir", "free_bytes",
-           "terminal_log_handler", "RunFiles", "warn_if_disk_is_short", "move_aside"]
+           "TENSORBOARD_SPLITS", "dashboard_logdir", "free_bytes", "terminal_log_handler", "RunFiles",
+           "warn_if_disk_is_short", "move_aside", "move_files_aside", "COMMAND_PID"]
 
 logger = logging.getLogger("ignite_amp")
 
 LOCK_NAME = ".lock"
+COMMAND_PID = "IGNITE_AMP_COMMAND_PID"  # set by the launcher: the command the user started, which the lock names
 LOG_NAME = "train.log"
 CONFIG_NAME = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -87,9 +88,10 @@ class RunLock:
     """An advisory ``flock`` on ``output_dir/.lock``, held while the run lives; the file holds the PID.
 
     A second run into the same directory gets :class:`~ignite_amp.errors.RunDirInUseError` at
-    once, naming the holder's PID. The kernel drops the lock when the process dies, so a killed
-    run never leaves the directory locked (its ``.lock`` file stays, unlocked); a run that ends
-    removes the file.
+    once, naming the holder's PID: that of the command the user started (``$IGNITE_AMP_COMMAND_PID``,
+    set by the launcher for the ranks it starts), not a spawned rank's. The kernel drops the lock
+    when the process dies, so a killed run never leaves the directory locked (its ``.lock`` file
+    stays, unlocked); a run that ends removes the file.
     """
 
     def __init__(self, output_dir: str):
@@ -115,7 +117,7 @@ class RunLock:
                 pass
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, (os.environ.get(COMMAND_PID) or str(os.getpid())).encode())
         os.fsync(fd)
         self._fd = fd
         return self
@@ -198,6 +200,20 @@ def move_aside(path: str) -> Optional[str]:
         os.rename(path, target)
     except OSError as exc:
         raise ConfigError(f"output_dir: cannot move {path} aside ({exc.strerror or exc})") from None
+    return target
+
+
+def move_files_aside(paths: List[str], near: str) -> str:
+    """Move the files or directories ``paths`` into a new sibling ``<near>.replaced-<time>`` of ``near``; returns it."""
+    target = _aside(near)
+    try:
+        os.makedirs(target)
+        for path in paths:
+            shutil.move(path, os.path.join(target, os.path.basename(path)))
+    except OSError as exc:
+        raise ConfigError(f"output_dir: cannot move {', '.join(map(os.path.basename, paths))} out of {near} "
+                          f"({exc.strerror or exc}); move them yourself, or resume from the newest checkpoint"
+                          ) from None
     return target
 
 

@@ -10,7 +10,7 @@ A sharded model's checkpoint is a directory (``*.dcp``) written with ``torch.dis
 each rank writes its shards of the model and optimizer state, rank 0 the rest (``state.pt``).
 It loads on any number of processes, one included (DCP reshards).
 """
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,12 +23,40 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.blocks import block_names
 from ignite_amp.checkpointing import checkpoint_blocks
-from ignite_amp.checkpoint_io import SHARDED_KEYS, single_process_quiet
+from ignite_amp.checkpoint_io import SHARDED_KEYS, dcp_cause, single_process_quiet
 from ignite_amp.collectives import is_distributed, is_sharded
 from ignite_amp.device import resolve_dtype
 
-__all__ = ["shard_model", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
-           "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state"]
+__all__ = ["shard_model", "check_shardable", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
+           "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state", "unreadable_shards"]
+
+
+def check_shardable(model: nn.Module, blocks: Optional[Sequence[str]] = None,
+                    fp32_modules: Iterable[str] = ()) -> List[str]:
+    """What :func:`shard_model` checks before sharding, also usable on one process: the blocks exist, the
+    ``fp32_modules`` too, and no parameter is shared by two of the units sharded on their own (tied weights
+    across blocks: each unit gathers and frees its own parameters). Returns :func:`block_names`; raises
+    ValueError naming the key (``blocks:`` or ``fp32_modules:``)."""
+    units = block_names(model, blocks)
+    fp32 = list(fp32_modules)
+    for name in fp32:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"fp32_modules: the model has no submodule {name!r}") from None
+    roots = sorted(set(units) | set(fp32), key=lambda n: n.count("."), reverse=True)  # innermost first
+    owners: Dict[int, tuple] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        unit = next((u for u in roots if path == u or path.startswith(f"{u}.")), "")
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            first = owners.setdefault(id(param), (unit, f"{path}.{name}" if path else name))
+            if first[0] != unit:
+                a, b = (f"block {u!r}" if u else "the model outside the blocks" for u in (first[0], unit))
+                raise ValueError(f"blocks: {a} and {b} share a parameter ({first[1]} is "
+                                 f"{f'{path}.{name}' if path else name}): FSDP shards each block on its own, so "
+                                 f"tied weights must sit in one block; untie them, or set distributed.blocks to "
+                                 f"blocks that hold both")
+    return units
 
 
 def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
@@ -64,15 +92,10 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
     model.to(device)
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     full_precision = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    units = block_names(model, blocks)  # before any fully_shard: it renames the classes (FSDPLinear)
+    units = check_shardable(model, blocks, fp32_modules)  # before any fully_shard: it renames the classes
     if activation_checkpointing:  # before sharding (see ignite_amp.checkpointing for the order)
         checkpoint_blocks(model, blocks)
     fp32 = set(fp32_modules)
-    for name in fp32:
-        try:
-            model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"fp32_modules: the model has no submodule {name!r}") from None
     if policy.param_dtype is not None:  # BatchNorm computes with float32 running statistics: float32 parameters
         fp32.update(name for name, m in model.named_modules() if isinstance(m, _BatchNorm))
 
@@ -143,3 +166,23 @@ def load_full_model_state(path: str) -> Dict[str, torch.Tensor]:
     with single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
+
+
+def unreadable_shards(path: str) -> Optional[str]:
+    """Why the sharded checkpoint directory ``path`` does not read back, or None when every item it stores does.
+
+    Reads the whole checkpoint in this process (on the CPU, without a process group): called only after a
+    load failed, to tell a damaged checkpoint (shard bytes overwritten: the file sizes are right) from one
+    that does not fit the run."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 if isinstance(meta, TensorStorageMetadata) else None
+                 for key, meta in metadata.state_dict_metadata.items()}
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return dcp_cause(exc).__class__.__name__
+    return None

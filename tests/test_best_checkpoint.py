@@ -60,6 +60,53 @@ def test_resume_keeps_the_best_table(tmp_path):
     assert files(tmp_path, "last") == ["last_checkpoint_4.pt"]
 
 
+@pytest.mark.parametrize("scores, n_saved", [([0.50004, 0.50002], 1), ([0.1] * 8 + [0.5, 0.5, 0.9], 2)])
+def test_a_resumed_run_keeps_the_best_an_uninterrupted_run_keeps(tmp_path, scores, n_saved):
+    """Case 32.4: the table was rebuilt from names rounded to 4 decimals (0.50004 and 0.50002 are both 0.5000),
+    and ties sorted by name (epoch 10 before epoch 9) instead of in the order they were saved."""
+    trainer, _ = scripted(tmp_path / "whole", scores, n_saved=n_saved)
+    trainer.run([0], max_epochs=len(scores))
+    trainer, _ = scripted(tmp_path / "cut", scores[:-1], n_saved=n_saved)
+    trainer.run([0], max_epochs=len(scores) - 1)
+    trainer, _ = scripted(tmp_path / "cut", scores[-1:], n_saved=n_saved, resume=True)
+    trainer.run([0], max_epochs=len(scores))
+    assert files(tmp_path / "cut", "best") == files(tmp_path / "whole", "best")
+    assert files(tmp_path / "whole", "best") == (["best_checkpoint_1_accuracy=0.5000.pt"] if n_saved == 1 else [
+        "best_checkpoint_10_accuracy=0.5000.pt", "best_checkpoint_11_accuracy=0.9000.pt"])
+
+
+def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside_and_continues_its_own_timeline(tmp_path, caplog):
+    """Cases 32.2 and 32.3: resuming epoch 1 deleted the abandoned run's newer best file, and left its
+    last_checkpoint_3 for ``resume: auto`` to pick up over this run's epoch 2."""
+    trainer, _ = scripted(tmp_path, [0.5, 0.9, 0.7])
+    trainer.run([0], max_epochs=3)
+    assert files(tmp_path, "") == ["best_checkpoint_2_accuracy=0.9000.pt", "best_checkpoint_3_accuracy=0.7000.pt",
+                                   "last_checkpoint_3.pt"]
+    trainer, ckpt = scripted(tmp_path, [0.6])
+    ckpt.resume(str(tmp_path / "best_checkpoint_2_accuracy=0.9000.pt"))
+    aside, = [p for p in os.listdir(tmp_path.parent) if p.startswith(tmp_path.name + ".replaced-")]
+    assert sorted(os.listdir(tmp_path.parent / aside)) == ["best_checkpoint_3_accuracy=0.7000.pt",
+                                                           "last_checkpoint_3.pt"]
+    assert f"to {tmp_path.parent / aside}: saved after the checkpoint resumed from (epoch 2)" in caplog.text
+    trainer.run([0], max_epochs=3)
+    trainer, ckpt = scripted(tmp_path, [], resume=True)  # resume: auto continues this run
+    assert trainer.state.epoch == 3 and files(tmp_path, "last") == ["last_checkpoint_3.pt"]
+    assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.9000.pt", "best_checkpoint_3_accuracy=0.6000.pt"]
+
+
+def test_a_last_checkpoint_a_killed_save_left_behind_is_removed_on_resume(tmp_path, caplog):
+    """Case 32.9: a kill after the new last checkpoint's rename, before the old one's removal, left a stray
+    last_checkpoint_1 that no later save removed."""
+    trainer, _ = scripted(tmp_path, [0.5, 0.9])
+    trainer.run([0], max_epochs=2)
+    (tmp_path / "last_checkpoint_1.pt").write_bytes((tmp_path / "last_checkpoint_2.pt").read_bytes())
+    trainer, _ = scripted(tmp_path, [0.7], resume=True)
+    assert trainer.state.epoch == 2 and files(tmp_path, "last") == ["last_checkpoint_2.pt"]
+    assert "removed last_checkpoint_1.pt: replaced by last_checkpoint_2" in caplog.text
+    trainer.run([0], max_epochs=3)
+    assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
+
+
 def test_nothing_to_resume_returns_none(tmp_path):
     _, ckpt = scripted(tmp_path, [])
     assert ckpt.resume() is None

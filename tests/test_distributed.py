@@ -344,3 +344,101 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has died
     except FileNotFoundError:
         return False
+
+
+def _choose_non_ascii(rank, out):
+    import ignite.distributed as idist
+
+    from ignite_amp.collectives import broadcast_text
+    from ignite_amp.resume import choose_checkpoint
+
+    cfg = {"output_dir": os.path.join(out, "runü"),
+           "handlers": {"checkpoint": {"resume": os.path.join(out, "runü", "checkpoints", "last_checkpoint_1.pt")}}}
+    path, state = choose_checkpoint(cfg, idist.get_rank() == 0, print)
+    texts = [broadcast_text(t if rank == 0 else "") for t in ("😀 €ü", "", "ascii")]
+    torch.save({"path": path, "epoch": state["trainer"]["epoch"], "texts": texts}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
+    """Case 32.1: rank 0's chosen checkpoint went to the other ranks in a buffer sized in characters, filled with
+    UTF-8 bytes ('.../runü/.../last_checkpoint_1.pM')."""
+    from test_fsdp import free_port, in_group
+
+    ckpt = tmp_path / "runü" / "checkpoints" / "last_checkpoint_1.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"trainer": {"epoch": 1}, "config": {"value": {}}}, ckpt)
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _choose_non_ascii, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result == {"path": str(ckpt), "epoch": 1, "texts": ["😀 €ü", "", "ascii"]}, rank
+
+
+def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
+    """Case 32.11: the line ended at "rank 0 of 2 failed:", the cause only in train.log."""
+    from ignite_amp.cli import describe
+    from ignite_amp.launcher import _collect, _post
+
+    try:
+        raise KeyError("model.3.weight")
+    except KeyError as exc:
+        import traceback
+
+        _post(str(tmp_path), 1, ("error", exc, traceback.format_exc()))
+    with pytest.raises(RuntimeError) as raised:
+        _collect(str(tmp_path), 2)
+    assert "Traceback" in str(raised.value)  # kept for train.log and --debug
+    assert describe(raised.value)[1].startswith(
+        "ignite-amp: internal error: RuntimeError: rank 1 of 2 failed: KeyError: 'model.3.weight' (")
+
+
+def _lock_holder(output_dir):
+    import ignite.distributed as idist
+
+    from ignite_amp.rundir import RunLock
+
+    if idist.get_rank() != 0:  # rank 0 holds the run directory (RunFiles)
+        return None
+    lock = RunLock(output_dir).acquire()
+    try:
+        return open(lock.path).read()
+    finally:
+        lock.release()
+
+
+def test_a_busy_output_dir_names_the_command_the_user_started_not_a_rank(tmp_path):
+    """Case 32.14: spawned rank 0 wrote its own PID into the lock, which the user never saw."""
+    cfg = load_config(config(tmp_path / "busy"))
+    cfg["distributed"]["nproc_per_node"] = 2
+    os.makedirs(cfg["output_dir"])
+    assert launch(cfg, _lock_holder, cfg["output_dir"]) == str(os.getpid())
+    assert "IGNITE_AMP_COMMAND_PID" not in os.environ
+
+
+def _kill_rank_1(folder):
+    import ignite.distributed as idist
+
+    open(os.path.join(folder, f"rank{idist.get_rank()}.pid"), "w").write(str(os.getpid()))
+    if idist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    idist.barrier()  # rank 0 waits: its connection to rank 1 closes, or torch stops it
+    time.sleep(60)
+
+
+def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_path, monkeypatch):
+    """Case 32.9: "the 2 training processes ended without a result (killed?)", and nothing in train.log."""
+    from ignite_amp import cli
+    from ignite_amp.errors import RankDiedError
+
+    with pytest.raises(RankDiedError) as raised:
+        launch({"device": "cpu", "distributed": {"nproc_per_node": 2, "backend": "gloo"}}, _kill_rank_1, str(tmp_path))
+    pid = (tmp_path / "rank1.pid").read_text()
+    (tmp_path / "checkpoints" / "last_checkpoint_1.dcp").mkdir(parents=True)
+    (tmp_path / "train.log").write_text("")
+    monkeypatch.setattr(cli, "_state", {"checkpoints": str(tmp_path / "checkpoints"),
+                                        "log": str(tmp_path / "train.log")})
+    code, line = cli.describe(raised.value)
+    assert (code, line) == (1, f"ignite-amp: stopped: rank 1 of 2 (PID {pid}) was killed by SIGKILL (out of memory, "
+                               f"or a kill), and the other ranks were stopped; the last checkpoint is intact: run "
+                               f"the same command to resume")
+    cli._log_rank_death(raised.value, line)
+    assert (tmp_path / "train.log").read_text() == line + "\n"

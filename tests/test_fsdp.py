@@ -4,6 +4,7 @@ and sharded checkpoints that survive kill -9 and resume on another number of pro
 import errno
 import gc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -347,3 +348,53 @@ def test_a_truncated_shard_is_skipped_for_the_previous_checkpoint_and_named_when
     found, _ = BestCheckpoint.find_resumable(ckpts)
     assert os.path.basename(found).startswith("best_checkpoint_2_")  # the newest that loads
     assert os.path.isdir(os.path.join(ckpts, "last_checkpoint_2.dcp.unreadable"))
+
+
+def test_a_shard_overwritten_with_same_size_bytes_falls_back_and_is_named_when_asked_for(tmp_path, capsys):
+    """Case 32.12: the sizes are right, so only reading the shard tells; every rerun stopped in the same line."""
+    path, cfg = fsdp_config(tmp_path, "noise", epochs=2, nproc=1)
+    assert main(["train", path]) == 0
+    ckpts = os.path.join(cfg["output_dir"], "checkpoints")
+    bad = os.path.join(ckpts, "last_checkpoint_2.dcp")
+    shard = os.path.join(bad, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.write(os.urandom(os.path.getsize(shard)))
+    capsys.readouterr()
+    assert main(["train", path, "--set", f"handlers.checkpoint.resume={bad}", "--set", "train.epochs=3"]) == 2
+    assert error_lines(capsys.readouterr().err)[-1] == (
+        f"ignite-amp: error: checkpoint {bad}: a shard does not read back (UnpicklingError)")
+    assert main(["train", path, "--set", "train.epochs=3"]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped {bad} (a shard does not read back (UnpicklingError)): resuming from the older " \
+           f"best_checkpoint_2_" in captured.err
+    assert re.search(r"resumed from \S+best_checkpoint_2_\S+ at epoch 2", captured.out)
+    assert sorted(n for n in os.listdir(ckpts) if n.startswith("last_")) == [
+        "last_checkpoint_2.dcp.unreadable", "last_checkpoint_3.dcp"]
+
+
+def test_tied_weights_across_blocks_are_refused_naming_the_rule():
+    """Case 32.11: FSDP gathers and frees each block's parameters on its own; a weight two blocks share broke
+    inside a spawned rank, after the run had started."""
+    from ignite_amp.sharding import check_shardable
+
+    model = build_blocks()
+    model[2][2].weight = model[2][0].weight
+    with pytest.raises(ValueError, match=r"blocks: block '2.0' and block '2.2' share a parameter \(2.0.weight is "
+                                         r"2.2.weight\): FSDP shards each block on its own, so tied weights"):
+        check_shardable(model)
+    assert check_shardable(build_blocks()) == ["2.0", "2.1", "2.2"]
+    outer = build_blocks()
+    outer[2][0].bias = outer[3].bias = torch.nn.Parameter(torch.zeros(16))
+    with pytest.raises(ValueError, match=r"block '2.0' and the model outside the blocks share a parameter"):
+        check_shardable(outer)
+
+
+def test_blocks_naming_a_missing_class_is_one_line_on_one_process_too(tmp_path, capsys):
+    """Case 32.13: caught by shard_model on 2 processes, but one process (which saves sharded checkpoints
+    all the same) never sharded, so never checked."""
+    path, cfg = fsdp_config(tmp_path, "one", epochs=1, nproc=1)
+    cfg["distributed"]["blocks"] = ["Nope"]
+    open(path, "w").write(yaml.safe_dump(cfg))
+    assert main(["train", path]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "ignite-amp: error: distributed.blocks: the model has no submodule of class 'Nope'"]

@@ -264,3 +264,24 @@ def test_sigterm_to_torchrun_stops_its_ranks_with_one_line_of_ours(quick_cfg, tm
     ours = [x for x in err.splitlines() if x.startswith("ignite-amp:")]
     assert ours == ["ignite-amp: terminated (SIGTERM): run the same command to resume from the last checkpoint"], err
     assert not subprocess.run(["pgrep", "-f", f"ignite_amp train {tmp_path}"], capture_output=True).stdout
+
+
+def test_a_torchrun_worker_whose_peer_stopped_first_leaves_the_line_to_rank_0(monkeypatch, capsys):
+    """Case 32.10: SIGTERM during a sharded save: rank 0 stopped first, rank 1's collective failed ("Connection
+    closed by peer") before its own SIGTERM arrived, and it printed a second, internal-error line."""
+    import threading
+
+    from ignite_amp import cli
+
+    def save_loses_its_peer(args):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun's signal, a bit later
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", save_loses_its_peer)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli.main(["train", "c.yaml"]) == 143
+    assert capsys.readouterr().err == ""
+    monkeypatch.setitem(cli.COMMANDS, "train", lambda args: 1 / 0)  # an error of its own, no signal: said
+    assert cli.main(["train", "c.yaml"]) == 1
+    assert "internal error: ZeroDivisionError" in capsys.readouterr().err

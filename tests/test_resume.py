@@ -203,3 +203,40 @@ def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
     assert proc.returncode == 0, proc.stderr
     key, length = proc.stdout.split()
     assert key == "model.kwargs" and int(length) < 400
+
+
+def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_directory(tmp_path, capsys, monkeypatch):
+    """Cases 32.2 and 32.3: resuming epoch 1 of a 3-epoch run deleted its newer best checkpoints; stopped at
+    epoch 2, ``resume: auto`` then took the abandoned last_checkpoint_3, and the SIGTERM line's "same command"
+    resumed epoch 1 again."""
+    import signal
+
+    from ignite_amp.checkpoint_io import SafeDiskSaver
+
+    path, cfg = base(tmp_path, train={"epochs": 3}, handlers={"tensorboard": {"enabled": False},
+                                                            "checkpoint": {"n_saved": 3}})
+    assert main(["train", path]) == 0
+    ckpts = os.path.join(cfg["output_dir"], "checkpoints")
+    before = sorted(os.listdir(ckpts))
+    older = os.path.join(ckpts, next(n for n in before if n.startswith("best_checkpoint_1_")))
+    save = SafeDiskSaver.__call__
+
+    def stop_after_epoch_2(self, checkpoint, filename, metadata=None):
+        save(self, checkpoint, filename, metadata)
+        if filename == "last_checkpoint_2.pt":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(SafeDiskSaver, "__call__", stop_after_epoch_2)
+    capsys.readouterr()
+    assert main(["train", path, "--set", f"handlers.checkpoint.resume={older}"]) == 143
+    captured = capsys.readouterr()
+    moved = re.search(r"moved (.+) to (\S+): saved after the checkpoint resumed from \(epoch 1\)", captured.err)
+    aside = sorted(os.listdir(moved.group(2)))
+    assert "last_checkpoint_3.pt" in aside and sorted(set(before) - {os.path.basename(older)}) == aside
+    assert captured.err.strip().splitlines()[-1] == (
+        f"ignite-amp: terminated (SIGTERM): run ignite-amp train {path} --set handlers.checkpoint.resume=auto to "
+        f"resume from the last checkpoint")
+    monkeypatch.setattr(SafeDiskSaver, "__call__", save)
+    assert main(["train", path, "--set", "handlers.checkpoint.resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {ckpts}/last_checkpoint_2.pt at epoch 2" in out and "epoch 3/3" in out
