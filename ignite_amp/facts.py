@@ -49,6 +49,7 @@ def step_facts(step: Any) -> Dict[str, Any]:
     scaler = step.scaler.is_enabled()
     world = idist.get_world_size()
     sharded = hasattr(step.model, "set_requires_gradient_sync")  # FSDP2 (fully_shard)
+    float8 = step.float8.facts() if getattr(step, "float8", None) is not None else {}
     return {
         "dtype": dtype_name(step.dtype),
         "grad_scaler": scaler,
@@ -59,6 +60,7 @@ def step_facts(step: Any) -> Dict[str, Any]:
         "shards": world if sharded else 1,
         "micro_batches": step.micro_batches,
         "accumulation_steps": step.accumulation_steps,
+        **float8,
         "torch": str(torch.__version__),  # a str subclass: plain str for the HParams plugin
         "ignite": str(ignite.__version__),
         "ignite_amp": __version__,
@@ -100,6 +102,9 @@ def summary_line(facts: Dict[str, Any]) -> str:
     """One sentence: ``bfloat16 autocast, no GradScaler, on cpu (...), 1 process, batch 64``."""
     dtype = facts.get("dtype")
     parts = ["float32, autocast off" if dtype == "float32" else f"{dtype} autocast" if dtype else None]
+    if facts.get("float8_recipe"):
+        parts[0] = (f"float8 {facts['float8_recipe']} Linear layers{' (emulated)' if facts.get('float8_emulated') else ''}"
+                    f" in {parts[0]}")
     if "grad_scaler" in facts:
         parts.append(f"GradScaler from scale {facts['init_scale']:g}" if facts["grad_scaler"] and facts.get("init_scale")
                      else "GradScaler on" if facts["grad_scaler"] else "no GradScaler")

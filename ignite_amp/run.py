@@ -106,6 +106,9 @@ class Run:
                              else f"{dtype_name(step.dtype)} autocast")
                 if sharded and step.dtype != torch.float32:
                     precision += f" over {dtype_name(step.dtype)} parameters"
+                if step.float8 is not None:
+                    self.print(step.float8.line())
+                    precision = f"float8 {step.float8.recipe} Linear layers in {precision}"
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
@@ -228,6 +231,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
               files)
     run.command, run.batch_search = command, batch_search
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
+    run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     _attach_handlers(run)
     if resuming.path is not None:
         run.resumed_from = resuming.path

@@ -375,7 +375,7 @@ class AmpStep(StepBase, Serializable):
 
     def state_dict(self) -> dict:
         return {"scaler": self._scaler.state_dict(), "micro_batches": self._micro_batches,
-                "oom_count": self._oom_count}
+                "oom_count": self._oom_count, "float8": self.float8.recipe if self.float8 is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -383,6 +383,15 @@ class AmpStep(StepBase, Serializable):
             self._scaler.load_state_dict(state_dict["scaler"])
         self.micro_batches = int(state_dict["micro_batches"])
         self._oom_count = int(state_dict.get("oom_count", 0))
+        saved, now = state_dict.get("float8"), self.float8.recipe if self.float8 is not None else None
+        if saved != now:  # float8 keeps no state of its own: the float32 weights are the same either way
+            logger.warning(f"resuming a checkpoint trained {_precision(saved)} in a run {_precision(now)}: the float32 "
+                           f"weights load as they are (float8 scales are recomputed each step); expect the loss to "
+                           f"move a little in the first steps")
+
+
+def _precision(float8_recipe: Optional[str]) -> str:
+    return f"with float8 {float8_recipe} Linear layers" if float8_recipe else "without float8"
 
 
 def _fire(engine: Engine, event: AmpEvents) -> None:
