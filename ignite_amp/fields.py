@@ -154,7 +154,7 @@ class Boolean(Check):
         return value
 
     def schema(self):
-        return {"type": ["boolean", "null"] if self.nullable else "boolean"}
+        return _or({"type": "boolean"}, (None,) if self.nullable else ())
 
 
 class Choice(Check):
