@@ -25,7 +25,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["RECIPES", "DEFAULT_RECIPE", "Float8Report", "float8_plan", "check_float8_device", "convert_to_float8"]
+__all__ = ["RECIPES", "DEFAULT_RECIPE", "Float8Report", "float8_plan", "check_float8_device", "convert_to_float8",
+           "float8_change"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -114,6 +115,23 @@ def float8_plan(model: nn.Module, recipe: str = DEFAULT_RECIPE, device_type: str
             reason = _too_small(recipe, module) if device_type == "cuda" else None
         plan.append(Layer(name, reason))
     return plan
+
+
+def float8_change(saved: Optional[str], report: Optional[Float8Report]) -> Optional[str]:
+    """The line a resume says when a checkpoint's float8 recipe (None: none) differs from this run's; else None.
+
+    float8 keeps no state of its own (dynamic scales are recomputed each step): the float32 weights load
+    the same either way, so the change is explained, not refused.
+    """
+    now = report.recipe if report is not None else None
+    if saved == now:
+        return None
+
+    def precision(recipe: Optional[str]) -> str:
+        return f"with float8 {recipe} Linear layers" if recipe else "without float8"
+
+    return (f"resuming a checkpoint trained {precision(saved)} in a run {precision(now)}: the float32 weights load "
+            f"as they are (float8 scales are recomputed each step); expect the loss to move a little in the first steps")
 
 
 def check_float8_device(device: Union[str, torch.device]) -> bool:

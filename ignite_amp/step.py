@@ -54,6 +54,7 @@ from ignite_amp.device import is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
+from ignite_amp.float8 import float8_change
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
@@ -383,15 +384,9 @@ class AmpStep(StepBase, Serializable):
             self._scaler.load_state_dict(state_dict["scaler"])
         self.micro_batches = int(state_dict["micro_batches"])
         self._oom_count = int(state_dict.get("oom_count", 0))
-        saved, now = state_dict.get("float8"), self.float8.recipe if self.float8 is not None else None
-        if saved != now:  # float8 keeps no state of its own: the float32 weights are the same either way
-            logger.warning(f"resuming a checkpoint trained {_precision(saved)} in a run {_precision(now)}: the float32 "
-                           f"weights load as they are (float8 scales are recomputed each step); expect the loss to "
-                           f"move a little in the first steps")
-
-
-def _precision(float8_recipe: Optional[str]) -> str:
-    return f"with float8 {float8_recipe} Linear layers" if float8_recipe else "without float8"
+        change = float8_change(state_dict.get("float8"), self.float8)
+        if change:
+            logger.warning(change)
 
 
 def _fire(engine: Engine, event: AmpEvents) -> None:

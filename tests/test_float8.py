@@ -249,3 +249,16 @@ def test_compare_runs_float8_beside_bfloat16(tmp_path):
 
 def test_docstring_examples():
     assert_doctests_pass(f8)
+
+
+def test_mfu_peaks_for_float8_are_labelled_beside_bfloat16(monkeypatch):
+    from ignite_amp.device import peak_tflops
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_tflops(cuda, torch.bfloat16) == (989.4, "H100 bfloat16 dense peak")
+    assert peak_tflops(cuda, torch.bfloat16, float8=True) == (1978.9, "H100 float8 dense peak")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak_tflops(cuda, torch.bfloat16, float8=True) == (1978.9, "H200 float8 dense peak")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert peak_tflops(cuda, torch.bfloat16, float8=True) is None  # no float8 tensor cores
