@@ -156,6 +156,13 @@ def _torchao():
     return float8
 
 
+def _to_autocast_dtype(module: nn.Module, args: tuple) -> Optional[tuple]:
+    x = args[0]
+    if torch.is_tensor(x) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return (x.to(torch.get_autocast_dtype(x.device.type)),) + args[1:]
+    return None
+
+
 def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Union[str, torch.device] = "cpu",
                       fp32_modules: Sequence[str] = (),
                       module_filter: Optional[Callable[[nn.Module, str], bool]] = None) -> Float8Report:
@@ -185,6 +192,9 @@ def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Un
         if emulated:
             config = dataclasses.replace(config, emulate=True)
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _, name: name in convert)
+        if emulated:  # torchao casts a layer's input to the autocast dtype on CUDA only: do it here too
+            for name in convert:
+                model.get_submodule(name).register_forward_pre_hook(_to_autocast_dtype)
     report = Float8Report(recipe, emulated, tuple(layer.name for layer in plan if layer.reason is None),
                           tuple((layer.name, layer.reason) for layer in plan if layer.reason is not None))
     if not convert:
