@@ -182,6 +182,9 @@ def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Un
     """
     done = getattr(model, "_ignite_amp_float8", None)
     if done is not None:
+        if done.recipe != recipe:
+            raise ValueError(f"float8_recipe: the model was already converted with {done.recipe}, {recipe} was asked "
+                             f"for; a conversion cannot be undone: build the model again, or ask for {done.recipe}")
         return done
     emulated = check_float8_device(device)
     plan = float8_plan(model, recipe, torch.device(device).type, fp32_modules, module_filter)

@@ -262,3 +262,16 @@ def test_mfu_peaks_for_float8_are_labelled_beside_bfloat16(monkeypatch):
     assert peak_tflops(cuda, torch.bfloat16, float8=True) == (1978.9, "H200 float8 dense peak")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert peak_tflops(cuda, torch.bfloat16, float8=True) is None  # no float8 tensor cores
+
+
+def test_batch_size_search_trains_the_float8_model_it_will_run():
+    from ignite_amp import find_batch_size
+
+    model = mlp()
+    result = find_batch_size(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                             lambda n: (torch.randn(n, 32), torch.randint(0, 10, (n,))), device="cpu",
+                             dtype="float8", float8_recipe="rowwise", max_size=64)
+    assert result.batch_size == 60 and converted(model) == ["3", "5"]
+    assert model._ignite_amp_float8.recipe == "rowwise"  # the run's create_amp_trainer finds this conversion
+    with pytest.raises(ValueError, match="already converted with rowwise, tensorwise was asked for"):
+        create_amp_evaluator(model, device="cpu", dtype="float8")
