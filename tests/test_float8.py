@@ -275,3 +275,16 @@ def test_batch_size_search_trains_the_float8_model_it_will_run():
     assert model._ignite_amp_float8.recipe == "rowwise"  # the run's create_amp_trainer finds this conversion
     with pytest.raises(ValueError, match="already converted with rowwise, tensorwise was asked for"):
         create_amp_evaluator(model, device="cpu", dtype="float8")
+
+
+def test_config_resume_from_float8_in_bfloat16_loads_and_says_so(tmp_path, caplog):
+    model = {"name": f"{__name__}:image_mlp", "num_classes": 10, "kwargs": {}}
+    train_from_config(tiny_config(tmp_path, amp={"dtype": "float8"}, model=model), print_fn=lambda *_: None)
+    printed = []
+    with caplog.at_level(logging.WARNING, "ignite_amp"):
+        result = train_from_config(tiny_config(tmp_path, amp={"dtype": "bfloat16"}, model=model, train={"epochs": 2}),
+                                   print_fn=printed.append)
+    assert [r["epoch"] for r in result["history"]] == [2]
+    assert any("amp.dtype float8 -> bfloat16" in line for line in printed), printed
+    assert any(r.getMessage().startswith("resuming a checkpoint trained with float8 tensorwise Linear layers in a run "
+                                         "without float8") for r in caplog.records)
