@@ -18,7 +18,7 @@ from ignite_amp.device import resolve_device
 from ignite_amp.eval_step import EvalStep
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, setting
-from ignite_amp.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8
+from ignite_amp.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
 from ignite_amp.step import AmpStep
 from ignite_amp.step_base import StepBase, call_model, identity
 
@@ -152,7 +152,11 @@ def create_amp_trainer(
     step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype, accumulation_steps=accumulation_steps,
                    model_fn=model_fn, model_transform=model_transform, output_transform=output_transform,
                    num_items=num_items, **kwargs)
-    return _engine(_with_float8(step, float8))
+    engine = _engine(_with_float8(step, float8))
+    if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
+        # float8 all-gather: the weights' scales for the next forward, once per optimizer step
+        engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
+    return engine
 
 
 def create_amp_evaluator(

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 __all__ = ["RECIPES", "DEFAULT_RECIPE", "Float8Report", "float8_plan", "check_float8_device", "convert_to_float8",
-           "float8_change"]
+           "float8_change", "precompute_float8_scales"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -49,10 +49,12 @@ class Float8Report:
     emulated: bool
     converted: Tuple[str, ...]
     skipped: Tuple[Tuple[str, str], ...]  # (name, reason)
+    fsdp_all_gather: bool = False  # FSDP2 all-gathers the converted weights in float8 (tensorwise)
 
     def line(self) -> str:
         """``float8 tensorwise (emulated): converted 2 of 4 Linear layers (a, b); skipped: c (first Linear), ...``"""
-        how = f"float8 {self.recipe}{' (emulated on CPU)' if self.emulated else ''}"
+        how = f"float8 {self.recipe}{' (emulated on CPU)' if self.emulated else ''}" + \
+              (", FSDP2 all-gathers them in float8" if self.fsdp_all_gather else "")
         total = len(self.converted) + len(self.skipped)
         converted = f" ({', '.join(self.converted)})" if self.converted else ""
         skipped = "; skipped: " + ", ".join(f"{n} ({r})" for n, r in self.skipped) if self.skipped else ""
@@ -165,12 +167,17 @@ def _to_autocast_dtype(module: nn.Module, args: tuple) -> Optional[tuple]:
 
 def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Union[str, torch.device] = "cpu",
                       fp32_modules: Sequence[str] = (),
-                      module_filter: Optional[Callable[[nn.Module, str], bool]] = None) -> Float8Report:
+                      module_filter: Optional[Callable[[nn.Module, str], bool]] = None,
+                      fsdp_all_gather: bool = False) -> Float8Report:
     """Convert ``model``'s eligible ``nn.Linear`` layers in place to torchao's float8 training layers.
 
     Run under bfloat16 autocast (``dtype="float8"`` on the factories does both). Off a GPU the float8
     matmuls are emulated (same numerics, no speed-up): that is how the tests run it. A model converted
     before returns its first report (the trainer and the evaluator share a model).
+
+    ``fsdp_all_gather`` (tensorwise only; for a model FSDP2 shards next): the weights are all-gathered
+    in float8 (half bfloat16's traffic); their scales are then computed once per optimizer step by
+    :func:`precompute_float8_scales`, which ``create_amp_trainer`` attaches to ``OPTIMIZER_STEPPED``.
 
     Example:
         >>> import torch
@@ -194,12 +201,16 @@ def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Un
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
         if emulated:
             config = dataclasses.replace(config, emulate=True)
+        fsdp_all_gather = fsdp_all_gather and recipe == "tensorwise"  # torchao: the other recipes gather bf16
+        if fsdp_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _, name: name in convert)
         if emulated:  # torchao casts a layer's input to the autocast dtype on CUDA only: do it here too
             for name in convert:
                 model.get_submodule(name).register_forward_pre_hook(_to_autocast_dtype)
     report = Float8Report(recipe, emulated, tuple(layer.name for layer in plan if layer.reason is None),
-                          tuple((layer.name, layer.reason) for layer in plan if layer.reason is not None))
+                          tuple((layer.name, layer.reason) for layer in plan if layer.reason is not None),
+                          bool(convert) and fsdp_all_gather)
     if not convert:
         logger.warning(f"float8 changes nothing here: no Linear layer qualifies ({report.line()}); "
                        f"bfloat16 autocast runs the model as it is")
@@ -208,3 +219,10 @@ def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Un
                        f"for testing), {len(convert)} Linear layer{'s' if len(convert) != 1 else ''} converted")
     model._ignite_amp_float8 = report  # a plain attribute (not a submodule, not in the state dict)
     return report
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After each optimizer step of a sharded model converted with ``fsdp_all_gather``: every float8
+    weight's scale in one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), instead
+    of one per layer inside the next forward's all-gathers."""
+    _torchao().precompute_float8_dynamic_scale_for_fsdp(model)

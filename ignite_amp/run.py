@@ -23,6 +23,7 @@ from ignite_amp.data import build_loaders
 from ignite_amp.errors import ConfigError
 from ignite_amp.events import AmpEvents
 from ignite_amp.facts import config_facts
+from ignite_amp.float8 import convert_to_float8
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  TensorBoardMetrics)
 from ignite_amp.launcher import launch
@@ -312,10 +313,12 @@ def _sharded(cfg: dict) -> bool:
 
 def _shard(cfg: dict, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``distributed.strategy: fsdp``: the model sharded over the processes (:func:`ignite_amp.sharding.shard_model`)."""
-    dist = cfg["distributed"]
+    dist, amp = cfg["distributed"], cfg["amp"]
     try:
-        return shard_model(model, cfg["amp"]["dtype"], dist["blocks"] or None, dist["reshard_after_forward"],
-                           cfg["amp"]["fp32_modules"], device)
+        if amp["dtype"] == "float8":  # the first transform; FSDP2 then all-gathers the float8 weights in float8
+            convert_to_float8(model, amp["float8_recipe"], device, amp["fp32_modules"], fsdp_all_gather=True)
+        return shard_model(model, "bfloat16" if amp["dtype"] == "float8" else amp["dtype"], dist["blocks"] or None,
+                           dist["reshard_after_forward"], amp["fp32_modules"], device)
     except ValueError as exc:
         raise ConfigError(f"{'distributed' if str(exc).startswith('blocks') else 'amp'}.{exc}") from None
 

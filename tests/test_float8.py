@@ -1,5 +1,7 @@
 """dtype float8: which layers torchao converts (and why not the others), the step it runs, resume, compare."""
 import logging
+import math
+import os
 import sys
 
 import pytest
@@ -288,3 +290,40 @@ def test_config_resume_from_float8_in_bfloat16_loads_and_says_so(tmp_path, caplo
     assert any("amp.dtype float8 -> bfloat16" in line for line in printed), printed
     assert any(r.getMessage().startswith("resuming a checkpoint trained with float8 tensorwise Linear layers in a run "
                                          "without float8") for r in caplog.records)
+
+
+def _fsdp_float8(rank, out):
+    import ignite_amp.engine as engine_module
+    from ignite_amp.sharding import shard_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
+                          nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 10))
+    report = convert_to_float8(model, device="cpu", fsdp_all_gather=True)
+    model = shard_model(model, "bfloat16", device="cpu")
+    calls, precompute = [], engine_module.precompute_float8_scales
+    engine_module.precompute_float8_scales = lambda m: (calls.append(1), precompute(m))
+    try:
+        trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                                     device="cpu", dtype="float8", accumulation_steps=2)
+        g = torch.Generator().manual_seed(rank)
+        trainer.run([(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)])
+    finally:
+        engine_module.precompute_float8_scales = precompute
+    weight = model[1][0].weight
+    torch.save({"line": report.line(), "calls": len(calls), "loss": float(trainer.amp_step.loss),
+                "kind": type(weight.to_local()).__name__, "scale": weight._local_tensor._precomputed_scale is not None,
+                "full": {k: v.full_tensor() for k, v in model.state_dict().items()}},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_optimizer_step(tmp_path):
+    from test_fsdp import free_port, in_group
+
+    torch.multiprocessing.spawn(in_group, args=(2, free_port(), _fsdp_float8, str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for r in results:
+        assert "FSDP2 all-gathers them in float8: converted 2 of 4" in r["line"]
+        assert r["kind"] == "WeightWithDynamicFloat8CastTensor" and r["scale"]
+        assert r["calls"] == 2 and math.isfinite(r["loss"])  # 4 iterations, accumulation 2: 2 optimizer steps
+    assert all(torch.equal(v, results[1]["full"][k]) for k, v in results[0]["full"].items())
