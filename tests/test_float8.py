@@ -327,3 +327,19 @@ def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_opt
         assert r["kind"] == "WeightWithDynamicFloat8CastTensor" and r["scale"]
         assert r["calls"] == 2 and math.isfinite(r["loss"])  # 4 iterations, accumulation 2: 2 optimizer steps
     assert all(torch.equal(v, results[1]["full"][k]) for k, v in results[0]["full"].items())
+
+
+def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from conftest import error_lines
+    from ignite_amp.cli import main
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path, amp={"dtype": "float8"}, model={
+        "name": f"{__name__}:image_mlp", "num_classes": 10, "kwargs": {}})))
+    assert main(["train", str(path)]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        'ignite-amp: error: amp: dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" (or pip install '
+        '"torchao>=0.10"); other dtypes run without it']
