@@ -88,7 +88,7 @@ def amp_step_of(engine: Engine) -> StepBase:
     return step
 
 
-def _float8(model: nn.Module, device: Any, dtype: Any, kwargs: dict) -> tuple:
+def _float8(model: nn.Module, device: Any, dtype: Any, kwargs: dict, say: bool = True) -> tuple:
     """``dtype="float8"``: the model's eligible Linear layers converted (the first transform, see
     :mod:`ignite_amp.float8`), and the autocast dtype (bfloat16) and report the step keeps.
 
@@ -102,8 +102,9 @@ def _float8(model: nn.Module, device: Any, dtype: Any, kwargs: dict) -> tuple:
     report = convert_to_float8(unwrap(model), recipe, device, kwargs.get("fp32_modules", ()), module_filter)
     if not report.emulated and kwargs.get("compile") is None:
         kwargs["compile"] = True
-        logger.warning("float8: compile turned on (torchao's float8 casts are only fast fused by torch.compile; "
-                       "compile=False turns it off)")
+        if say:  # the trainer says it; its evaluator follows silently
+            logger.warning("float8: compile turned on (torchao's float8 casts are only fast fused by torch.compile; "
+                           "compile=False turns it off)")
     return "bfloat16", report
 
 
@@ -183,7 +184,7 @@ def create_amp_evaluator(
     ``non_blocking``, ``channels_last``, ``compile``, ``fp32_modules``, ``prepare_batch``).
     """
     model = unwrap(model)  # evaluation never communicates: no DDP forward
-    dtype, float8 = _float8(model, device, dtype, kwargs)
+    dtype, float8 = _float8(model, device, dtype, kwargs, say=False)
     evaluator = _engine(_with_float8(EvalStep(model, device=device, dtype=dtype, model_fn=model_fn,
                                               model_transform=model_transform, output_transform=output_transform,
                                               **kwargs), float8))
