@@ -92,6 +92,9 @@ def health_lines(h: Health) -> List[str]:
     if tflops is not None:
         mfu = _median(h.windows, "throughput/mfu")
         of_peak = f"; MFU {mfu:.1%} of the {h.peak_name}" if mfu is not None else ""
+        mfu_float8 = _median(h.windows, "throughput/mfu_float8")
+        if mfu_float8 is not None:
+            of_peak += f", {mfu_float8:.1%} of the float8 dense peak"
         each = " per process" if h.processes > 1 else ""
         lines.append(f"compute: {tflops:.3g} TFLOP/s achieved{each} ({h.flops_per_sample / 1e9:.3g} GFLOP per "
                      f"sample, forward + backward){of_peak}")

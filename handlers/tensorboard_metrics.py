@@ -71,6 +71,7 @@ TAGS = {
     "throughput/data_wait_share": "share of the window's wall time spent waiting for the data loader",
     "throughput/tflops": "achieved TFLOP/s: FLOPs per sample (counted once, forward + backward) x samples/s",
     "throughput/mfu": "model FLOPs utilisation: achieved TFLOP/s over the GPU's dense peak for the dtype",
+    "throughput/mfu_float8": "dtype float8: achieved TFLOP/s over the GPU's float8 dense peak (beside mfu: bfloat16's)",
 }
 
 FACTS_TAG = "run/facts"

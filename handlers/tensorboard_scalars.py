@@ -73,7 +73,7 @@ def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping
     if flops:
         details["achieved TFLOP/s"] = ["Multiline", [r"^throughput/tflops$"]]
     if mfu:
-        details["MFU (share of the dense peak)"] = ["Multiline", [r"^throughput/mfu$"]]
+        details["MFU (share of the dense peak)"] = ["Multiline", [r"^throughput/mfu(_float8)?$"]]
     if cuda:
         for kind in ("allocated", "reserved", "peak"):
             details[f"device memory MB: {kind}"] = ["Multiline", [rf"^memory/{kind}_mb$"]]
@@ -98,6 +98,8 @@ class TrainWindow:
         self.start_iteration: Optional[int] = None
         self.history: List[Dict[str, float]] = []  # one record per window read
         self.peak = peak_tflops(step.device, step.dtype)
+        # dtype float8: MFU against the float8 dense peak too (both labelled: neither alone is the truth)
+        self.peak_float8 = peak_tflops(step.device, step.dtype, float8=True) if step.float8 is not None else None
         self._last_clip_norm: Optional[torch.Tensor] = None
         self.reset()
 
@@ -187,6 +189,8 @@ class TrainWindow:
             values["throughput/tflops"] = amp.flops_per_sample * values["throughput/samples_per_sec"] / 1e12
             if self.peak is not None:
                 values["throughput/mfu"] = values["throughput/tflops"] / self.peak[0]
+            if self.peak_float8 is not None:
+                values["throughput/mfu_float8"] = values["throughput/tflops"] / self.peak_float8[0]
         self.history.append({**values, "iteration": iteration, "clip_steps": len(self.clip_norms),
                              "iterations": len(self.losses)})
         self.reset()

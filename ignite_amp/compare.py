@@ -27,7 +27,7 @@ from ignite_amp.engine import create_amp_trainer
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
 
 MODES = (("float32", "float32", False), ("float16", "float16", False),
-         ("float16+scaler", "float16", True), ("bfloat16", "bfloat16", False))
+         ("float16+scaler", "float16", True), ("bfloat16", "bfloat16", False), ("float8", "float8", False))
 
 
 class ModeResult(NamedTuple):
@@ -47,10 +47,11 @@ MODE_NAMES = tuple(m[0] for m in MODES)
 
 def supported_modes(device: torch.device) -> list:
     """The modes worth running by default: all on CUDA (bfloat16 where supported); on CPU float32 and
-    bfloat16, since CPU float16 has no fast kernels (a ResNet step ran ~100x slower than bfloat16)."""
+    bfloat16, since CPU float16 has no fast kernels (a ResNet step ran ~100x slower than bfloat16).
+    float8 runs only when asked for (``--modes ... float8``): it needs torchao."""
     if device.type == "cuda":
-        return [m for m in MODES if m[1] != "bfloat16" or torch.cuda.is_bf16_supported()]
-    return [m for m in MODES if m[1] != "float16"]
+        return [m for m in MODES if m[1] != "float8" and (m[1] != "bfloat16" or torch.cuda.is_bf16_supported())]
+    return [m for m in MODES if m[1] not in ("float16", "float8")]
 
 
 class _NonFinite(Exception):
@@ -177,7 +178,7 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
                 return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model),
                                           torch.nn.functional.cross_entropy, device=device, dtype=dtype,
                                           scaler=use_scaler, channels_last=amp["channels_last"],
-                                          fp32_modules=amp["fp32_modules"])
+                                          fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"])
             except ValueError as exc:
                 raise ConfigError(f"amp: {exc}") from None
 

@@ -33,7 +33,8 @@ def search_built(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optim
     try:
         return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
                                dtype=amp["dtype"], channels_last=amp["channels_last"],
-                               fp32_modules=amp["fp32_modules"], objective=objective,
+                               fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"],
+                               compile=amp["compile"], objective=objective,
                                eval_batch_size=eval_batch // world if eval_batch else None,
                                progress=print_progress if progress and idist.get_rank() == 0 else None)
     finally:

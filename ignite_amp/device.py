@@ -131,27 +131,32 @@ def free_memory(device: torch.device) -> None:
         backend.empty_cache()
 
 
-# Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32). The
-# first name found in torch.cuda.get_device_name() wins, so the more specific names come first.
+# Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32, float8
+# tensor cores; None: no float8). The first name found in torch.cuda.get_device_name() wins, so the more
+# specific names come first.
 PEAK_TFLOPS = {
-    "H200": (989.4, 494.7, 66.9),
-    "H100 PCIe": (756.5, 378.0, 51.2),
-    "H100 NVL": (835.5, 417.5, 60.0),
-    "H100": (989.4, 494.7, 66.9),  # SXM
-    "A100": (312.0, 156.0, 19.5),
-    "L4": (121.0, 60.0, 30.3),
+    "H200": (989.4, 494.7, 66.9, 1978.9),
+    "H100 PCIe": (756.5, 378.0, 51.2, 1513.0),
+    "H100 NVL": (835.5, 417.5, 60.0, 1670.5),
+    "H100": (989.4, 494.7, 66.9, 1978.9),  # SXM
+    "A100": (312.0, 156.0, 19.5, None),
+    "L4": (121.0, 60.0, 30.3, 242.5),
 }
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype) -> Optional[Tuple[float, str]]:
+def peak_tflops(device: torch.device, dtype: torch.dtype, float8: bool = False) -> Optional[Tuple[float, str]]:
     """``(dense peak TFLOP/s, what it is)`` of ``device`` for matmuls in ``dtype``, or None where unknown
-    (a CPU, a GPU not in :data:`PEAK_TFLOPS`). float32 counts TF32's peak when torch allows TF32 matmuls."""
+    (a CPU, a GPU not in :data:`PEAK_TFLOPS`). float32 counts TF32's peak when torch allows TF32 matmuls.
+    ``float8``: the float8 tensor cores' peak instead (a float8 run reports MFU against both: its
+    converted matmuls run at the float8 peak, the rest at the bfloat16 one)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for model, (half, tf32, fp32) in PEAK_TFLOPS.items():
+    for model, (half, tf32, fp32, fp8) in PEAK_TFLOPS.items():
         if model in name:
+            if float8:
+                return (fp8, f"{model} float8 dense peak") if fp8 else None
             if dtype in (torch.bfloat16, torch.float16):
                 return half, f"{model} {dtype_name(dtype)} dense peak"
             if torch.backends.cuda.matmul.allow_tf32:

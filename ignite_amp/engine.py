@@ -6,6 +6,7 @@
 with :func:`amp_step_of`.
 """
 import dataclasses
+import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -14,26 +15,33 @@ from torch import nn
 
 from ignite_amp.checkpointing import checkpoint_blocks, checkpointed_blocks
 from ignite_amp.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
+from ignite_amp.device import resolve_device
 from ignite_amp.eval_step import EvalStep
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
+from ignite_amp.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
 from ignite_amp.step import AmpStep
 from ignite_amp.step_base import StepBase, call_model, identity
 
 __all__ = ["AmpConfig", "AmpEngine", "amp_step_of", "create_amp_trainer", "create_amp_evaluator"]
+
+logger = logging.getLogger("ignite_amp")
 
 
 @dataclasses.dataclass
 class AmpConfig:
     """amp: the step's precision and how a batch is cut (create_amp_trainer's arguments)."""
 
-    dtype: str = setting("auto", Choice("auto", "float16", "bfloat16", "float32"),
-                         "auto: bfloat16 where supported, float16 on older GPUs, float32 on a CPU without bf16")
+    dtype: str = setting("auto", Choice("auto", "float16", "bfloat16", "float32", "float8"),
+                         "auto: bfloat16 where supported, float16 on older GPUs, float32 on a CPU without bf16; "
+                         "float8: eligible Linear layers in float8 (torchao), the rest in bfloat16 autocast")
+    float8_recipe: str = setting(DEFAULT_RECIPE, Choice(*RECIPES), "dtype float8: torchao's scaling recipe")
     accumulation_steps: int = setting(1, POSITIVE_INT, "batches whose gradients add up to one optimizer step", FIXED)
     micro_batches: int = setting(1, POSITIVE_INT, "chunks each batch is split into (same gradient, less memory)")
     fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
     channels_last: bool = setting(False, Boolean(), "channels-last memory format for model and images")
-    compile: bool = setting(False, Boolean(), "torch.compile the forward")
+    compile: bool = setting(None, Boolean(nullable=True),
+                            "torch.compile the forward (null: on for float8 on a GPU, else off)")
     activation_checkpointing: bool = setting(
         False, Boolean(), "the model's repeated blocks (distributed.blocks, or the rule FSDP2 shards by) keep only "
         "their inputs and run their forward again in the backward: less activation memory, same gradients, about "
@@ -85,6 +93,31 @@ def amp_step_of(engine: Engine) -> StepBase:
     return step
 
 
+def _float8(model: nn.Module, device: Any, dtype: Any, kwargs: dict, say: bool = True) -> tuple:
+    """``dtype="float8"``: the model's eligible Linear layers converted (the first transform, see
+    :mod:`ignite_amp.float8`), and the autocast dtype (bfloat16) and report the step keeps.
+
+    On a GPU it turns ``compile`` on unless the caller set it: torchao's float8 casts and scales are
+    separate kernels that only torch.compile fuses; without it float8 runs slower than bfloat16.
+    """
+    recipe, module_filter = kwargs.pop("float8_recipe", DEFAULT_RECIPE), kwargs.pop("float8_filter", None)
+    if dtype != "float8":
+        return dtype, None
+    device = resolve_device(device)
+    report = convert_to_float8(unwrap(model), recipe, device, kwargs.get("fp32_modules", ()), module_filter)
+    if not report.emulated and kwargs.get("compile") is None:
+        kwargs["compile"] = True
+        if say:  # the trainer says it; its evaluator follows silently
+            logger.warning("float8: compile turned on (torchao's float8 casts are only fast fused by torch.compile; "
+                           "compile=False turns it off)")
+    return "bfloat16", report
+
+
+def _with_float8(step: StepBase, report: Optional[Float8Report]) -> StepBase:
+    step.float8 = report
+    return step
+
+
 def create_amp_trainer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -109,6 +142,11 @@ def create_amp_trainer(
     arguments go to :class:`AmpStep` (``micro_batches``, ``non_blocking``, ``channels_last``,
     ``compile``, ``fp32_modules``, ``prepare_batch``, ``scaler_kwargs``).
 
+    ``dtype="float8"`` converts the model's eligible ``nn.Linear`` layers to torchao's float8 training
+    (``float8_recipe``: tensorwise | rowwise | rowwise_with_gw_hp; ``float8_filter(module, name) -> bool``
+    replaces the default choice) and runs the rest in bfloat16 autocast, with no GradScaler; the step's
+    ``float8`` says which layers were converted and why the others were not (:mod:`ignite_amp.float8`).
+
     Example:
         >>> import torch
         >>> from ignite_amp import create_amp_trainer
@@ -120,12 +158,18 @@ def create_amp_trainer(
         >>> state.iteration, trainer.amp_step.dtype
         (6, torch.bfloat16)
     """
+    # The model transforms in their fixed order: float8 first, then activation checkpointing (DESIGN.md).
+    dtype, float8 = _float8(model, device, dtype, kwargs)
     if argument(AmpConfig, "activation_checkpointing", activation_checkpointing):
         _checkpoint_activations(unwrap(model))
     step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype, accumulation_steps=accumulation_steps,
                    model_fn=model_fn, model_transform=model_transform, output_transform=output_transform,
                    num_items=num_items, **kwargs)
-    return _engine(step)
+    engine = _engine(_with_float8(step, float8))
+    if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
+        # float8 all-gather: the weights' scales for the next forward, once per optimizer step
+        engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
+    return engine
 
 
 def _checkpoint_activations(model: nn.Module) -> None:
@@ -162,8 +206,10 @@ def create_amp_evaluator(
     ``non_blocking``, ``channels_last``, ``compile``, ``fp32_modules``, ``prepare_batch``).
     """
     model = unwrap(model)  # evaluation never communicates: no DDP forward
-    evaluator = _engine(EvalStep(model, device=device, dtype=dtype, model_fn=model_fn, model_transform=model_transform,
-                                 output_transform=output_transform, **kwargs))
+    dtype, float8 = _float8(model, device, dtype, kwargs, say=False)
+    evaluator = _engine(_with_float8(EvalStep(model, device=device, dtype=dtype, model_fn=model_fn,
+                                              model_transform=model_transform, output_transform=output_transform,
+                                              **kwargs), float8))
     if is_distributed():  # every rank evaluates its shard with rank 0's buffers (see AmpStep)
         evaluator.add_event_handler(Events.STARTED, lambda _: broadcast_buffers(model))
     for name, metric in (metrics or {}).items():

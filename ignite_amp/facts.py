@@ -53,6 +53,7 @@ def step_facts(step: Any) -> Dict[str, Any]:
     world = idist.get_world_size()
     sharded = hasattr(step.model, "set_requires_gradient_sync")  # FSDP2 (fully_shard)
     checkpointed = checkpointed_blocks(unwrap(step.model))
+    float8 = step.float8.facts() if getattr(step, "float8", None) is not None else {}
     return {
         "dtype": dtype_name(step.dtype),
         "grad_scaler": scaler,
@@ -65,6 +66,7 @@ def step_facts(step: Any) -> Dict[str, Any]:
         "accumulation_steps": step.accumulation_steps,
         "activation_checkpointing": bool(checkpointed),
         "checkpointed_blocks": describe_blocks(checkpointed) or "none",
+        **float8,
         "torch": str(torch.__version__),  # a str subclass: plain str for the HParams plugin
         "ignite": str(ignite.__version__),
         "ignite_amp": __version__,
@@ -106,6 +108,9 @@ def summary_line(facts: Dict[str, Any]) -> str:
     """One sentence: ``bfloat16 autocast, no GradScaler, on cpu (...), 1 process, batch 64``."""
     dtype = facts.get("dtype")
     parts = ["float32, autocast off" if dtype == "float32" else f"{dtype} autocast" if dtype else None]
+    if facts.get("float8_recipe"):
+        parts[0] = (f"float8 {facts['float8_recipe']} Linear layers{' (emulated)' if facts.get('float8_emulated') else ''}"
+                    f" in {parts[0]}")
     if "grad_scaler" in facts:
         parts.append(f"GradScaler from scale {facts['init_scale']:g}" if facts["grad_scaler"] and facts.get("init_scale")
                      else "GradScaler on" if facts["grad_scaler"] else "no GradScaler")

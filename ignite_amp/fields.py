@@ -160,15 +160,17 @@ class Number(Check):
 
 
 class Boolean(Check):
-    what = "true or false"
+    def __init__(self, nullable: bool = False):
+        self.nullable = nullable
+        self.what = "true or false" + (" or null" if nullable else "")
 
     def normalize(self, value):
-        if not isinstance(value, bool):
+        if not isinstance(value, bool) and not (value is None and self.nullable):
             raise _Invalid
         return value
 
     def schema(self):
-        return {"type": "boolean"}
+        return _or({"type": "boolean"}, (None,) if self.nullable else ())
 
 
 class Choice(Check):

@@ -22,6 +22,7 @@ from ignite_amp.console import safe_print, silent
 from ignite_amp.data import build_loaders
 from ignite_amp.errors import ConfigError
 from ignite_amp.facts import config_facts
+from ignite_amp.float8 import convert_to_float8
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  StepSchedule, TensorBoardMetrics)
 from ignite_amp.launcher import launch
@@ -105,6 +106,9 @@ class Run:
                              else f"{dtype_name(step.dtype)} autocast")
                 if sharded and step.dtype != torch.float32:
                     precision += f" over {dtype_name(step.dtype)} parameters"
+                if step.float8 is not None:
+                    self.print(step.float8.line())
+                    precision = f"float8 {step.float8.recipe} Linear layers in {precision}"
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
@@ -228,6 +232,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
               files)
     run.command, run.batch_search = command, batch_search
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
+    run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     if progress:
         from ignite.handlers import ProgressBar
 
@@ -311,13 +316,15 @@ def _sharded(cfg: dict) -> bool:
 
 def _shard(cfg: dict, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
     """``distributed.strategy: fsdp``: the model sharded over the processes (:func:`ignite_amp.sharding.shard_model`)."""
-    dist = cfg["distributed"]
+    dist, amp = cfg["distributed"], cfg["amp"]
     try:
         if check_only:
-            check_shardable(model, dist["blocks"] or None, cfg["amp"]["fp32_modules"])
+            check_shardable(model, dist["blocks"] or None, amp["fp32_modules"])
             return model
-        return shard_model(model, cfg["amp"]["dtype"], dist["blocks"] or None, dist["reshard_after_forward"],
-                           cfg["amp"]["fp32_modules"], device)
+        if amp["dtype"] == "float8":  # the first transform; FSDP2 then all-gathers the float8 weights in float8
+            convert_to_float8(model, amp["float8_recipe"], device, amp["fp32_modules"], fsdp_all_gather=True)
+        return shard_model(model, "bfloat16" if amp["dtype"] == "float8" else amp["dtype"], dist["blocks"] or None,
+                           dist["reshard_after_forward"], amp["fp32_modules"], device)
     except ValueError as exc:
         raise ConfigError(f"{'distributed' if str(exc).startswith('blocks') else 'amp'}.{exc}") from None
 

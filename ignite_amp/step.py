@@ -53,6 +53,7 @@ from ignite_amp.device import is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
+from ignite_amp.float8 import float8_change
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
@@ -382,7 +383,7 @@ class AmpStep(StepBase, Serializable):
 
     def state_dict(self) -> dict:
         return {"scaler": self._scaler.state_dict(), "micro_batches": self._micro_batches,
-                "oom_count": self._oom_count}
+                "oom_count": self._oom_count, "float8": self.float8.recipe if self.float8 is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -390,6 +391,9 @@ class AmpStep(StepBase, Serializable):
             self._scaler.load_state_dict(state_dict["scaler"])
         self.micro_batches = int(state_dict["micro_batches"])
         self._oom_count = int(state_dict.get("oom_count", 0))
+        change = float8_change(state_dict.get("float8"), self.float8)
+        if change:
+            logger.warning(change)
 
 
 def _fire(engine: Engine, event: AmpEvents) -> None:

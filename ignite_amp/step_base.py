@@ -103,6 +103,7 @@ class StepBase:
             self.autocast = contextlib.nullcontext
         else:
             self.autocast = functools.partial(torch.autocast, device_type=self._device.type, dtype=self._dtype)
+        self.float8 = None  # dtype="float8": the factory's Float8Report (layers converted and skipped)
         self._batch_size = 0
         self._oom_count = 0
         self._count_flops = False

@@ -38,7 +38,7 @@ BAD = [
     ({"handlers": {"clipping": {"max_norm": "x"}}}, 'handlers.clipping.max_norm: expected a positive number or null, got "x"'),
     ({"handlers": {"clipping": {"max_norm": -1}}}, "handlers.clipping.max_norm: expected a positive number"),
     ({"amp": {"dtyp": "float16"}}, "amp.dtyp: unknown key"),
-    ({"amp": {"dtype": "half"}}, 'amp.dtype: expected one of auto, float16, bfloat16, float32, got "half"'),
+    ({"amp": {"dtype": "half"}}, 'amp.dtype: expected one of auto, float16, bfloat16, float32, float8, got "half"'),
     ({"data": {"batch_size": 0}}, 'data.batch_size: expected an integer from 1 to 1048576 or "auto", got 0'),
     ({"data": {"batch_size": 2.5}}, "data.batch_size: expected an integer from 1 to 1048576"),
     ({"data": {"num_workers": True}}, "data.num_workers: expected an integer from 0 to 256, got True"),

@@ -204,3 +204,20 @@ def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_
     assert result["status"] == "over budget" and "pytest ran past the section's budget" in result["reason"], result
     time.sleep(0.2)
     assert not alive(int((tmp_path / "child.pid").read_text()))
+
+
+def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
+    pytest.importorskip("torchao")
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "h", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["h_float8"] and "h_float8" not in report["gpu_budgets_s"]
+    section = report["sections"]["h_float8"]
+    assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
+    table = rows(section)
+    assert [r["variant"] for r in table] == ["bfloat16", "float8 tensorwise", "float8 rowwise",
+                                             "float8 rowwise_with_gw_hp"]
+    assert all(r["status"] == "measured" and r["tokens_per_s"] > 0 for r in table), table
+    assert [r["float8_layers"] for r in table] == [0, 7, 7, 7]  # 2 blocks x 4 Linear, less the first; head kept
+    assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
