@@ -28,7 +28,7 @@ from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuar
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
 from ignite_amp.sharding import check_shardable, shard_model
-from ignite_amp.rundir import RunFiles, RunLayout, check_writable, warn_if_disk_is_short
+from ignite_amp.rundir import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
 from ignite_amp.device import describe_device, dtype_name
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.epochs import EpochSummary, Validation
@@ -207,7 +207,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     resuming = plan_resume(cfg, main, say)
     files.open_log()
     if main:
-        _check_directories(cfg)
+        check_run_directories(cfg)
     seed_everything(cfg["seed"])
     model = build_model(**cfg["model"])
     checkpoint_activations(cfg, model)  # the first transform: before the search, sharding and compile
@@ -251,16 +251,6 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
                                                          for t in model.state_dict().values()),
                               cfg["handlers"]["checkpoint"]["n_saved"])
     return run
-
-
-def _check_directories(cfg: dict) -> None:
-    """Create and test-write every directory the run will write (rank 0)."""
-    layout, handlers = RunLayout(cfg["output_dir"]), cfg["handlers"]
-    check_writable(layout.checkpoint_dir, "output_dir")
-    if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
-        check_writable(layout.tensorboard_dir, "output_dir")
-    if handlers["profiler"]["enabled"]:
-        check_writable(layout.profiler_dir, "output_dir")
 
 
 def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,

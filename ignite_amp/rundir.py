@@ -19,7 +19,7 @@ except ImportError:  # not on POSIX: no advisory lock
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS",
            "TENSORBOARD_SPLITS", "dashboard_logdir", "free_bytes", "terminal_log_handler", "RunFiles",
-           "warn_if_disk_is_short", "move_aside", "move_files_aside", "COMMAND_PID"]
+           "warn_if_disk_is_short", "move_aside", "move_files_aside", "COMMAND_PID", "check_run_directories"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -131,6 +131,16 @@ class RunLock:
             except OSError:
                 pass
             os.close(fd)
+
+
+def check_run_directories(cfg: dict) -> None:
+    """Create and test-write every directory a config's run will write (rank 0)."""
+    layout, handlers = RunLayout(cfg["output_dir"]), cfg["handlers"]
+    check_writable(layout.checkpoint_dir, "output_dir")
+    if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
+        check_writable(layout.tensorboard_dir, "output_dir")
+    if handlers["profiler"]["enabled"]:
+        check_writable(layout.profiler_dir, "output_dir")
 
 
 def check_writable(path: str, key: str = "output_dir") -> None:

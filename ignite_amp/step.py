@@ -152,10 +152,8 @@ class AmpStep(StepBase, Serializable):
         self.fsdp = model if hasattr(model, "set_requires_gradient_sync") else None
         if self.ddp is not None:
             no_buffer_sync_in_forward(self.ddp)
-        self._scaler = torch.amp.GradScaler(
-            self._device.type, enabled=self._dtype == torch.float16 if scaler is None else scaler,
-            **(scaler_kwargs or {}),
-        )
+        self._scaler = torch.amp.GradScaler(self._device.type, enabled=self._dtype == torch.float16 if scaler is None
+                                            else scaler, **(scaler_kwargs or {}))
         self.oom_agreement = False
         self._track_norm = False
         self._grad_norm: Optional[torch.Tensor] = None
@@ -164,9 +162,7 @@ class AmpStep(StepBase, Serializable):
         self._cycle_items: Any = 0  # items of the cycle so far (num_items), summed on this rank
         self._item_ref: Optional[float] = None  # items per chunk that weigh 1 (agreed by all ranks once)
         self._weighs_items = False  # this cycle's chunks were weighed by their items
-        self._reduction_checked = False
-        self._batch_norm_named = False
-        self._padding_checked = False
+        self._reduction_checked = self._batch_norm_named = self._padding_checked = False  # said once each
         self._bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
 
     @property
@@ -391,8 +387,7 @@ class AmpStep(StepBase, Serializable):
             self._scaler.load_state_dict(state_dict["scaler"])
         self.micro_batches = int(state_dict["micro_batches"])
         self._oom_count = int(state_dict.get("oom_count", 0))
-        change = float8_change(state_dict.get("float8"), self.float8)
-        if change:
+        if change := float8_change(state_dict.get("float8"), self.float8):
             logger.warning(change)
 
 
