@@ -192,7 +192,7 @@ class BestCheckpoint:
         return os.path.join(self.dirname, found[-1][1]) if found else None
 
     @classmethod
-    def find_resumable(cls, dirname: str) -> Tuple[Optional[str], Optional[dict]]:
+    def find_resumable(cls, dirname: str, of_a_config: bool = True) -> Tuple[Optional[str], Optional[dict]]:
         """``(path, state)`` of the newest checkpoint in ``dirname`` that loads, or ``(None, None)`` if none is there.
 
         ``last`` files come first, newest first, then ``best`` files (each holds the full run
@@ -200,7 +200,8 @@ class BestCheckpoint:
         newer than the one chosen are renamed ``<name>.unreadable`` (kept, never picked again)
         and named in a warning. When files are there but none loads, it raises a CheckpointError
         naming them and the way out (nothing is renamed). Callable before the run is built, so
-        the stored config can be compared with the new one first.
+        the stored config can be compared with the new one first. ``of_a_config``: only files that hold
+        a trainer and a config, as a config run's do (a script's may hold any subset of its objects).
         """
         candidates = [(cls.LAST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.LAST_PREFIX))]
         candidates += [(cls.BEST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.BEST_PREFIX, r"_.+"))]
@@ -209,7 +210,7 @@ class BestCheckpoint:
             path = os.path.join(dirname, name)
             try:
                 state = load_checkpoint(path)
-                if "trainer" not in state or "config" not in state:
+                if of_a_config and ("trainer" not in state or "config" not in state):
                     raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing "
                                           f"{', '.join(k for k in ('trainer', 'config') if k not in state)})")
             except CheckpointError as exc:
@@ -222,15 +223,25 @@ class BestCheckpoint:
             return path, state
         if skipped:
             listed = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped[:3])
-            raise CheckpointError(f"no checkpoint in {dirname} loads ({listed}); to start over, set "
-                                  f"handlers.checkpoint.resume: never (the old files are moved aside)")
+            way_out = ("set handlers.checkpoint.resume: never (the old files are moved aside)" if of_a_config else
+                       "move them out of the directory, or give BestCheckpoint another one")
+            raise CheckpointError(f"no checkpoint in {dirname} loads ({listed}); to start over, {way_out}")
         return None, None
 
     def _check_keys(self, path: str, state: dict) -> None:
+        """A config run's checkpoint holds every object; a script's may hold any of them (said in a warning)."""
         # A last file also has best_table and checkpointer; a sharded one keeps SHARDED_KEYS in its shards.
         missing = [k for k in self.to_save if k not in state and not (os.path.isdir(path) and k in SHARDED_KEYS)]
-        if missing:
+        if missing and self.config.value is not None:
             raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing {', '.join(missing)})")
+        yours = [k for k in self.to_save if k not in ("rng", "config")]
+        if missing and all(k in missing for k in yours):
+            raise CheckpointError(f"checkpoint {path}: holds none of {', '.join(yours)} (its keys: "
+                                  f"{', '.join(map(str, list(state)[:8]))})")
+        if missing:
+            logger.warning("resumed from %s: loaded %s; it holds no %s, which start%s as built", path,
+                           ", ".join(k for k in self.to_save if k not in missing and k != "config"),
+                           ", ".join(missing), "s" if len(missing) == 1 else "")
 
     def resume(self, path: Optional[str] = None, state: Optional[dict] = None,
                fall_back: Optional[bool] = None) -> Optional[str]:
@@ -248,7 +259,7 @@ class BestCheckpoint:
         fall_back = path is None if fall_back is None else fall_back
         if state is None:
             if path is None:
-                path, state = self.find_resumable(self.dirname)
+                path, state = self.find_resumable(self.dirname, of_a_config=self.config.value is not None)
                 if path is None:
                     return None
             else:
@@ -266,7 +277,7 @@ class BestCheckpoint:
         path = None
         if idist.get_rank() == 0:
             os.replace(bad, bad + self.UNREADABLE)
-            path, _ = self.find_resumable(self.dirname)
+            path, _ = self.find_resumable(self.dirname, of_a_config=self.config.value is not None)
             logger.warning("skipped %s (%s): resuming from the older %s; renamed it %s%s", bad, why,
                            os.path.basename(path) if path else "nothing", os.path.basename(bad), self.UNREADABLE)
         path = broadcast_text(path or "") or None
@@ -279,7 +290,7 @@ class BestCheckpoint:
         self._check_keys(path, state)
         self.resumed_path = path
         # The stored config is kept apart: later checkpoints store the config of this run.
-        stored = state["config"]
+        stored = state.get("config")
         self.resumed_config = stored.get("value") if isinstance(stored, dict) else None
         for key, obj in self.to_save.items():
             if key == "config" or key not in state:  # a sharded checkpoint's model and optimizer: below

@@ -130,7 +130,7 @@ def test_bad_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_path):
     assert not last.exists() and (tmp_path / "last_checkpoint_1.pt.unreadable").read_bytes() == good[: len(good) // 2]
     # Foreign: a plain state dict.
     torch.save(torch.nn.Linear(2, 2).state_dict(), last)
-    with pytest.raises(CheckpointError, match="not a checkpoint of this run .missing model, trainer"):
+    with pytest.raises(CheckpointError, match=r"holds none of model, trainer \(its keys: weight, bias\)"):
         scripted(tmp_path, [])[1].resume(str(last))
     with pytest.raises(CheckpointError, match="no such file"):
         scripted(tmp_path, [])[1].resume(str(tmp_path / "nope.pt"))
@@ -193,3 +193,56 @@ def test_cli_reports_bad_checkpoint_in_one_line(quick_cfg, tmp_path, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "x.pt: truncated or not a checkpoint file" in err and err.count("\n") == 1
+
+
+def test_a_scripts_resume_loads_what_a_checkpoint_holds_and_says_what_it_did_not_find(tmp_path, caplog):
+    """Issue 28: what examples/char_lm.py saves (model and optimizer only) was refused with a YAML key's advice."""
+    import logging
+
+    import torch
+    from ignite.metrics import Loss
+    from torch.nn.functional import cross_entropy
+
+    from ignite_amp import create_amp_evaluator, create_amp_trainer
+    from ignite_amp.errors import CheckpointError
+    from ignite_amp.handlers import BestCheckpoint
+
+    def run(to_save_extra, epochs, dirname):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32")
+        evaluator = create_amp_evaluator(model, {"loss": Loss(cross_entropy)}, device="cpu", dtype="float32")
+        to_save = {"model": model, "optimizer": opt, **to_save_extra(trainer)}
+        checkpoint = BestCheckpoint(str(dirname), to_save, metric="loss")
+        checkpoint.attach(trainer, evaluator)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(data))
+        return model, opt, trainer, checkpoint
+
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 2
+    model, opt, trainer, first = run(lambda t: {}, 2, tmp_path / "a")  # model + optimizer only
+    trainer.run(data, max_epochs=2)
+    saved = os.path.join(first.dirname, "last_checkpoint_2.pt")  # the end of epoch 2: the weights trained
+
+    resumed_model, resumed_opt, trainer2, second = run(lambda t: {"trainer": t, "amp_step": t.amp_step}, 1,
+                                                       tmp_path / "b")
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        assert second.resume(saved) == saved
+    said = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert len(said) == 1 and "loaded model, optimizer" in said[0] and "it holds no trainer, amp_step" in said[0]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert resumed_opt.state_dict()["state"][0]["momentum_buffer"].equal(opt.state_dict()["state"][0]["momentum_buffer"])
+
+    plain = tmp_path / "plain.pt"  # a hand-written loop's checkpoint
+    torch.save({"model": model.state_dict()}, plain)
+    assert second.resume(str(plain)) == str(plain)
+    torch.save({"weights": model.state_dict()}, tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match=r"holds none of model, optimizer, trainer, amp_step \(its keys: weights"):
+        second.resume(str(tmp_path / "foreign.pt"))
+    # Resumed from its own directory with nothing newer that loads: the way out speaks of Python, not YAML.
+    os.makedirs(tmp_path / "c")
+    with open(tmp_path / "c" / "last_checkpoint_3.pt", "w") as f:
+        f.write("truncated")
+    *_, third = run(lambda t: {}, 1, tmp_path / "c")
+    with pytest.raises(CheckpointError, match="move them out of the directory, or give BestCheckpoint another one"):
+        third.resume()
