@@ -1,4 +1,4 @@
-"""The GPU suite's float8 section (h, opt-in: ``python benchmarks/gpu_suite.py --only h``; issue 29).
+"""The GPU suite's float8 section (i, opt-in: ``python benchmarks/gpu_suite.py --only i``; issue 29).
 
 A GPT-style decoder big enough for float8 to gain (width 2048, sequence 1024, torch.compile on, as
 torchao measures it): bfloat16 against float8 in each recipe, trained from the same weights on the

@@ -17,9 +17,9 @@ g. the data path: samples/s with num_workers 0, 4, 8 and pin_memory off/on, quic
 h. activation checkpointing: peak activation memory and step time with and without it, on a GPT-style
    transformer (12 layers, width 1024, 1024 tokens) and on ResNet-50 at 224x224 (bfloat16).
 
-Opt-in, outside the 9 minutes (run with ``--only h``, alone: it takes about 7 minutes by itself):
+Opt-in, outside the 9 minutes (run with ``--only i``, alone: it takes about 7 minutes by itself):
 
-h. float8 (torchao) against bfloat16 on a GPT-style model with torch.compile (``float8_gpt.py``).
+i. float8 (torchao) against bfloat16 on a GPT-style model with torch.compile (``float8_gpt.py``).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it. Each has a time budget (SECTIONS);
@@ -926,7 +926,7 @@ SECTIONS = (
 )
 # Run only when --only names them; their budgets are outside the 9 minutes of SECTIONS.
 OPT_IN = (
-    Section("h_float8", "h. float8 against bfloat16 (GPT 4 x 2048, sequence 1024, torch.compile)", float8_section,
+    Section("i_float8", "i. float8 against bfloat16 (GPT 4 x 2048, sequence 1024, torch.compile)", float8_section,
             480, 330),
 )
 
@@ -1064,7 +1064,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to g; h, float8, only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h; i, float8, only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - _seconds_since_start()  # the imports count against the 9 minutes too

@@ -4,9 +4,11 @@ The step calls ``prepare_batch`` first, then counts and cuts what it returned, w
 ``batch_size(x, y) -> int`` and ``split_batch(x, y, chunks) -> [(x, y), ...]``; the defaults here serve
 tensors, mappings, dataclasses, namedtuples, tuples of fields and per-sample lists:
 
-- **The number of samples** is the first dimension its tensors share, looked for in ``x`` and ``y``
-  together: every tensor outside a list (in mappings, dataclass fields and namedtuples too) must agree,
-  a leading size of 1 counting as broadcast. Without such a tensor, a list or tuple says it: of tensors,
+- **The number of samples** is the first dimension ``x``'s tensors share: every tensor outside a list (in
+  mappings, dataclass fields and namedtuples too) must agree, a leading size of 1 counting as broadcast.
+  ``y``'s tensors agree with it, or hold a whole multiple of it (flattened per-token targets: several rows
+  per sample); fewer rows is one line. Without such a tensor in ``x``, ``y``'s rows; without any, a list
+  or tuple says it: of tensors,
   either their shared first dimension (several batched inputs) or its length (one tensor per sample);
   of other items (per-sample dicts, strings), its length. Tensors that disagree are one line naming
   them and the ``batch_size`` hook.
@@ -105,22 +107,35 @@ def _evidence(value: Any, path: str) -> Iterator[Tuple[str, str, Any]]:
         yield "items", path, len(value)  # per-sample dicts or strings; a list of numbers may be settings
 
 
+def _rows(found: List[Tuple[str, str, Any]]) -> Optional[int]:
+    """The rows the tensors of one side (``x`` or ``y``) agree on (1 counts as broadcast), or None."""
+    rows = [(path, size) for kind, path, size in found if kind == "tensor"]
+    sizes = {size for _, size in rows}
+    if len(sizes) > 1:
+        sizes.discard(1)
+    if len(sizes) > 1:
+        shown = ", ".join(f"{path} has {size}" for path, size in rows[:4])
+        raise BatchError(f"batch: its tensors disagree on the number of samples ({shown}): {SIZE_HOOK} "
+                         f"(and {SPLIT_HOOK.split('pass ')[1]} for micro-batches)")
+    return sizes.pop() if sizes else None
+
+
 def batch_size_of(x: Any, y: Any = None) -> int:
     """The default ``batch_size(x, y)``: the number of samples (see the module's rules).
 
     Raises :class:`BatchError` (one line naming the parts and the hook) when the tensors disagree or
     nothing tells it.
     """
-    found = list(_evidence(x, "x")) + list(_evidence(y, "y"))
-    rows = [(path, size) for kind, path, size in found if kind == "tensor"]
-    if rows:
-        sizes = {size for _, size in rows} - ({1} if len({size for _, size in rows}) > 1 else set())
-        if len(sizes) == 1:
-            return sizes.pop()
-        shown = ", ".join(f"{path} has {size}" for path, size in rows[:4])
-        raise BatchError(f"batch: its tensors disagree on the number of samples ({shown}): {SIZE_HOOK} "
-                         f"(and {SPLIT_HOOK.split('pass ')[1]} for micro-batches)")
-    lists = [(kind, size) for kind, _, size in found if kind != "tensor"]
+    in_x, in_y = list(_evidence(x, "x")), list(_evidence(y, "y"))
+    n, targets = _rows(in_x), _rows(in_y)
+    if n is not None and targets is not None and targets != n:
+        if targets % n:  # fewer targets than samples (a graph's 16 labels beside its 113 nodes), or no multiple
+            raise BatchError(f"batch: x and y disagree on the number of samples (x has {n} rows, y {targets}): "
+                             f"{SIZE_HOOK} (and {SPLIT_HOOK.split('pass ')[1]} for micro-batches)")
+        return n  # several target rows per sample: flattened per-token targets
+    if n is not None or targets is not None:
+        return n if n is not None else targets
+    lists = [(kind, size) for kind, _, size in in_x + in_y if kind != "tensor"]
     if lists:
         common = set.intersection(*({v for v in size if v is not None} if kind == "tensors" else {size}
                                     for kind, size in lists))

@@ -117,8 +117,11 @@ def test_tuple_of_batched_inputs_stays_fields_also_when_its_length_is_the_batch(
 
 def test_disagreeing_tensors_are_one_line_naming_them_and_the_hook():
     graph = {"x": torch.randn(113, 3), "edge_index": torch.zeros(2, 50, dtype=torch.long), "batch": torch.zeros(113)}
-    with pytest.raises(BatchError, match=r"x\['x'\] has 113, x\['edge_index'\] has 2.*y has 16.*batch_size=fn"):
+    with pytest.raises(BatchError, match=r"x\['x'\] has 113, x\['edge_index'\] has 2, x\['batch'\] has 113\): .*batch_size=fn"):
         batch_size_of(graph, torch.zeros(16))
+    with pytest.raises(BatchError, match=r"x and y disagree .*\(x has 113 rows, y 16\)"):
+        batch_size_of(graph["x"], torch.zeros(16))  # nodes beside graph labels: fewer targets than rows
+    assert batch_size_of(torch.zeros(4, 16), torch.zeros(64)) == 4  # flattened per-token targets: 16 per sample
     with pytest.raises(BatchError, match=r"x\['input_ids'\] has 0, x\['labels'\] has 8"):  # issue 32, case 17
         batch_size_of({"input_ids": torch.zeros(0, 4), "labels": torch.zeros(8)})
     assert batch_size_of({"ids": torch.ones(4, 3), "position_ids": torch.arange(3)[None]}) == 4  # 1: broadcast

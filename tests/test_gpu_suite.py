@@ -208,12 +208,12 @@ def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_
 
 def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
     pytest.importorskip("torchao")
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "h", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "i", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
-    assert list(report["sections"]) == ["h_float8"] and "h_float8" not in report["gpu_budgets_s"]
-    section = report["sections"]["h_float8"]
+    assert list(report["sections"]) == ["i_float8"] and "i_float8" not in report["gpu_budgets_s"]
+    section = report["sections"]["i_float8"]
     assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
     table = rows(section)
     assert [r["variant"] for r in table] == ["bfloat16", "float8 tensorwise", "float8 rowwise",

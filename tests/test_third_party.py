@@ -233,7 +233,7 @@ def test_a_custom_batch_object_trains_with_two_hooks_and_matches_the_hand_writte
     model = GraphClassifier()
     reference = copy.deepcopy(model)
     batches = graph_batches()
-    with pytest.raises(BatchError, match=r"x.x has \d+, x.graph has \d+, y has 6\).*batch_size=fn"):
+    with pytest.raises(BatchError, match=r"x and y disagree .*\(x has \d+ rows, y 6\).*batch_size=fn"):
         ours(copy.deepcopy(model), batches, cross_entropy)  # nodes or graphs? the default does not guess
     _, trainer = ours(model, batches, cross_entropy, batch_size=lambda x, y: x.num_graphs,
                       split_batch=lambda x, y, chunks: list(zip(x.split(chunks), torch.tensor_split(y, chunks))))
