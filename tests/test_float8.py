@@ -343,3 +343,29 @@ def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch
     assert error_lines(capsys.readouterr().err) == [
         'ignite-amp: error: amp: dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" (or pip install '
         '"torchao>=0.10"); other dtypes run without it']
+
+
+def test_float8_and_activation_checkpointing_compose_exactly():
+    """The model transforms in their order (float8, then activation checkpointing): the same weights with
+    checkpointing on as off, under float8 with micro-batches."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.b(torch.relu(self.a(x)))
+
+    data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(4)]
+    weights = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[Block() for _ in range(3)]), nn.Linear(32, 4))
+        trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                                     device="cpu",
+                                     dtype="float8", activation_checkpointing=checkpointing, micro_batches=2)
+        trainer.run(data, max_epochs=1)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
