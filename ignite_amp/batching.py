@@ -6,8 +6,8 @@ tensors, mappings, dataclasses, namedtuples, tuples of fields and per-sample lis
 
 - **The number of samples** is the first dimension ``x``'s tensors share: every tensor outside a list (in
   mappings, dataclass fields and namedtuples too) must agree, a leading size of 1 counting as broadcast.
-  ``y``'s tensors agree with it, or hold a whole multiple of it (flattened per-token targets: several rows
-  per sample); fewer rows is one line. Without such a tensor in ``x``, ``y``'s rows; without any, a list
+  ``y``'s tensors agree with it, or hold a row per position of an ``(n, T, ...)`` input of ``x`` (flattened
+  per-token targets); anything else is one line (a sequence-first ``(T, n, F)`` input is not guessed). Without such a tensor in ``x``, ``y``'s rows; without any, a list
   or tuple says it: of tensors,
   either their shared first dimension (several batched inputs) or its length (one tensor per sample);
   of other items (per-sample dicts, strings), its length. Tensors that disagree are one line naming
@@ -107,6 +107,16 @@ def _evidence(value: Any, path: str) -> Iterator[Tuple[str, str, Any]]:
         yield "items", path, len(value)  # per-sample dicts or strings; a list of numbers may be settings
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor at any nesting (mappings, dataclass fields, lists and tuples)."""
+    if torch.is_tensor(value):
+        yield value
+        return
+    fields = _fields(value)
+    for item in (fields.values() if fields is not None else value if isinstance(value, (list, tuple)) else ()):
+        yield from _tensors(item)
+
+
 def _rows(found: List[Tuple[str, str, Any]]) -> Optional[int]:
     """The rows the tensors of one side (``x`` or ``y``) agree on (1 counts as broadcast), or None."""
     rows = [(path, size) for kind, path, size in found if kind == "tensor"]
@@ -129,10 +139,12 @@ def batch_size_of(x: Any, y: Any = None) -> int:
     in_x, in_y = list(_evidence(x, "x")), list(_evidence(y, "y"))
     n, targets = _rows(in_x), _rows(in_y)
     if n is not None and targets is not None and targets != n:
-        if targets % n:  # fewer targets than samples (a graph's 16 labels beside its 113 nodes), or no multiple
+        # Flattened per-token targets: y has a row per position of an (n, T, ...) input. Anything else (a
+        # graph's 16 labels beside its 113 nodes, a sequence-first (T, n, F) input) is not guessed.
+        if not any(t.dim() >= 2 and t.shape[0] * t.shape[1] == targets for t in _tensors(x)):
             raise BatchError(f"batch: x and y disagree on the number of samples (x has {n} rows, y {targets}): "
                              f"{SIZE_HOOK} (and {SPLIT_HOOK.split('pass ')[1]} for micro-batches)")
-        return n  # several target rows per sample: flattened per-token targets
+        return n
     if n is not None or targets is not None:
         return n if n is not None else targets
     lists = [(kind, size) for kind, _, size in in_x + in_y if kind != "tensor"]

@@ -5,7 +5,7 @@ walked; tensors are transformed; every other leaf (a cache object, a string, a n
 object) passes through untouched, where Ignite's ``apply_to_type`` raises ``TypeError``.
 """
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -86,11 +86,24 @@ def _same(parts: Sequence[Any]) -> bool:
     return isinstance(first, simple) and all(type(p) is type(first) and p == first for p in parts)
 
 
-def join_chunks(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
+def _per_sample_output(value: Any, n: int) -> bool:
+    """A chunk's output list of one item per sample (detection's dicts, per-sample masks): per-sample by
+    :func:`is_per_sample`, and neither mixing tensors with other items nor holding None or a 0-d tensor,
+    which mark a tuple of outputs (``(logits, None)``, ``(logits, aux_loss)``) whatever its length."""
+    if not is_per_sample(value, n):
+        return False
+    tensors = [torch.is_tensor(v) for v in value]
+    if any(v is None or (torch.is_tensor(v) and v.dim() == 0) for v in value):
+        return False
+    return all(tensors) or not any(tensors)
+
+
+def join_chunks(parts: Sequence[Any], sizes: Sequence[int], weights: Optional[Sequence[Any]] = None) -> Any:
     """Join the outputs of a batch's chunks: ``parts[i]`` came from a chunk of ``sizes[i]`` samples.
 
     Tensors with a batch dimension are concatenated; a 0-d tensor (a chunk's own mean loss, say)
-    becomes the mean of the chunks' values weighted by their samples; per-sample lists are concatenated;
+    becomes the mean of the chunks' values weighted by their samples (or by ``weights``: the items
+    ``num_items`` counted in each chunk, for a token-mean loss); per-sample lists are concatenated;
     mappings, namedtuples, lists and tuples are joined element by element. Any other value (None, a
     string, a cache object) is kept once when every chunk gave the same, else as the list of the
     chunks' values, in order.
@@ -101,15 +114,19 @@ def join_chunks(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
     n = sum(sizes)
     if all(torch.is_tensor(p) for p in parts):
         if first.dim() == 0:
-            return sum(p.float() * (s / n) for p, s in zip(parts, sizes))
+            if weights is None:
+                return sum(p.float() * (s / n) for p, s in zip(parts, sizes))
+            total = sum(weights)  # a chunk that counted no items (padding only, its mean 0/0) adds nothing
+            return sum(torch.where(torch.as_tensor(w) > 0, p.float() * w, torch.zeros_like(p.float()))
+                       for p, w in zip(parts, weights)) / total
         if all(p.dim() and p.shape[1:] == first.shape[1:] for p in parts):
             return torch.cat(list(parts))
         return list(parts)
     if all(isinstance(p, Mapping) for p in parts) and all(p.keys() == first.keys() for p in parts):
-        return rebuild(first, {k: join_chunks([p[k] for p in parts], sizes) for k in first})
+        return rebuild(first, {k: join_chunks([p[k] for p in parts], sizes, weights) for k in first})
     if all(isinstance(p, (list, tuple)) for p in parts):
-        if all(is_per_sample(p, s) for p, s in zip(parts, sizes)):
+        if all(_per_sample_output(p, s) for p, s in zip(parts, sizes)):
             return type(first)(item for p in parts for item in p) if not hasattr(first, "_fields") else first
         if all(len(p) == len(first) for p in parts):
-            return rebuild(first, [join_chunks([p[i] for p in parts], sizes) for i in range(len(first))])
+            return rebuild(first, [join_chunks([p[i] for p in parts], sizes, weights) for i in range(len(first))])
     return first if _same(parts) else list(parts)

@@ -276,7 +276,7 @@ class AmpStep(StepBase, Serializable):
                     self._scaler.scale(loss * weight if torch.is_tensor(weight) or weight != 1 else loss).backward()
             total = part if total is None else total + part
             if kept is not None:
-                kept.append(to_float32(detach(y_pred)))
+                kept.append((to_float32(detach(y_pred)), count))
         if count is not None:
             self._cycle_items = self._cycle_items + items
             total = total / items  # 0 / 0: a batch of padding only has no loss (NaN, with items 0)
@@ -289,7 +289,8 @@ class AmpStep(StepBase, Serializable):
         if kept is None:
             return self._loss
         x, y = batch
-        return self.output_transform(x, y, join_chunks(kept, sizes), self._loss)
+        counts = None if count is None else [c for _, c in kept]  # a loss in y_pred: the items' mean too
+        return self.output_transform(x, y, join_chunks([p for p, _ in kept], sizes, counts), self._loss)
 
     def _count(self, x: Any, y: Any, engine: Engine, chunk: int) -> Any:
         count, invalid = check_count(self.num_items(x, y), self._device,

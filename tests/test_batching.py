@@ -190,3 +190,26 @@ def test_prepare_batch_keeps_non_tensor_fields_and_moves_objects_with_to():
 
     prepare_batch((Movable(), torch.zeros(2)), torch.device("cpu"))
     assert moved == [torch.device("cpu")]
+
+
+def test_output_tuples_stay_tuples_whatever_the_chunk_size():
+    """Found by an adversarial pass: (logits, None) from chunks of 2 samples was taken as 2 per-sample items."""
+    parts = [(torch.randn(2, 3), None), (torch.randn(2, 3), None)]
+    joined = join_chunks(parts, [2, 2])
+    assert isinstance(joined, tuple) and len(joined) == 2 and joined[0].shape == (4, 3) and joined[1] is None
+    aux = join_chunks([(torch.randn(2, 3), torch.tensor(1.0)), (torch.randn(2, 3), torch.tensor(3.0))], [2, 2])
+    assert aux[0].shape == (4, 3) and aux[1].item() == 2.0
+    boxes = join_chunks([[{"b": 1}, {"b": 2}], [{"b": 3}]], [2, 1])  # detection's per-sample dicts
+    assert boxes == [{"b": 1}, {"b": 2}, {"b": 3}]
+
+
+def test_a_chunks_own_mean_loss_joins_by_the_items_counted():
+    parts = [{"loss": torch.tensor(2.0)}, {"loss": torch.tensor(float("nan"))}, {"loss": torch.tensor(5.0)}]
+    joined = join_chunks(parts, [2, 2, 2], weights=[torch.tensor(3.0), torch.tensor(0.0), torch.tensor(1.0)])
+    assert joined["loss"].item() == pytest.approx((2.0 * 3 + 5.0) / 4)  # the padding-only chunk adds nothing
+
+
+def test_sequence_first_inputs_are_not_guessed():
+    assert batch_size_of(torch.zeros(4, 16), torch.zeros(64)) == 4  # (n, T) tokens, n*T flattened targets
+    with pytest.raises(BatchError, match=r"x and y disagree .*\(x has 4 rows, y 8\)"):
+        batch_size_of(torch.zeros(4, 8, 3), torch.zeros(8))  # an LSTM's (T, n, F) beside n labels

@@ -402,3 +402,15 @@ def test_ignites_documented_snippets_work_on_the_default_output(capsys):
     assert isinstance(trainer.state.metrics["loss"], float) and trainer.state.metrics["loss"] > 0
     bar = capsys.readouterr().err
     assert "batch_loss=" in bar and "loss_loss" not in bar and "batch_size" not in bar
+
+
+def test_a_models_own_loss_in_y_pred_is_the_token_mean_with_num_items():
+    """Found by an adversarial pass: the chunks' own mean losses were joined by samples, not by items."""
+    batch = padded_batch()
+    model = TinyLM()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), own_loss, device="cpu",
+                                 dtype="float32", model_fn=lm_model_fn, micro_batches=2, num_items=tokens,
+                                 output_transform=lambda x, y, y_pred, loss: (y_pred["loss"], loss))
+    trainer.run([batch], max_epochs=1)
+    from_output, step_loss = trainer.state.output
+    assert from_output.item() == pytest.approx(step_loss.item(), rel=1e-6)
