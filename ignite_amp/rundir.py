@@ -177,17 +177,7 @@ def move_previous_run(output_dir: str) -> Optional[str]:
     (:data:`RUN_ARTIFACTS`); anything else in the directory stays.
     """
     found = _previous_artifacts(output_dir)
-    if not found:
-        return None
-    target = _aside(output_dir)
-    try:
-        os.makedirs(target)
-        for path in found:
-            shutil.move(path, os.path.join(target, os.path.basename(path)))
-    except OSError as exc:
-        raise ConfigError(f"output_dir: cannot move the previous run's files out of {output_dir} "
-                          f"({exc.strerror or exc})") from None
-    return target
+    return move_files_aside(found, output_dir, "the previous run's files", then="") if found else None
 
 
 def _aside(path: str) -> str:
@@ -213,17 +203,18 @@ def move_aside(path: str) -> Optional[str]:
     return target
 
 
-def move_files_aside(paths: List[str], near: str) -> str:
-    """Move the files or directories ``paths`` into a new sibling ``<near>.replaced-<time>`` of ``near``; returns it."""
+def move_files_aside(paths: List[str], near: str, what: Optional[str] = None,
+                     then: str = "; move them yourself, or resume from the newest checkpoint") -> str:
+    """Move the files or directories ``paths`` into a new sibling ``<near>.replaced-<time>`` of ``near``; returns it.
+    A failure is one line naming ``what`` (default: the files' names), then ``then``."""
     target = _aside(near)
     try:
         os.makedirs(target)
         for path in paths:
             shutil.move(path, os.path.join(target, os.path.basename(path)))
     except OSError as exc:
-        raise ConfigError(f"output_dir: cannot move {', '.join(map(os.path.basename, paths))} out of {near} "
-                          f"({exc.strerror or exc}); move them yourself, or resume from the newest checkpoint"
-                          ) from None
+        what = what or ", ".join(map(os.path.basename, paths))
+        raise ConfigError(f"output_dir: cannot move {what} out of {near} ({exc.strerror or exc}){then}") from None
     return target
 
 
