@@ -5,16 +5,13 @@ drawn. Screenshots go to $IGNITE_AMP_SHOTS when set (else the test's temporary d
 import io
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from ignite_amp import train_from_config
 from ignite_amp.cli import _dashboard_hint
-from test_tensorboard_server import fetch, free_port
+from test_tensorboard_server import serve_tensorboard
 from webdriver import Browser, find_browser
 
 DEEP = """const all = (root, sel, out = []) => { for (const el of root.querySelectorAll('*')) {
@@ -54,24 +51,8 @@ def three_epochs(quick_cfg, tmp_path):
                amp={"dtype": "bfloat16"}, data=dict(quick_cfg["data"], train_size=256, val_size=32),
                handlers={"tensorboard": {"log_every": 2}, "clipping": {"max_norm": 1.0}})
     result = train_from_config(cfg, print_fn=lambda *a: None)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(runs), "--host", "127.0.0.1",
-                             "--port", str(port), "--reload_interval", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if {"quick/train", "quick/val"} <= set(fetch(base, "/data/runs")):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
+    with serve_tensorboard(runs, {"quick/train", "quick/val"}) as base:
         yield base, result
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 def shots(tmp_path):

@@ -1,5 +1,6 @@
 """A real TensorBoard over a run made here: what its HTTP data API serves is what the README's
 "Which TensorBoard tab shows what" promises (the run's name, the dashboard, the run facts, the tags)."""
+import contextlib
 import json
 import os
 import signal
@@ -40,9 +41,16 @@ def served(quick_cfg, tmp_path):
                handlers={"tensorboard": {"log_every": 2}, "clipping": {"max_norm": 1.0},
                          "profiler": {"enabled": True, "wait": 0, "warmup": 1, "active": 2}})
     result = train_from_config(cfg, print_fn=lambda *a: None)
+    with serve_tensorboard(runs, {"quick", "quick/train", "quick/val", "quick/profiler"}) as base:
+        yield base, result
+
+
+@contextlib.contextmanager
+def serve_tensorboard(logdir, runs: set):
+    """A TensorBoard over ``logdir`` (its base URL), once it lists ``runs``; stopped with its data server after."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(runs), "--host", "127.0.0.1",
-                             "--port", str(port), "--reload_interval", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
+                             "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -54,12 +62,12 @@ def served(quick_cfg, tmp_path):
                 runs_seen = fetch(base, "/data/runs")
             except OSError:
                 runs_seen = []
-            if {"quick", "quick/train", "quick/val", "quick/profiler"} <= set(runs_seen):
+            if runs <= set(runs_seen):
                 break
             time.sleep(0.2)
         else:
             pytest.fail(f"tensorboard did not show the runs within 30 s (saw {runs_seen})")
-        yield base, result
+        yield base
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # its data server too
         try:
