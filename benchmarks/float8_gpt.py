@@ -26,6 +26,9 @@ VARIANTS = ("bfloat16",) + tuple(f"float8 {recipe}" for recipe in RECIPES)
 
 
 class Block(nn.Module):
+    """A pre-norm GPT block: causal self-attention (scaled_dot_product_attention) and a 4x GELU MLP; section h
+    (activation checkpointing) builds its GPT from it too."""
+
     def __init__(self, width: int, heads: int):
         super().__init__()
         self.heads = heads

@@ -58,7 +58,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader
 
 from bench_amp import measure_variant, resnet50, tf32
-from float8_gpt import float8_section
+from float8_gpt import Block as GPTBlock, float8_section
 from overhead import attach_default_handlers, hand_written_loop, timed
 
 import ignite_amp
@@ -792,24 +792,6 @@ def _step_rate(ctx: Context, cfg: dict, size: dict) -> float:
 
 
 # -- h. activation checkpointing ----------------------------------------------------------------------
-class GPTBlock(nn.Module):
-    """A pre-norm GPT block: causal self-attention (scaled_dot_product_attention) and a 4x GELU MLP."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.norm2(x))
-
-
 class GPT(nn.Module):
     """Token and position embeddings, ``layers`` GPTBlocks (``blocks.N``), a final norm and the vocabulary head;
     returns the logits of every position flattened to ``(batch * tokens, vocab)``."""
