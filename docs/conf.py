@@ -29,7 +29,9 @@ nitpick_ignore_regex = [(r"py:.*", r"(torch|ignite|typing|collections|pathlib|os
                         (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|object|type|callable|None|"
                                    r"Any|Callable|Iterable|Iterator|Mapping|Optional|Sequence|Tuple|Union|Dict|"
                                    r"List|Path|PathLike|Module|Tensor|Engine|Events|Metric|EventEnum|"
-                                   r"Serializable|Exception|ValueError|TypeError|RuntimeError)")]
+                                   r"Serializable|Exception|ValueError|TypeError|RuntimeError)"),
+                        # the internal base of AmpStep and EvalStep: its members are shown on them
+                        (r"py:class", r"ignite_amp\.step_base\.StepBase")]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"

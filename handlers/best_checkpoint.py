@@ -62,7 +62,7 @@ def all_finite(modules: List[torch.nn.Module]) -> bool:
 class BestCheckpoint:
     """Keep the ``n_saved`` best checkpoints by a validation metric, and a ``last`` one per evaluation.
 
-    Built on Ignite's ``Checkpoint`` (policy) with a :class:`SafeDiskSaver` (storage): a new file is
+    Built on Ignite's ``Checkpoint`` (policy) with a ``SafeDiskSaver`` (storage): a new file is
     written, flushed and renamed into place before the one it replaces is removed, so at every
     instant at least one complete checkpoint is on disk. Each checkpoint holds ``to_save``
     (model, optimizer, the AMP step with its scaler, scheduler, trainer, stateful handlers...),
@@ -83,13 +83,13 @@ class BestCheckpoint:
         metric: the evaluator metric to rank by.
         n_saved: how many best checkpoints to keep.
         mode: ``"max"`` or ``"min"``: whether a larger or a smaller value is better. Default
-            (:func:`ignite_amp.metric_modes.metric_mode`): ``"min"`` for names containing loss,
+            (``ignite_amp.metric_modes.metric_mode``): ``"min"`` for names containing loss,
             perplexity, error, nll, mse, mae, rmse, wer or cer, else ``"max"``. Pass it for any other
             lower-is-better metric, and give ``TensorBoardMetrics`` the same (``modes=``).
         config: the resolved config, stored in every checkpoint.
         sharded: save sharded checkpoints (directories written by every rank with
             ``torch.distributed.checkpoint``, loadable on any number of processes; see
-            :mod:`ignite_amp.sharding`). Default: when ``to_save["model"]`` is sharded (FSDP2).
+            :func:`ignite_amp.shard_model`). Default: when ``to_save["model"]`` is sharded (FSDP2).
 
     Example:
         >>> import tempfile, torch

@@ -82,6 +82,7 @@ class GradientClipping:
         torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
 
     def attach(self, engine: Engine) -> None:
+        """Clip at each ``AmpEvents.GRADS_READY`` of ``engine`` (a trainer from :func:`~ignite_amp.create_amp_trainer`)."""
         self.step = amp_step_of(engine)
         # Parameters without a gradient at a step are skipped by the clipping functions themselves.
         self._params = self.parameters if self.parameters is not None else list(self.step.model.parameters())

@@ -62,6 +62,7 @@ class NonFiniteGuard:
         self._free: List[SimpleNamespace] = []  # slots (a pinned flag and an event), made once each
 
     def attach(self, engine: Engine) -> None:
+        """Watch ``engine``'s skipped steps, finite steps and (without a scaler) its losses."""
         self.step = amp_step_of(engine)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(AmpEvents.STEP_SKIPPED, self._skipped)

@@ -94,6 +94,8 @@ class OOMBackoff(Serializable):
         self.clean = 0
 
     def attach(self, engine: Engine) -> None:
+        """Back off at each ``AmpEvents.OUT_OF_MEMORY`` of ``engine`` and switch on the step's out-of-memory
+        agreement (under DDP: on every rank alike). A sharded (FSDP2) model on several processes is refused."""
         self.step = amp_step_of(engine)
         if is_sharded(self.step.model) and idist.get_world_size() > 1:
             raise ValueError("OOMBackoff cannot retry a sharded (FSDP2) model's batch: an out-of-memory error inside "
@@ -155,10 +157,12 @@ class OOMBackoff(Serializable):
         engine.state.iteration = engine.state.epoch * len(new)
 
     def state_dict(self) -> dict:
+        """The backoffs so far (count, history, the loader's batch size) for a checkpoint."""
         return {"events": self.events, "loader_batch_size": self.loader_batch_size,
                 "history": list(self.history), "clean": self.clean}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s values on resume."""
         super().load_state_dict(state_dict)
         self.events = int(state_dict["events"])
         self.loader_batch_size = state_dict["loader_batch_size"]

@@ -129,6 +129,8 @@ class ProfilerCapture:
         self.breakdown: Optional[Dict[str, float]] = None
 
     def attach(self, engine: Engine) -> None:
+        """Profile ``engine`` on rank 0: start with the run, step each iteration, stop at its end. After an
+        exception, call :meth:`stop` yourself (``train_from_config`` does)."""
         if idist.get_rank() != 0:
             return
         engine.add_event_handler(Events.STARTED, self.start)
@@ -139,6 +141,7 @@ class ProfilerCapture:
             engine.add_event_handler(event, self.stop)
 
     def start(self, engine: Engine) -> None:
+        """Start the profiler, its schedule counted from the engine's next iteration (a resumed run too)."""
         from torch.profiler import ProfilerActivity, profile, schedule
 
         device = getattr(getattr(engine, "amp_step", None), "device", torch.device("cpu"))
@@ -174,6 +177,7 @@ class ProfilerCapture:
                            "hold iterations %d-%d", first, end, first, self.last)
 
     def step(self, engine: Engine) -> None:
+        """Advance the profiler's schedule by one training iteration (stop after the run's last one)."""
         if self.profiler is not None:
             if self.last is not None and engine.state.iteration >= self.last:
                 self.stop()  # the run's last iteration: what follows (the validation) is no training step
@@ -181,6 +185,7 @@ class ProfilerCapture:
                 self.profiler.step()
 
     def stop(self, engine: Optional[Engine] = None) -> None:
+        """Stop the profiler and write what it holds; does nothing when it is not running."""
         if self.profiler is not None:
             profiler, self.profiler = self.profiler, None
             profiler.stop()

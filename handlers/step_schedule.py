@@ -63,6 +63,7 @@ class StepSchedule:
         self.scheduler = scheduler
 
     def attach(self, engine: Engine) -> None:
+        """Advance the schedule at each ``AmpEvents.OPTIMIZER_STEPPED`` of ``engine``."""
         if self.ignite:
             engine.add_event_handler(Events.STARTED, self._first_value)
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, self)

@@ -149,15 +149,15 @@ class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
     One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) with small
-    handlers attached (:mod:`.tensorboard_scalars`: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    handlers attached (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
     ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; Ignite's
-    ``OptimizerParamsHandler`` for the learning rate; :class:`RunFacts` for what ran). At the start
+    ``OptimizerParamsHandler`` for the learning rate; ``RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
     and best validation metrics and the median samples/s as metric columns). Every ``log_every``
     iterations it writes the window's means, kept on the device until then and read with one host
-    sync, and at the first log the Custom Scalars layout (:func:`layout`). At the end (also of a
+    sync, and at the first log the Custom Scalars layout (``tensorboard_scalars.layout``). At the end (also of a
     failed run, through :meth:`close`) it writes the health summary (``HEALTH_TAG``,
-    :func:`~ignite_amp.handlers.run_health.health_lines`), which :meth:`health` returns too.
+    ``run_health.health_lines``), which :meth:`health` returns too.
     Rank 0 writes (with ``ranks_memory``, every rank attaches it). The tags are in ``TAGS``.
 
     Args:
@@ -167,14 +167,14 @@ class TensorBoardMetrics:
         facts: what the step cannot tell, e.g. ``ignite_amp.facts.config_facts(cfg, loader)``
             (batch size, model, optimizer...): a flat mapping to bool, int, float, str or None,
             added to the step's own facts (dtype, scaler, device, processes, micro-batches,
-            accumulation, versions; :func:`ignite_amp.facts.step_facts`), over which it wins.
+            accumulation, versions; ``ignite_amp.facts.step_facts``), over which it wins.
         clipping: the run's ``GradientClipping`` by norm, for the share of optimizer steps where
             clipping bound (its ``last_norm`` above ``max_norm``, counted at the log).
         hparam_metrics: validation metrics shown as HParams columns (final and best) and charts.
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
         modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/best``, as given to ``BestCheckpoint``;
-            other metrics follow :func:`ignite_amp.metric_modes.metric_mode` (the checkpoint's default).
+            other metrics follow ``ignite_amp.metric_modes.metric_mode`` (the checkpoint's default).
         ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
             one all-reduce per log): then attach on every rank, not on rank 0 only.
         from_config: the health advice names config keys, not Python arguments (``train_from_config`` sets it).
@@ -235,15 +235,17 @@ class TensorBoardMetrics:
 
     @property
     def facts_written(self) -> Dict[str, Any]:
-        """The run facts as written at the start: the step's, then ``facts``."""
+        """The run facts written at the start (the step's, then ``facts``)."""
         return self.run_facts.written if self.run_facts is not None else {}
 
     @property
     def final(self) -> Dict[str, float]:
+        """The last validation's metrics, by name."""
         return self.validation.final
 
     @property
     def best(self) -> Dict[str, float]:
+        """The best value of each validation metric so far (by its mode: min for losses, else max)."""
         return self.validation.best
 
     @property
@@ -253,6 +255,8 @@ class TensorBoardMetrics:
 
     def attach(self, trainer: Engine, evaluator: Optional[Engine] = None,
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Log ``trainer`` (and ``evaluator``'s metrics after each of its runs) on rank 0; ``optimizer``
+        defaults to the step's. Starts the step's gradient-norm tracking."""
         if self.ranks_memory and idist.get_world_size() > 1:  # every rank takes part, before DeviceMemory
             self.ranks = RanksMemory(amp_step_of(trainer).device, self.log_every)
             self.ranks.attach(trainer)
@@ -315,7 +319,7 @@ class TensorBoardMetrics:
             logger.writer.flush()
 
     def health(self) -> List[str]:
-        """The health summary of the run so far (see :mod:`~ignite_amp.handlers.run_health`); [] on other ranks."""
+        """The health summary of the run so far (see ``ignite_amp.handlers.run_health``); [] on other ranks."""
         step, window = self.step, self.window
         if step is None:
             return []

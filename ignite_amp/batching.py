@@ -133,7 +133,7 @@ def _rows(found: List[Tuple[str, str, Any]]) -> Optional[int]:
 def batch_size_of(x: Any, y: Any = None) -> int:
     """The default ``batch_size(x, y)``: the number of samples (see the module's rules).
 
-    Raises :class:`BatchError` (one line naming the parts and the hook) when the tensors disagree or
+    Raises ``ignite_amp.errors.BatchError`` (one line naming the parts and the hook) when the tensors disagree or
     nothing tells it.
     """
     in_x, in_y = list(_evidence(x, "x")), list(_evidence(y, "y"))

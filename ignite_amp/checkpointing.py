@@ -58,7 +58,7 @@ def _checkpointed_forward(block: nn.Module, forward: Callable, *args: Any, **kwa
 
 
 def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:
-    """Run each block of ``model`` (:func:`ignite_amp.blocks.block_names`) under activation checkpointing.
+    """Run each block of ``model`` (its repeated children: ``ignite_amp.blocks.block_names``) under activation checkpointing.
 
     In place, before sharding and compile; calling it again leaves checkpointed blocks as they are.
     A model without blocks is left as it is, with one warning.

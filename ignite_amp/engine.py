@@ -95,7 +95,7 @@ def amp_step_of(engine: Engine) -> StepBase:
 
 def _float8(model: nn.Module, device: Any, dtype: Any, kwargs: dict, say: bool = True) -> tuple:
     """``dtype="float8"``: the model's eligible Linear layers converted (the first transform, see
-    :mod:`ignite_amp.float8`), and the autocast dtype (bfloat16) and report the step keeps.
+    ``ignite_amp.float8``), and the autocast dtype (bfloat16) and report the step keeps.
 
     On a GPU it turns ``compile`` on unless the caller set it: torchao's float8 casts and scales are
     separate kernels that only torch.compile fuses; without it float8 runs slower than bfloat16.
@@ -145,7 +145,7 @@ def create_amp_trainer(
     ``dtype="float8"`` converts the model's eligible ``nn.Linear`` layers to torchao's float8 training
     (``float8_recipe``: tensorwise | rowwise | rowwise_with_gw_hp; ``float8_filter(module, name) -> bool``
     replaces the default choice) and runs the rest in bfloat16 autocast, with no GradScaler; the step's
-    ``float8`` says which layers were converted and why the others were not (:mod:`ignite_amp.float8`).
+    ``float8`` says which layers were converted and why the others were not (``ignite_amp.float8``; see the precision guide).
 
     Example:
         >>> import torch
@@ -195,7 +195,7 @@ def create_amp_evaluator(
     """An Ignite ``Engine`` evaluating ``model`` under autocast with no grad, with ``metrics`` attached.
 
     Metrics whose constructor takes a ``device`` keep their state there (pass them built with
-    ``device=...``; :func:`ignite_amp.run.build_run` does), so evaluation does not sync the
+    ``device=...``; a config run does), so evaluation does not sync the
     host per batch. A DDP-wrapped model is evaluated through its module. Under data-parallel
     training every rank runs the evaluator on its shard (Ignite's metrics add the ranks up),
     after receiving rank 0's buffers.

@@ -35,7 +35,7 @@ def check_shardable(model: nn.Module, blocks: Optional[Sequence[str]] = None,
                     fp32_modules: Iterable[str] = ()) -> List[str]:
     """What :func:`shard_model` checks before sharding, also usable on one process: the blocks exist, the
     ``fp32_modules`` too, and no parameter is shared by two of the units sharded on their own (tied weights
-    across blocks: each unit gathers and frees its own parameters). Returns :func:`block_names`; raises
+    across blocks: each unit gathers and frees its own parameters). Returns ``block_names(model)``; raises
     ValueError naming the key (``blocks:`` or ``fp32_modules:``)."""
     units = block_names(model, blocks)
     fp32 = list(fp32_modules)
@@ -66,7 +66,7 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
     """Shard ``model`` over the process group with FSDP2 and return it (sharded in place).
 
     Call it inside a process group (``torchrun``, ``idist.Parallel``) before building the optimizer
-    (sharding replaces the parameters). Each block of :func:`block_names` is sharded on its own (its
+    (sharding replaces the parameters). Each block of ``block_names(model)`` is sharded on its own (its
     parameters are gathered just before its forward and freed after), then the whole model.
 
     Args:

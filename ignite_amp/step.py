@@ -14,24 +14,20 @@
         scaler.update()
         fire OPTIMIZER_STEPPED or STEP_SKIPPED
 
-The weight makes the optimizer see the gradient of one mean over the whole cycle: each chunk's
-share of the samples (each iteration counting once), or, with ``num_items``, of the items the
-losses average over (tokens, say), over every chunk, iteration and rank of the cycle.
+The weight makes the optimizer see the gradient of one mean over the whole cycle: each chunk's share of the samples
+(each iteration counting once), or, with ``num_items``, of the items the losses average over (tokens, say), over
+every chunk, iteration and rank of the cycle. While a ``torch.profiler`` records, the phases carry the labels of
+:mod:`ignite_amp.phases`.
 
-While a ``torch.profiler`` records, the phases carry the labels of :mod:`ignite_amp.phases`.
+An out-of-memory error in the forward or backward (or in a ``GRADS_READY`` handler) is caught, the memory freed
+outside the ``except`` block, and ``OUT_OF_MEMORY`` fired; a handler that raises ``micro_batches`` makes the step
+retry the same batch, otherwise the original error is re-raised. One inside ``optimizer.step()`` is never retried
+(the update may be half applied, and smaller micro-batches would not shrink it): :class:`OptimizerOutOfMemoryError`.
 
-An out-of-memory error in the forward or backward (or in a ``GRADS_READY`` handler) is
-caught, the memory freed outside the ``except`` block, and ``OUT_OF_MEMORY`` fired; a handler
-that raises ``micro_batches`` makes the step retry the same batch, otherwise the original error
-is re-raised. One inside ``optimizer.step()`` is never retried (the update may be half applied,
-and smaller micro-batches would not shrink it): :class:`OptimizerOutOfMemoryError`.
-
-With a ``DistributedDataParallel`` model, every backward but the last of an optimizer step
-runs under ``no_sync``. With out-of-memory agreement switched on (:attr:`AmpStep.oom_agreement`,
-which ``OOMBackoff`` sets on every rank) all backward passes run under ``no_sync``; the ranks
-then agree whether any ran out of memory (``any_rank``), and only when none did are the
-gradients all-reduced and the optimizer stepped, so a retry never leaves another rank waiting
-in a collective.
+With a ``DistributedDataParallel`` model, every backward but the last of an optimizer step runs under ``no_sync``.
+With out-of-memory agreement switched on (:attr:`AmpStep.oom_agreement`, which ``OOMBackoff`` sets on every rank)
+all backward passes run under ``no_sync``; the ranks then agree whether any ran out of memory (``any_rank``), and
+only when none did are the gradients all-reduced and the optimizer stepped: a retry leaves no rank in a collective.
 """
 import contextlib
 import logging
@@ -167,6 +163,7 @@ class AmpStep(StepBase, Serializable):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the step steps (it holds the model's parameters)."""
         return self._optimizer
 
     @property
@@ -176,17 +173,18 @@ class AmpStep(StepBase, Serializable):
 
     @property
     def accumulation_steps(self) -> int:
+        """Iterations whose gradients add up before one optimizer step."""
         return self._accumulation_steps
 
     @property
     def loss(self) -> Optional[torch.Tensor]:
-        """The last batch's loss, a detached float32 device tensor: the mean over its samples (or its
-        items, with ``num_items``) whatever the micro-batches. Handlers read it, not ``state.output``."""
+        """The last batch's loss as a detached float32 device tensor (the mean over its samples, or its
+        items with ``num_items``, whatever the micro-batches). Handlers read it, not ``state.output``."""
         return self._loss
 
     @property
     def items(self) -> Any:
-        """What the last batch's loss averaged over: its samples (an int), or its items with ``num_items``."""
+        """What the last batch's loss averaged over (its samples, an int, or its items with ``num_items``)."""
         return self._items
 
     @property
@@ -379,10 +377,12 @@ class AmpStep(StepBase, Serializable):
             self._scaler.update(new_scale=self._scaler.scale(torch.ones((), device=self._device)))
 
     def state_dict(self) -> dict:
+        """What a checkpoint keeps: the scaler, the micro-batch and out-of-memory counts, the float8 recipe."""
         return {"scaler": self._scaler.state_dict(), "micro_batches": self._micro_batches,
                 "oom_count": self._oom_count, "float8": self.float8.recipe if self.float8 is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s values (the scaler's only when both runs use float16)."""
         super().load_state_dict(state_dict)
         if self._scaler.is_enabled() and state_dict["scaler"]:  # a float16 run resumed in float16
             self._scaler.load_state_dict(state_dict["scaler"])

@@ -53,7 +53,10 @@ class PublicApi(_Generated):
             if inspect.isclass(obj) and issubclass(obj, BaseException):
                 out += [f".. autoexception:: {module_name}.{name}", ""]
             elif inspect.isclass(obj):
-                out += [f".. autoclass:: {module_name}.{name}", "   :members:", "   :undoc-members:", ""]
+                out += [f".. autoclass:: {module_name}.{name}", "   :members:", "   :undoc-members:"]
+                if any(base.__module__.startswith("ignite_amp.") for base in obj.__mro__[1:]):
+                    out.append("   :inherited-members:")  # an internal base's members (StepBase's) are the class's
+                out.append("")
             elif callable(obj):
                 out += [f".. autofunction:: {module_name}.{name}", ""]
             else:
@@ -125,7 +128,7 @@ def _aliases() -> dict:
     """Where each documented public name is defined (``ignite_amp.engine.create_amp_trainer``) -> the
     name it is documented under (``ignite_amp.create_amp_trainer``), so docstrings may link either."""
     out = {}
-    for module_name in ("ignite_amp", "ignite_amp.handlers"):
+    for module_name in ("ignite_amp", "ignite_amp.handlers", "ignite_amp.batch_search"):
         module = importlib.import_module(module_name)
         for name in public_names(module_name):
             obj = getattr(module, name)
@@ -152,7 +155,16 @@ def resolve_alias(app, env, node, contnode):
     return None
 
 
+def _attribute_docstring_is_prose(self) -> list:
+    """Napoleon reads the first line of a property's docstring as ``type: description``; ours are prose
+    that often hold a colon, and their types are the annotations. Keep the whole docstring as prose."""
+    return self._format_field("", "", self._dedent(self._consume_to_end()))
+
+
 def setup(app):
+    from sphinx.ext.napoleon.docstring import GoogleDocstring
+
+    GoogleDocstring._parse_attribute_docstring = _attribute_docstring_is_prose
     app.connect("missing-reference", resolve_alias)
     app.add_directive("public-api", PublicApi)
     app.add_directive("config-reference", ConfigReference)

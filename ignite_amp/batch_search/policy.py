@@ -137,7 +137,7 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
 
     Args:
         trial: runs real steps at ``size`` and returns a :class:`Trial`; ``stage`` in
-            :data:`VERIFY_STAGES` asks for the longer verification.
+            ``VERIFY_STAGES`` (jump, verify, confirm) asks for the longer verification.
         capacity: device memory in bytes the trials may use (None: no meter, no budget).
         margin: share of ``capacity`` kept free (without a capacity: share of the batch size).
         strategy: ``"model"`` (memory model) or ``"bisect"`` (doubling and bisection).

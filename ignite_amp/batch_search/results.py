@@ -42,7 +42,7 @@ class BatchSizeResult(NamedTuple):
 
     @property
     def table(self) -> str:
-        """:func:`format_trials` of this result: what the CLI prints and a run logs as text."""
+        """``format_trials`` of this result: what the CLI prints and a run logs as text."""
         return format_trials(self)
 
 

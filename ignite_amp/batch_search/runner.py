@@ -238,7 +238,7 @@ def find_batch_size(
 ) -> BatchSizeResult:
     """Find the batch size to train this model, optimizer and dtype with on ``device``.
 
-    Runs :func:`~ignite_amp.batch_search.search_batch_size` with real trials (:class:`TrialRunner`):
+    Runs :func:`~ignite_amp.batch_search.search_batch_size` with real trials (``TrialRunner``):
     real AMP steps, timed, an evaluation pass, and a longer verification of the size kept.
     Model, optimizer, train/eval mode and RNG states are left as they were.
 
@@ -254,7 +254,7 @@ def find_batch_size(
         eval_batch_size: the evaluation batch (default: the size tried).
         meter: peak-memory readings (default: CUDA's counters; none on a CPU, where the search
             falls back to doubling and bisection and takes ``margin`` off the batch size).
-        clock: seconds after the device's queued work is done (default :func:`device_clock`).
+        clock: seconds after the device's queued work is done (default ``device_clock``).
         progress: called with a header, the table's header, then each trial's row as it finishes.
         step_kwargs: more :class:`~ignite_amp.step.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
 
