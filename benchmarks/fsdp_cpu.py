@@ -6,7 +6,7 @@ DDP-wrapped, interleaved, from the same initial weights on the same batches. Per
 the parameter and optimizer-state bytes each process holds (of the local tensors: a DTensor's
 shard), the median time per optimizer step, and the largest relative difference of the final
 weights (float32: the same sums in another order; bfloat16: the policy's bfloat16 parameters
-against autocast, see the README).
+against autocast, see docs/guides/distributed.md).
 
     python benchmarks/fsdp_cpu.py                          # 2 processes, float32 and bfloat16
     python benchmarks/fsdp_cpu.py --nproc 4 --width 2048 --blocks 8

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--objective", choices=["largest", "fastest"], default="largest",
                         help="largest: the largest batch under 95%% of the GPU memory (default); fastest: the "
                              "smallest batch within 3%% of the best samples/s")
-    schema = sub.add_parser("schema", help="print the config's JSON Schema (for editors: see the README)")
+    schema = sub.add_parser("schema", help="print the config's JSON Schema (for editors: see the config reference)")
     schema.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")
     return parser
 

@@ -66,7 +66,7 @@ def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, aut
 
     Where the loss is ``loss_fn(y_pred, y)`` with a tensor ``y``: ``y_pred`` a tensor, or a mapping or
     sequence of outputs whose tensors with a batch dimension are doubled. A loss the model computed
-    itself (``y`` None) cannot be doubled here, and the README states the rule for it.
+    itself (``y`` None) cannot be doubled here, and the any-model guide states the rule for it.
     """
     if not (torch.is_tensor(y) and y.dim()):
         return

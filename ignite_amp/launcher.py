@@ -41,7 +41,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 @dataclasses.dataclass
 class DistributedConfig:
-    """distributed: processes of one run (see the README's "More than one GPU")."""
+    """distributed: processes of one run (see the guide "More than one GPU")."""
 
     backend: str = setting("auto", Choice(*BACKENDS), "auto (nccl on GPUs, gloo on CPU), nccl or gloo")
     nproc_per_node: int = setting(None, Integer(1, 1024, nullable=True),

@@ -67,7 +67,7 @@ class AmpStep(StepBase, Serializable):
         model: the model; moved to ``device``.
         optimizer: its optimizer (at least one of its parameters must be the model's).
         loss_fn: ``loss_fn(y_pred, y)`` returning a scalar that is a mean: over the samples, or
-            over the items ``num_items`` counts. A sum is refused (see the README's rule).
+            over the items ``num_items`` counts. A sum is refused (see the any-model guide).
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``.
         dtype: ``auto | float16 | bfloat16 | float32``. A ``GradScaler`` is enabled only for float16.
         accumulation_steps: iterations whose gradients add up before one optimizer step. A cycle

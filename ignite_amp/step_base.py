@@ -55,7 +55,7 @@ def _check_micro_batches(value: Any) -> int:
 class StepBase:
     """What both steps share: device and autocast, Ignite's hooks, batch splitting, the out-of-memory retry.
 
-    The interface handlers may use (see the README, "The step's interface"): the read-only
+    The interface handlers may use (see the architecture guide, "The step's interface"): the read-only
     properties ``model``, ``device``, ``dtype``, ``batch_size`` (of the batch in progress),
     ``oom_count``, and ``micro_batches``, the one value a handler may set.
     """
@@ -117,6 +117,7 @@ class StepBase:
 
     @property
     def device(self) -> torch.device:
+        """The device the model runs on and batches are moved to."""
         return self._device
 
     @property

@@ -7,7 +7,8 @@ Code blocks in ``docs/`` (Markdown fences):
 - ``bash``: each command is checked: ``ignite-amp`` commands parse with the real parser and name files that
   exist, ``pip install`` names extras that exist, ``python``/``torchrun`` name scripts that exist.
 - ``text``: what a program prints; not run.
-A block preceded by ``<!-- not run: why -->`` (for example one that needs a GPU) is skipped with that reason.
+A python or bash block preceded by ``<!-- not run: why -->`` (one that needs a GPU, say) is skipped with that reason.
+The site itself is built and checked by tests/test_docs_site.py.
 """
 import configparser
 import os
@@ -24,7 +25,7 @@ from conftest import ROOT
 DOCS = os.path.join(ROOT, "docs")
 LANGUAGES = {"python", "yaml", "bash", "text"}
 # The first word of a documented command, and what is checked of the rest (see check_command).
-COMMANDS = {"ignite-amp", "python", "pip", "torchrun", "tensorboard", "sphinx-build", "git", "cd", "export",
+COMMANDS = {"ignite-amp", "python", "python3", "pip", "torchrun", "tensorboard", "sphinx-build", "git", "cd", "export",
             "nvidia-smi", "chromium", "apt-get", "CI=true"}
 
 
@@ -109,8 +110,12 @@ def check_command(words: List[str], where: str) -> None:
         words = words[1:]
     assert words and words[0] in COMMANDS, f"{where}: an unknown command {words[:1]} (add it to COMMANDS)"
     head, rest = words[0], words[1:]
+    if head == "python3":
+        head = "python"
     if head == "python" and rest[:2] == ["-m", "ignite_amp"]:
         head, rest = "ignite-amp", rest[2:]
+    if head == "python" and rest[:2] == ["-m", "pip"]:
+        head, rest = "pip", rest[2:]
     if head == "python" and rest[:2] == ["-m", "pytest"]:
         return
     if head == "ignite-amp":
@@ -131,12 +136,14 @@ def check_command(words: List[str], where: str) -> None:
         scripts = [w for w in rest if w.endswith(".py")]
         for script in scripts:
             assert os.path.exists(os.path.join(ROOT, script)), f"{where}: no file {script}"
-        if "-m" in rest:  # torchrun ... -m ignite_amp train CONFIG
+        if "-m" in rest and head == "torchrun":  # torchrun ... -m ignite_amp train CONFIG
             check_command(["python"] + rest[rest.index("-m"):], where)
 
 
 @pytest.mark.parametrize("block", of("bash"))
 def test_bash_block_names_real_things(block):
+    if block.not_run:
+        pytest.skip(block.not_run)
     text = block.text.replace("\\\n", " ")
     for line in text.splitlines():
         line = line.split(" #", 1)[0].strip()

@@ -29,6 +29,23 @@ def test_readme_test_command_is_what_ci_runs():
     assert command in README and command in ci
 
 
+def test_readme_docs_command_is_what_the_tests_build():
+    command = 'pip install -e ".[docs]" && sphinx-build -W --keep-going docs docs/_build/html'
+    site_test = open(os.path.join(ROOT, "tests", "test_docs_site.py"), encoding="utf-8").read()
+    assert command in README and '"-W", "--keep-going"' in site_test
+
+
+def test_readme_links_to_files_that_exist():
+    links = re.findall(r"\]\(((?:docs|benchmarks|examples|configs)/[^)#]+)\)", README)
+    assert len(links) >= 8
+    for path in links:
+        assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def test_readme_is_a_landing_page():
+    assert len(README.splitlines()) <= 150
+
+
 def test_readme_configs_exist():
     for path in re.findall(r"configs/[\w.]+\.yaml", README):
         assert os.path.exists(os.path.join(ROOT, path)), path
