@@ -79,7 +79,8 @@ def test_the_printed_dashboard_tells_train_from_val_by_colour_and_legend(three_e
     browser.screenshot(os.path.join(folder, "1_dashboard_as_opened.png"))
     print("lines cropped with TensorBoard's default scaling:", cropped(cards))
     # TensorBoard 2.21 ignores outliers in chart scaling by default and reads that setting from no URL
-    # parameter: the README asks for one click, which this makes; then no line leaves its chart.
+    # parameter: the TensorBoard guide (docs/guides/tensorboard.md) asks for one click, which this makes;
+    # then no line leaves its chart.
     browser.js(DEEP + """for (const box of all(document, 'paper-checkbox'))
         if (box.textContent.includes('Ignore outliers')) { if (box.checked) box.click(); }""")
     browser.js(DEEP + "for (const b of all(document, '.toggle-matches-button')) b.click();")  # open the legends

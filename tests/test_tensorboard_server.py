@@ -1,5 +1,6 @@
-"""A real TensorBoard over a run made here: what its HTTP data API serves is what the README's
-"Which TensorBoard tab shows what" promises (the run's name, the dashboard, the run facts, the tags)."""
+"""A real TensorBoard over a run made here: what its HTTP data API serves is what the TensorBoard guide's
+"Which tab shows what" (docs/guides/tensorboard.md) promises (the run's name, the dashboard, the run facts,
+the tags)."""
 import contextlib
 import json
 import os
