@@ -158,7 +158,8 @@ class ProfilerCapture:
         base = schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=self.repeat)
         self.profiler = profile(activities=activities, on_trace_ready=self._ready, **self.options,
                                 schedule=lambda step: base(max(step - offset, 0)))
-        self.profiler.step_num = self._offset = offset
+        self.profiler.step_num = offset
+        self._done = 0  # training iterations since start: the profiler's count lags one at the run's last
         self.profiler.start()
 
     def _warn_if_unreachable(self, engine: Engine) -> None:
@@ -179,6 +180,7 @@ class ProfilerCapture:
     def step(self, engine: Engine) -> None:
         """Advance the profiler's schedule by one training iteration (stop after the run's last one)."""
         if self.profiler is not None:
+            self._done += 1
             if self.last is not None and engine.state.iteration >= self.last:
                 self.stop()  # the run's last iteration: what follows (the validation) is no training step
             else:
@@ -190,9 +192,9 @@ class ProfilerCapture:
             profiler, self.profiler = self.profiler, None
             profiler.stop()
 
-    def _window(self, step_num: int) -> str:
-        """``N-M``: the training iterations of the window that ended at the profiler's ``step_num``."""
-        done = step_num - self._offset  # iterations since start
+    def _window(self) -> str:
+        """``N-M``: the training iterations of the window that just ended."""
+        done = self._done
         cycle = self.wait + self.warmup + self.active
         first = (done - 1) // cycle * cycle + self.wait + self.warmup + 1
         return f"{self.iteration + first}-{self.iteration + done}"
@@ -201,7 +203,7 @@ class ProfilerCapture:
         from tensorboard.plugins.text.summary_v2 import text_pb
         from torch.utils.tensorboard import SummaryWriter
 
-        window = self._window(profiler.step_num)
+        window = self._window()
         trace = os.path.join(self.logdir, f"trace_iterations_{window}.json")
         profiler.export_chrome_trace(trace)
         self.breakdown = step_breakdown(profiler.events())
@@ -212,7 +214,7 @@ class ProfilerCapture:
         with open(table, "w", encoding="utf-8") as f:
             f.write(f"{breakdown}\nTop operators\n{ops}\n")
         with SummaryWriter(self.logdir) as writer:
-            step = self.iteration + profiler.step_num - self._offset
+            step = self.iteration + self._done
             where = (f"Iterations {window}: the trace is `{os.path.abspath(trace)}`; open it in "
                      f"https://ui.perfetto.dev (Open trace file; read in the browser, not uploaded).")
             writer.file_writer.add_summary(text_pb("profiler/step_breakdown", f"{where} {breakdown}"), step)

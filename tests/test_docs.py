@@ -54,7 +54,10 @@ def code_blocks(path: str) -> List[Block]:
     text = open(path, encoding="utf-8").read()
     page = os.path.relpath(path, ROOT)
     blocks = []
-    for match in re.finditer(r"^(?:<!-- not run: (.+?) -->\n)?```(\w*)\n(.*?)^```\s*$", text, re.M | re.S):
+    fences = r"^(?:<!-- not run: (.+?) -->\n)?```(\{[\w-]+\}[^\n]*|\w*)\n(.*?)^```\s*$"
+    for match in re.finditer(fences, text, re.M | re.S):
+        if match.group(2).startswith("{"):  # a MyST directive ({toctree}, {eval-rst}), not code
+            continue
         line = text.count("\n", 0, match.start(2)) + 1
         blocks.append(Block(page, line, match.group(2), match.group(3), match.group(1) or ""))
     return blocks

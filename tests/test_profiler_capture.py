@@ -188,3 +188,15 @@ def test_advice_names_python_arguments_in_a_script_and_config_keys_in_a_config_r
         trainer.run([(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3, max_epochs=1)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "starts after this run's last iteration" in said and said.rstrip().endswith(named)
+
+
+@pytest.mark.parametrize("epochs, batches", [(1, 4), (2, 2)])
+def test_a_window_that_ends_on_the_last_iteration_is_named_after_its_iterations(tmp_path, epochs, batches):
+    # The run's last iteration stops the profiler instead of stepping it: the files still say 3-4.
+    trainer, capture = trainer_with_profiler(tmp_path, wait=1, warmup=1, active=2)
+    trainer.run(loader(n=8 * batches), max_epochs=epochs)
+    assert sorted(os.path.basename(f) for f in capture.files) == ["profile_iterations_3-4.txt",
+                                                                    "trace_iterations_3-4.json"]
+    steps = sorted(e["name"] for e in read_trace(tmp_path)["traceEvents"]
+                   if e.get("name", "").startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#3", "ProfilerStep#4"], steps
