@@ -35,6 +35,8 @@ nitpick_ignore_regex = [(r"py:.*", r"(torch|ignite|typing|collections|pathlib|os
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+autodoc_preserve_defaults = True  # "model_fn=call_model", not "<function call_model at 0x...>"
+python_use_unqualified_type_names = True  # "Module", not "~torch.nn.modules.module.Module"
 autodoc_default_options = {"members": True, "show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

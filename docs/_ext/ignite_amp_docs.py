@@ -95,13 +95,13 @@ class ConfigReference(_Generated):
             title = f"``{prefix.rstrip('.')}``" if prefix else "Top level"
             doc = (cls.__doc__ or "").strip() if prefix else "Keys at the top of the file."
             out += [title, "-" * len(title), "", _cell(doc), "",
-                    ".. list-table::", "   :header-rows: 1", "   :widths: 22 22 14 14 28", "",
-                    "   * - key", "     - value", "     - default", "     - on resume", "     - what it does"]
+                    ".. list-table::", "   :header-rows: 1", "   :widths: 26 14 12 48", "",
+                    "   * - key", "     - default", "     - on resume", "     - what it does (and what it takes)"]
             for f in settings:
                 meta = f.metadata
                 default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-                out += [f"   * - ``{prefix}{f.name}``", f"     - {_cell(meta['check'].what)}",
-                        f"     - {_default(default)}", f"     - {meta['resume']}", f"     - {_cell(meta['doc'])}"]
+                out += [f"   * - ``{prefix}{f.name}``", f"     - {_default(default)}", f"     - {meta['resume']}",
+                        f"     - {_cell(meta['doc'])} *({_cell(meta['check'].what)})*"]
             out.append("")
         for f in fields:
             if "section" in f.metadata:
