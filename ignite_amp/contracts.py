@@ -117,11 +117,12 @@ def warn_padding_without_items(x: Any, y: Any) -> None:
     """One warning when a batch cut or accumulated without num_items has labels holding -100 (the padding
     that Hugging Face losses ignore): a sample mean then differs from the token mean. One host read."""
     labels = x.get("labels") if isinstance(x, Mapping) else None  # a BatchEncoding is a Mapping, not a dict
+    named = "y" if labels is None else 'x["labels"]'
     labels = y if labels is None else labels
     if torch.is_tensor(labels) and not labels.is_floating_point() and bool((labels == -100).any()):
         logger.warning("micro-batches or accumulation on labels holding -100 (padding) without num_items: each "
                        "chunk's mean weighs by samples, not tokens, so the gradient is not the batch's token "
-                       "mean; pass num_items=lambda x, y: (labels != -100).sum()")
+                       "mean; pass num_items=lambda x, y: (%s != -100).sum()", named)
 
 
 def warn_batch_norm(module: nn.Module) -> None:

@@ -74,6 +74,9 @@ def test_every_block_says_its_language():
     assert len(BLOCKS) > 20
     unknown = [(b.name, b.language) for b in BLOCKS if b.language not in LANGUAGES]
     assert not unknown, f"a code block needs one of {sorted(LANGUAGES)}: {unknown}"
+    for page in guide_pages():  # a fence inside a list item would escape the checks below
+        indented = re.findall(r"^[ \t]+```\w", open(page, encoding="utf-8").read(), re.M)
+        assert not indented, f"{page}: an indented code fence is not checked; move it out of the list"
 
 
 @pytest.mark.parametrize("block", of("python"))
@@ -84,6 +87,9 @@ def test_python_block_runs(block, tmp_path):
     script.write_text(block.text)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, f"{block.name}\n{proc.stderr[-3000:]}"
+    if "val accuracy" in block.text:  # a script that says it learns does
+        accuracies = [float(a) for a in re.findall(r"val accuracy ([0-9.]+)", proc.stdout)]
+        assert len(accuracies) >= 2 and accuracies[-1] > accuracies[0], proc.stdout
 
 
 @pytest.mark.parametrize("block", of("yaml"))
