@@ -199,3 +199,16 @@ def three_outputs(num_classes: int = 10) -> nn.Module:
 
 def raises_when_built(num_classes: int = 10, **kwargs) -> nn.Module:
     raise ValueError("the user's model code failed")
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium through chromedriver (tests/webdriver.py); the test is skipped without them."""
+    from webdriver import Browser, find_browser
+
+    found = find_browser()
+    if found is None:
+        pytest.skip("no chromium and chromedriver: install them from the OS packages to run this check")
+    b = Browser(*found)
+    yield b
+    b.close()

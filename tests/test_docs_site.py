@@ -11,7 +11,6 @@ import urllib.parse
 import pytest
 
 from conftest import ROOT
-from webdriver import Browser, find_browser
 
 PUBLIC = ("ignite_amp", "ignite_amp.handlers")
 
@@ -91,16 +90,6 @@ def test_the_cli_reference_shows_every_command(site):
         for action in commands[name]._actions:
             for option in action.option_strings:
                 assert option in page, (name, option)
-
-
-@pytest.fixture
-def browser():
-    found = find_browser()
-    if found is None:
-        pytest.skip("no chromium and chromedriver: install them from the OS packages to run this check")
-    b = Browser(*found)
-    yield b
-    b.close()
 
 
 def test_the_api_page_and_the_offline_search_in_a_browser(site, browser):

@@ -12,7 +12,6 @@ import pytest
 from ignite_amp import train_from_config
 from ignite_amp.cli import _dashboard_hint
 from test_tensorboard_server import serve_tensorboard
-from webdriver import Browser, find_browser
 
 DEEP = """const all = (root, sel, out = []) => { for (const el of root.querySelectorAll('*')) {
     if (el.matches(sel)) out.push(el); if (el.shadowRoot) all(el.shadowRoot, sel, out); } return out; };"""
@@ -31,16 +30,6 @@ def rgb(color: str) -> tuple:
     if color.startswith("#"):
         return tuple(int(color[i:i + 2], 16) for i in (1, 3, 5))
     return tuple(int(v) for v in re.findall(r"\d+", color)[:3])
-
-
-@pytest.fixture
-def browser():
-    found = find_browser()
-    if found is None:
-        pytest.skip("no chromium and chromedriver: install them from the OS packages to run this check")
-    b = Browser(*found)
-    yield b
-    b.close()
 
 
 @pytest.fixture
