@@ -39,7 +39,8 @@ def micro_batch_size(batch_size: int, micro_batches: int) -> int:
 
 
 def backoff_micro_batches(batch_size: int, micro_batches: int) -> Optional[int]:
-    """The chunk count that halves the micro-batch size (rounded up for odd sizes), or None at size 1.
+    """The chunk count that halves the micro-batch size (the chunk count rounded up for odd sizes), or None at
+    size 1.
 
     >>> [backoff_micro_batches(12, k) for k in (1, 2, 4, 12)]
     [2, 4, 12, None]

@@ -140,7 +140,8 @@ def create_amp_trainer(
     step compiles it (:func:`ignite_amp.checkpointing.checkpoint_blocks`; a model sharded with FSDP2
     has them checkpointed by ``shard_model(..., activation_checkpointing=True)``). Other keyword
     arguments go to :class:`AmpStep` (``micro_batches``, ``non_blocking``, ``channels_last``,
-    ``compile``, ``fp32_modules``, ``prepare_batch``, ``scaler_kwargs``).
+    ``compile``, ``fp32_modules``, ``prepare_batch``, ``scaler_kwargs``). ``compile`` left unset (None)
+    is on for float8 on a GPU and off otherwise; True or False is kept.
 
     ``dtype="float8"`` converts the model's eligible ``nn.Linear`` layers to torchao's float8 training
     (``float8_recipe``: tensorwise | rowwise | rowwise_with_gw_hp; ``float8_filter(module, name) -> bool``
