@@ -110,8 +110,11 @@ class BestCheckpoint:
         ['best_checkpoint_2_accuracy=0.9000.pt', 'last_checkpoint_3.pt']
     """
 
+    #: File-name prefix of the checkpoint saved after every evaluation (``last_checkpoint_<epoch>.pt``).
     LAST_PREFIX = "last"
+    #: File-name prefix of the ``n_saved`` best checkpoints (``best_checkpoint_<epoch>_<metric>=<score>.pt``).
     BEST_PREFIX = "best"
+    #: Suffix given to a checkpoint that does not load, so that resume passes over it.
     UNREADABLE = ".unreadable"
 
     def __init__(self, dirname: str, to_save: Mapping[str, Any], metric: str = "accuracy", n_saved: int = 2,

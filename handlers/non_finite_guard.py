@@ -50,7 +50,8 @@ class NonFiniteGuard:
         max_consecutive: skipped float16 steps in a row that stop the run.
     """
 
-    RING = 8  # flags in flight before the guard waits for the oldest (the device would be 8 iterations behind)
+    #: Flags in flight before the guard waits for the oldest (the device would be 8 iterations behind).
+    RING = 8
 
     def __init__(self, max_consecutive: int = 20):
         self.max_consecutive = argument(NonFiniteConfig, "max_consecutive", max_consecutive)

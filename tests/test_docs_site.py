@@ -56,6 +56,29 @@ def test_every_public_name_and_member_has_a_docstring():
     assert not missing, f"public names without a docstring: {missing}"
 
 
+def test_every_public_class_constant_has_a_doc_comment():
+    """A class attribute that is data (``BestCheckpoint.LAST_PREFIX``) is documented by a ``#:`` comment above it."""
+    import importlib
+
+    from sphinx.pycode import ModuleAnalyzer
+
+    missing = []
+    for module_name in PUBLIC:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not inspect.isclass(obj) or issubclass(obj, BaseException) or not obj.__module__.startswith("ignite_amp"):
+                continue
+            docs = ModuleAnalyzer.for_module(obj.__module__).find_attr_docs()
+            for attr, value in vars(obj).items():
+                if attr.startswith("_") or callable(value) or isinstance(value, (property, staticmethod, classmethod)):
+                    continue
+                if (obj.__qualname__, attr) not in docs and attr not in getattr(obj, "__members__", {}):  # enum members:
+                    # the class docstring documents them
+                    missing.append(f"{module_name}.{name}.{attr}")
+    assert not missing, f"class constants without a #: doc comment: {missing}"
+
+
 def test_every_public_name_is_in_the_api_reference(site):
     from sphinx.util.inventory import InventoryFile
 
