@@ -73,8 +73,9 @@ def test_every_public_class_constant_has_a_doc_comment():
             for attr, value in vars(obj).items():
                 if attr.startswith("_") or callable(value) or isinstance(value, (property, staticmethod, classmethod)):
                     continue
-                if (obj.__qualname__, attr) not in docs and attr not in getattr(obj, "__members__", {}):  # enum members:
-                    # the class docstring documents them
+                if attr in getattr(obj, "__members__", {}):  # enum members: the class docstring documents them
+                    continue
+                if (obj.__qualname__, attr) not in docs:
                     missing.append(f"{module_name}.{name}.{attr}")
     assert not missing, f"class constants without a #: doc comment: {missing}"
 
