@@ -10,7 +10,6 @@ import dataclasses
 import importlib
 import inspect
 import json
-import os
 
 import yaml
 from docutils import nodes
@@ -73,7 +72,7 @@ def _cell(text: str) -> str:
 
 
 def _default(value) -> str:
-    return "``" + (json.dumps(value) if value is not None else "null") + "``"
+    return "``" + json.dumps(value) + "``"
 
 
 class ConfigReference(_Generated):
@@ -89,6 +88,8 @@ class ConfigReference(_Generated):
         return out
 
     def _section(self, cls, prefix: str, out: list) -> None:
+        from ignite_amp.fields import defaults_of
+
         fields = dataclasses.fields(cls)
         settings = [f for f in fields if "section" not in f.metadata]
         if settings:
@@ -99,9 +100,8 @@ class ConfigReference(_Generated):
                     "   * - key", "     - default", "     - on resume", "     - what it does (and what it takes)"]
             for f in settings:
                 meta = f.metadata
-                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-                out += [f"   * - ``{prefix}{f.name}``", f"     - {_default(default)}", f"     - {meta['resume']}",
-                        f"     - {_cell(meta['doc'])} *({_cell(meta['check'].what)})*"]
+                out += [f"   * - ``{prefix}{f.name}``", f"     - {_default(defaults_of(f))}",
+                        f"     - {meta['resume']}", f"     - {_cell(meta['doc'])} *({_cell(meta['check'].what)})*"]
             out.append("")
         for f in fields:
             if "section" in f.metadata:
@@ -113,14 +113,14 @@ class CliReference(_Generated):
         from ignite_amp.cli import build_parser
 
         parser = build_parser()
-        os.environ["COLUMNS"] = "100"  # argparse wraps the help to the terminal's width
-        out = ["``ignite-amp``", "-" * 14, "", ".. code-block:: text", ""]
-        out += ["   " + line for line in parser.format_help().splitlines()] + [""]
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        for name, sub in subparsers.choices.items():
-            title = f"``ignite-amp {name}``"
+        out = []
+        for name, command in [("ignite-amp", parser)] + [(f"ignite-amp {n}", s) for n, s in subparsers.choices.items()]:
+            # argparse wraps the help to the terminal's width: a fixed one, whatever the terminal building the docs
+            command.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=100)
+            title = f"``{name}``"
             out += [title, "-" * len(title), "", ".. code-block:: text", ""]
-            out += ["   " + line for line in sub.format_help().splitlines()] + [""]
+            out += ["   " + line for line in command.format_help().splitlines()] + [""]
         return out
 
 
@@ -143,7 +143,7 @@ def resolve_alias(app, env, node, contnode):
         return None
     target = node["reftarget"]
     module = node.get("py:module")
-    aliases = app.env.ignite_amp_aliases if hasattr(app.env, "ignite_amp_aliases") else None
+    aliases = getattr(app.env, "ignite_amp_aliases", None)
     if aliases is None:
         aliases = app.env.ignite_amp_aliases = _aliases()
     for candidate in [target] + ([f"{module}.{target}"] if module else []):
