@@ -135,10 +135,8 @@ def check_command(words: List[str], where: str) -> None:
             assert os.path.exists(os.path.join(ROOT, args.config)), f"{where}: no file {args.config}"
     elif head == "pip" and rest[:1] == ["install"]:
         for word in rest[1:]:
-            extras = re.fullmatch(r"-e|\.|\.\[([\w,]+)\]", word)
-            if word.startswith("-e") or word == ".":
-                continue
-            if extras and extras.group(1):
+            extras = re.fullmatch(r"\.\[([\w,]+)\]", word)  # .[test] names extras; -e, . and files name none
+            if extras:
                 missing = set(extras.group(1).split(",")) - _extras()
                 assert not missing, f"{where}: setup.cfg has no extra {missing}"
     elif head in ("python", "torchrun"):

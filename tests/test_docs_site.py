@@ -32,23 +32,38 @@ def test_the_site_builds_without_a_warning(site):
     assert len(pages) >= 15 and (out / "guides" / "getting-started.html").exists()
 
 
-def public_objects():
-    """(documented name, object) of every public name, and of the public members their classes define."""
+def public_names():
+    """(documented name, object) of every name the public modules export."""
     import importlib
 
     for module_name in PUBLIC:
         module = importlib.import_module(module_name)
         for name in module.__all__:
-            obj = getattr(module, name)
-            yield f"{module_name}.{name}", obj
-            if inspect.isclass(obj) and not issubclass(obj, BaseException):
-                for klass in obj.__mro__:
-                    if not klass.__module__.startswith("ignite_amp"):
-                        continue
-                    for member, value in vars(klass).items():
-                        if member.startswith("_") or not (callable(value) or isinstance(value, property)):
-                            continue
-                        yield f"{module_name}.{name}.{member}", value
+            yield f"{module_name}.{name}", getattr(module, name)
+
+
+def own_members(cls):
+    """(member name, value, defining class) of the public attributes ``cls`` and its ignite_amp bases define."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("ignite_amp"):
+            for member, value in vars(klass).items():
+                if not member.startswith("_"):
+                    yield member, value, klass
+
+
+def public_classes():
+    for name, obj in public_names():
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            yield name, obj
+
+
+def public_objects():
+    """(documented name, object) of every public name, and of the public methods and properties of its class."""
+    yield from public_names()
+    for name, cls in public_classes():
+        for member, value, _ in own_members(cls):
+            if callable(value) or isinstance(value, property):
+                yield f"{name}.{member}", value
 
 
 def test_every_public_name_and_member_has_a_docstring():
@@ -58,25 +73,17 @@ def test_every_public_name_and_member_has_a_docstring():
 
 def test_every_public_class_constant_has_a_doc_comment():
     """A class attribute that is data (``BestCheckpoint.LAST_PREFIX``) is documented by a ``#:`` comment above it."""
-    import importlib
-
     from sphinx.pycode import ModuleAnalyzer
 
     missing = []
-    for module_name in PUBLIC:
-        module = importlib.import_module(module_name)
-        for name in module.__all__:
-            obj = getattr(module, name)
-            if not inspect.isclass(obj) or issubclass(obj, BaseException) or not obj.__module__.startswith("ignite_amp"):
+    for name, cls in public_classes():
+        for member, value, klass in own_members(cls):
+            if callable(value) or isinstance(value, (property, staticmethod, classmethod)):
                 continue
-            docs = ModuleAnalyzer.for_module(obj.__module__).find_attr_docs()
-            for attr, value in vars(obj).items():
-                if attr.startswith("_") or callable(value) or isinstance(value, (property, staticmethod, classmethod)):
-                    continue
-                if attr in getattr(obj, "__members__", {}):  # enum members: the class docstring documents them
-                    continue
-                if (obj.__qualname__, attr) not in docs:
-                    missing.append(f"{module_name}.{name}.{attr}")
+            if member in getattr(cls, "__members__", {}):  # enum members: the class docstring documents them
+                continue
+            if (klass.__qualname__, member) not in ModuleAnalyzer.for_module(klass.__module__).find_attr_docs():
+                missing.append(f"{name}.{member}")
     assert not missing, f"class constants without a #: doc comment: {missing}"
 
 

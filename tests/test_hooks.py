@@ -419,22 +419,18 @@ def test_a_models_own_loss_in_y_pred_is_the_token_mean_with_num_items():
 @pytest.mark.parametrize("in_x", [True, False])
 def test_the_padding_warning_names_where_the_labels_are(caplog, in_x):
     # The hint is code the user can paste: labels inside a dict batch are x["labels"], else y.
-    batch = padded_batch(n=4)
-    model = TinyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if in_x:
-        trainer = create_amp_trainer(model, optimizer, own_loss, device="cpu", dtype="float32", micro_batches=2,
-                                     model_fn=lm_model_fn)
-        data = [batch]
+        model = TinyLM()
+        trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), own_loss, device="cpu",
+                                     dtype="float32", micro_batches=2, model_fn=lm_model_fn)
     else:
         lm = nn.Sequential(nn.Embedding(13, 8), nn.Flatten(0, 1), nn.Linear(8, 13))
         trainer = create_amp_trainer(lm, torch.optim.SGD(lm.parameters(), lr=0.1),
                                      lambda p, y: cross_entropy(p, y.flatten()), device="cpu", dtype="float32",
                                      micro_batches=2,
                                      prepare_batch=lambda b, device, non_blocking: (b["input_ids"], b["labels"]))
-        data = [batch]
     with caplog.at_level(logging.WARNING, logger="ignite_amp"):
-        trainer.run(data, max_epochs=1)
+        trainer.run([padded_batch(n=4)], max_epochs=1)
     hints = [r.getMessage() for r in caplog.records if "without num_items" in r.getMessage()]
     named = 'x["labels"]' if in_x else "y"
     assert len(hints) == 1 and hints[0].endswith(f"num_items=lambda x, y: ({named} != -100).sum()"), hints
