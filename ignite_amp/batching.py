@@ -41,7 +41,8 @@ SPLIT_HOOK = "pass split_batch=fn(x, y, chunks) -> [(x, y), ...]"
 def prepare_batch(batch: Any, device: Optional[torch.device] = None, non_blocking: bool = False) -> Tuple[Any, Any]:
     """The default ``prepare_batch``: an ``(x, y)`` pair, or a mapping that is all input.
 
-    - ``(x, y)`` (a tuple or list of two): both moved to ``device``, as Ignite's default does.
+    - ``(x, y)`` (a tuple or list of two, or a tensor of two rows: ``x, y = batch`` as Ignite's
+      ``_prepare_batch`` unpacks it): both moved to ``device``, as Ignite's default does.
     - a mapping (``{"input_ids": ..., "labels": ...}``): ``x`` is the mapping moved to ``device`` and
       ``y`` is None, so a model that computes its own loss is served by ``loss_fn=lambda out, y: out["loss"]``
       and ``model_fn=lambda model, x: model(**x)``.
@@ -51,10 +52,11 @@ def prepare_batch(batch: Any, device: Optional[torch.device] = None, non_blockin
     """
     if isinstance(batch, Mapping):
         return to_device(batch, device, non_blocking), None
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 or torch.is_tensor(batch) and batch.shape[:1] == (2,):
         x, y = batch
         return to_device(x, device, non_blocking), to_device(y, device, non_blocking)
-    shape = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+    shape = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else
+             f"a tensor of shape {tuple(batch.shape)}" if torch.is_tensor(batch) else type(batch).__name__)
     raise ValueError(f"batch: the default prepare_batch takes (x, y) pairs or a mapping of inputs, got {shape}: "
                      f"return one of those from the loader, or pass prepare_batch=fn(batch, device, non_blocking) "
                      f"-> (x, y)")

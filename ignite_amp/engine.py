@@ -1,18 +1,23 @@
 """The engines: an Ignite ``Engine`` around a step, and the two factories users call.
 
 :func:`create_amp_trainer` and :func:`create_amp_evaluator` take Ignite's
-``create_supervised_trainer`` / ``create_supervised_evaluator`` hook names (``prepare_batch``,
-``model_fn``, ``model_transform``, ``output_transform``); handlers find the step of an engine
-with :func:`amp_step_of`.
+``create_supervised_trainer`` / ``create_supervised_evaluator`` arguments, in Ignite's order and with
+Ignite's meaning (``ignite_amp.ignite_args``), and ignite_amp's own by keyword; this module also answers
+to Ignite's names, so ``from ignite_amp.engine import Events, create_supervised_trainer,
+create_supervised_evaluator`` ports an Ignite script (the "Coming from Ignite" guide). Handlers find
+the step of an engine with :func:`amp_step_of`.
 """
 import dataclasses
+import inspect
 import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
 from ignite.engine import Engine, Events, EventsList
+from ignite.engine.deterministic import DeterministicEngine
 from torch import nn
 
+from ignite_amp.batching import prepare_batch as default_prepare_batch
 from ignite_amp.checkpointing import checkpoint_blocks, checkpointed_blocks
 from ignite_amp.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
 from ignite_amp.device import resolve_device
@@ -20,10 +25,12 @@ from ignite_amp.eval_step import EvalStep
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
 from ignite_amp.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
+from ignite_amp.ignite_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
 from ignite_amp.step import AmpStep
 from ignite_amp.step_base import StepBase, call_model, identity
 
-__all__ = ["AmpConfig", "AmpEngine", "amp_step_of", "create_amp_trainer", "create_amp_evaluator"]
+__all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "create_amp_trainer",
+           "create_amp_evaluator"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -74,11 +81,28 @@ class AmpEngine(Engine):
         if event.name in self._listened:
             self._fire_event(event)
 
+    def _handle_exception(self, e: BaseException) -> None:
+        # Ignite's only hook between a handler's error and the user (EXCEPTION_RAISED handlers, else a re-raise):
+        # its "score_function should be a number" gets the fix for a score over the 0-d tensor output.
+        super()._handle_exception(score_hint(e))
 
-def _engine(step: StepBase) -> Engine:
-    engine = AmpEngine(step)
+
+class DeterministicAmpEngine(DeterministicEngine, AmpEngine):
+    """``deterministic=True``: an :class:`AmpEngine` with Ignite's ``DeterministicEngine`` behaviour
+    (the dataloader's sampling and random states restored per epoch, so a resumed run sees the same batches)."""
+
+
+def _engine(step: StepBase, deterministic: bool = False) -> Engine:
+    engine = (DeterministicAmpEngine if deterministic else AmpEngine)(step)
     engine.amp_step = step
     return engine
+
+
+def _check_keywords(factory: Callable, step: type, kwargs: dict) -> None:
+    """Every keyword left for the step is one the step (or the float8 conversion) takes; the closest name otherwise."""
+    accepted = {*inspect.signature(factory).parameters, *inspect.signature(step.__init__).parameters,
+                "float8_recipe", "float8_filter"} - {"self", "kwargs"}
+    check_keywords(factory.__name__, kwargs, accepted)
 
 
 def amp_step_of(engine: Engine) -> StepBase:
@@ -122,25 +146,41 @@ def create_amp_trainer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable,
-    device: Union[str, torch.device] = "auto",
-    dtype: Union[str, torch.dtype] = "auto",
-    accumulation_steps: int = 1,
-    model_fn: Callable[[nn.Module, Any], Any] = call_model,
+    device: Union[str, torch.device, None] = "auto",
+    non_blocking: bool = True,
+    prepare_batch: Callable = default_prepare_batch,
     model_transform: Callable[[Any], Any] = identity,
     output_transform: Optional[Callable] = None,
+    deterministic: bool = False,
+    amp_mode: Optional[str] = None,
+    scaler: Union[bool, torch.amp.GradScaler, None] = None,
+    gradient_accumulation_steps: int = 1,
+    model_fn: Callable[[nn.Module, Any], Any] = call_model,
+    *,
+    dtype: Union[str, torch.dtype] = "auto",
+    accumulation_steps: int = 1,
     num_items: Optional[Callable[[Any, Any], Any]] = None,
     activation_checkpointing: bool = False,
     **kwargs: Any,
 ) -> Engine:
     """An Ignite ``Engine`` whose process function is an :class:`AmpStep` (``trainer.amp_step``).
 
+    The arguments up to ``model_fn`` are Ignite's ``create_supervised_trainer``'s, in its order and with
+    its meaning (the differences, each with its reason, are in the "Coming from Ignite" guide):
+    ``device=None`` is the model's device, ``amp_mode="amp"`` is ``dtype="float16"``, ``scaler`` a
+    ``GradScaler`` used as given (or True/False: one forced on or off; None: on for float16 only),
+    ``deterministic=True`` a :class:`DeterministicAmpEngine`, ``gradient_accumulation_steps`` the alias of
+    ``accumulation_steps``. ``trainer.state.scaler`` is the step's scaler, as in Ignite (checkpoint it as
+    ``to_save["scaler"]``). The rest are keyword-only.
+
     ``model_fn(model, x)``, ``model_transform(output)`` and ``output_transform(x, y, y_pred, loss)``
     are Ignite's hooks with Ignite's names; ``num_items(x, y)`` counts what a mean loss averages
     over. ``activation_checkpointing=True`` checkpoints the model's repeated blocks in place before the
     step compiles it (:func:`ignite_amp.checkpointing.checkpoint_blocks`; a model sharded with FSDP2
     has them checkpointed by ``shard_model(..., activation_checkpointing=True)``). Other keyword
-    arguments go to :class:`AmpStep` (``micro_batches``, ``non_blocking``, ``channels_last``,
-    ``compile``, ``fp32_modules``, ``prepare_batch``, ``scaler_kwargs``). ``compile`` left unset (None)
+    arguments go to :class:`AmpStep` (``micro_batches``, ``channels_last``, ``compile``, ``fp32_modules``,
+    ``scaler_kwargs``, ``batch_size``, ``split_batch``); an unknown one is a TypeError naming the closest
+    accepted name. ``compile`` left unset (None)
     is on for float8 on a GPU and off otherwise; True or False is kept.
 
     ``dtype="float8"`` converts the model's eligible ``nn.Linear`` layers to torchao's float8 training
@@ -159,14 +199,20 @@ def create_amp_trainer(
         >>> state.iteration, trainer.amp_step.dtype
         (6, torch.bfloat16)
     """
+    _check_keywords(create_amp_trainer, AmpStep, kwargs)
+    check_flags(non_blocking=non_blocking, deterministic=deterministic)
+    device = model_device(model) if device is None else device
     # The model transforms in their fixed order: float8 first, then activation checkpointing (DESIGN.md).
-    dtype, float8 = _float8(model, device, dtype, kwargs)
+    dtype, float8 = _float8(model, device, amp_dtype(amp_mode, dtype), kwargs)
     if argument(AmpConfig, "activation_checkpointing", activation_checkpointing):
         _checkpoint_activations(unwrap(model))
-    step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype, accumulation_steps=accumulation_steps,
-                   model_fn=model_fn, model_transform=model_transform, output_transform=output_transform,
-                   num_items=num_items, **kwargs)
-    engine = _engine(_with_float8(step, float8))
+    step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype,
+                   accumulation_steps=accumulation(accumulation_steps, gradient_accumulation_steps),
+                   non_blocking=non_blocking, prepare_batch=prepare_batch, model_fn=model_fn,
+                   model_transform=model_transform, output_transform=output_transform, num_items=num_items,
+                   scaler=scaler, **kwargs)
+    engine = _engine(_with_float8(step, float8), deterministic)
+    engine.state.scaler = step.scaler  # Ignite's place for it (its docs checkpoint it as to_save["scaler"])
     if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
         # float8 all-gather: the weights' scales for the next forward, once per optimizer step
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
@@ -186,14 +232,22 @@ def _checkpoint_activations(model: nn.Module) -> None:
 def create_amp_evaluator(
     model: nn.Module,
     metrics: Optional[dict] = None,
-    device: Union[str, torch.device] = "auto",
-    dtype: Union[str, torch.dtype] = "auto",
-    model_fn: Callable[[nn.Module, Any], Any] = call_model,
+    device: Union[str, torch.device, None] = "auto",
+    non_blocking: bool = True,
+    prepare_batch: Callable = default_prepare_batch,
     model_transform: Callable[[Any], Any] = identity,
     output_transform: Optional[Callable] = None,
+    amp_mode: Optional[str] = None,
+    model_fn: Callable[[nn.Module, Any], Any] = call_model,
+    *,
+    dtype: Union[str, torch.dtype] = "auto",
     **kwargs: Any,
 ) -> Engine:
     """An Ignite ``Engine`` evaluating ``model`` under autocast with no grad, with ``metrics`` attached.
+
+    The arguments up to ``model_fn`` are Ignite's ``create_supervised_evaluator``'s, in its order and with
+    its meaning (``device=None``: the model's device; ``amp_mode="amp"``: ``dtype="float16"``); ``dtype``
+    and the rest are keyword-only.
 
     Metrics whose constructor takes a ``device`` keep their state there (pass them built with
     ``device=...``; a config run does), so evaluation does not sync the
@@ -204,11 +258,15 @@ def create_amp_evaluator(
     ``model_fn``, ``model_transform`` and ``output_transform(x, y, y_pred)`` (default ``(y_pred, y)``)
     are Ignite's hooks; ``y_pred`` holds float32 tensors at any nesting, the full batch's whatever the
     micro-batches. Other keyword arguments go to :class:`EvalStep` (``micro_batches``,
-    ``non_blocking``, ``channels_last``, ``compile``, ``fp32_modules``, ``prepare_batch``).
+    ``channels_last``, ``compile``, ``fp32_modules``, ``batch_size``, ``split_batch``).
     """
+    _check_keywords(create_amp_evaluator, EvalStep, kwargs)
+    check_flags(non_blocking=non_blocking)
     model = unwrap(model)  # evaluation never communicates: no DDP forward
-    dtype, float8 = _float8(model, device, dtype, kwargs, say=False)
-    evaluator = _engine(_with_float8(EvalStep(model, device=device, dtype=dtype, model_fn=model_fn,
+    device = model_device(model) if device is None else device
+    dtype, float8 = _float8(model, device, amp_dtype(amp_mode, dtype), kwargs, say=False)
+    evaluator = _engine(_with_float8(EvalStep(model, device=device, dtype=dtype, non_blocking=non_blocking,
+                                              prepare_batch=prepare_batch, model_fn=model_fn,
                                               model_transform=model_transform, output_transform=output_transform,
                                               **kwargs), float8))
     if is_distributed():  # every rank evaluates its shard with rank 0's buffers (see AmpStep)
@@ -216,3 +274,10 @@ def create_amp_evaluator(
     for name, metric in (metrics or {}).items():
         metric.attach(evaluator, name)
     return evaluator
+
+
+#: Ignite's name of :func:`create_amp_trainer`: ``from ignite_amp.engine import Events, create_supervised_trainer``
+#: ports an Ignite script by its import line alone.
+create_supervised_trainer = create_amp_trainer
+#: Ignite's name of :func:`create_amp_evaluator` (see ``create_supervised_trainer``).
+create_supervised_evaluator = create_amp_evaluator

@@ -1,13 +1,29 @@
-"""The two reads of ``GradScaler`` state that torch keeps private, in one place.
+"""The step's ``GradScaler`` (:func:`build_scaler`), and the reads of its state that torch keeps private.
 
-torch has no public accessor for either; ``GradScaler`` itself reads both. ``tests/test_scaler.py``
+torch has no public accessor for those; ``GradScaler`` itself reads them. ``tests/test_scaler.py``
 fails loudly if a torch upgrade changes them.
 """
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-__all__ = ["found_inf", "agree_found_inf", "scale_tensor"]
+__all__ = ["build_scaler", "found_inf", "agree_found_inf", "scale_tensor"]
+
+
+def build_scaler(scaler: Union[bool, torch.amp.GradScaler, None], device: torch.device, float16: bool,
+                 scaler_kwargs: Optional[dict] = None) -> torch.amp.GradScaler:
+    """The step's ``GradScaler``: ``scaler`` itself when it is one (used as given, as Ignite does: its
+    ``init_scale``, ``growth_interval`` and ``enabled`` stand), else a new one on ``device``, enabled
+    for float16 (None) or as ``scaler`` says (True or False), built with ``scaler_kwargs``."""
+    if isinstance(scaler, torch.amp.GradScaler):
+        if scaler_kwargs:
+            raise ValueError("Argument scaler_kwargs: scaler is a GradScaler already; set its arguments when "
+                             "building it, or pass scaler=True with scaler_kwargs")
+        return scaler
+    if scaler is not None and not isinstance(scaler, bool):
+        raise TypeError(f"Argument scaler should be True, False, None or a torch.amp.GradScaler, "
+                        f"got {type(scaler).__name__}")
+    return torch.amp.GradScaler(device.type, enabled=float16 if scaler is None else scaler, **(scaler_kwargs or {}))
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:

@@ -51,7 +51,7 @@ from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.float8 import float8_change
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
-from ignite_amp.scaler import agree_found_inf, found_inf
+from ignite_amp.scaler import agree_found_inf, build_scaler, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
 from ignite_amp.nested import detach, join_chunks, to_float32
 
@@ -92,8 +92,8 @@ class AmpStep(StepBase, Serializable):
             accumulation and DDP give the gradient of the mean over every item of the cycle on
             every rank. Without it every sample of a batch weighs the same.
         scaler_kwargs: extra arguments for ``torch.amp.GradScaler`` (e.g. ``init_scale``).
-        scaler: force the scaler on or off (default: on for float16 only); ``ignite-amp compare``
-            uses it to show float16 without a scaler.
+        scaler: a ``torch.amp.GradScaler`` to use as given (Ignite's meaning), or True/False to force
+            one on or off (default: on for float16 only; ``ignite-amp compare`` shows float16 without).
         batch_size: ``batch_size(x, y) -> int``, the samples of a prepared batch (default
             :func:`ignite_amp.batching.batch_size_of`: the rows its tensors share, or a per-sample list's length).
         split_batch: ``split_batch(x, y, chunks) -> [(x, y), ...]``, a prepared batch cut into micro-batches
@@ -125,7 +125,7 @@ class AmpStep(StepBase, Serializable):
         output_transform: Optional[Callable] = None,
         num_items: Optional[Callable[[Any, Any], Any]] = None,
         scaler_kwargs: Optional[dict] = None,
-        scaler: Optional[bool] = None,
+        scaler: Union[bool, torch.amp.GradScaler, None] = None,
         batch_size: Callable[[Any, Any], int] = batch_size_of,
         split_batch: Callable[[Any, Any, int], list] = split_batch,
     ):
@@ -148,8 +148,7 @@ class AmpStep(StepBase, Serializable):
         self.fsdp = model if hasattr(model, "set_requires_gradient_sync") else None
         if self.ddp is not None:
             no_buffer_sync_in_forward(self.ddp)
-        self._scaler = torch.amp.GradScaler(self._device.type, enabled=self._dtype == torch.float16 if scaler is None
-                                            else scaler, **(scaler_kwargs or {}))
+        self._scaler = build_scaler(scaler, self._device, self._dtype == torch.float16, scaler_kwargs)
         self.oom_agreement = False
         self._track_norm = False
         self._grad_norm: Optional[torch.Tensor] = None
