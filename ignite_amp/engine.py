@@ -169,7 +169,7 @@ def create_amp_trainer(
     its meaning (the differences, each with its reason, are in the "Coming from Ignite" guide):
     ``device=None`` is the model's device, ``amp_mode="amp"`` is ``dtype="float16"``, ``scaler`` a
     ``GradScaler`` used as given (or True/False: one forced on or off; None: on for float16 only),
-    ``deterministic=True`` a :class:`DeterministicAmpEngine`, ``gradient_accumulation_steps`` the alias of
+    ``deterministic=True`` an Ignite ``DeterministicEngine``, ``gradient_accumulation_steps`` the alias of
     ``accumulation_steps``. ``trainer.state.scaler`` is the step's scaler, as in Ignite (checkpoint it as
     ``to_save["scaler"]``). The rest are keyword-only.
 
@@ -276,8 +276,10 @@ def create_amp_evaluator(
     return evaluator
 
 
-#: Ignite's name of :func:`create_amp_trainer`: ``from ignite_amp.engine import Events, create_supervised_trainer``
-#: ports an Ignite script by its import line alone.
+# Ignite's names, so that ``from ignite.engine import Engine, Events, create_supervised_trainer,
+# create_supervised_evaluator`` ports by changing ``ignite.engine`` to ``ignite_amp.engine`` (Engine and
+# Events are Ignite's own, imported above; tests/test_ignite_parity.py runs such a script).
+#: Ignite's name of :func:`create_amp_trainer` (see the "Coming from Ignite" guide).
 create_supervised_trainer = create_amp_trainer
 #: Ignite's name of :func:`create_amp_evaluator` (see ``create_supervised_trainer``).
 create_supervised_evaluator = create_amp_evaluator

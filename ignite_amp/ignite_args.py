@@ -15,6 +15,8 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ignite_amp.fields import POSITIVE_INT
+
 __all__ = ["AMP_MODES", "accumulation", "amp_dtype", "model_device", "check_flags", "check_keywords", "score_hint"]
 
 #: Ignite's ``amp_mode`` values and the dtype each means here (``"apex"`` is refused, see :func:`amp_dtype`).
@@ -28,7 +30,8 @@ _SCORE_FIX = ("ignite_amp's trainer output is a 0-d tensor (read without a host 
 
 def accumulation(accumulation_steps: int, gradient_accumulation_steps: int) -> int:
     """The accumulation steps given by either name (1, the default of both, gives way to the other)."""
-    if gradient_accumulation_steps == 1:
+    POSITIVE_INT.argument(gradient_accumulation_steps, "gradient_accumulation_steps")
+    if POSITIVE_INT.argument(accumulation_steps, "accumulation_steps") and gradient_accumulation_steps == 1:
         return accumulation_steps
     if accumulation_steps not in (1, gradient_accumulation_steps):
         raise ValueError(f"Argument gradient_accumulation_steps ({gradient_accumulation_steps}) is Ignite's name of "

@@ -84,7 +84,7 @@ def test_accumulation_steps_is_the_alias_and_both_must_agree():
         amp_trainer(accumulation_steps=2, gradient_accumulation_steps=3)
     for factory in (create_supervised_trainer, create_amp_trainer):
         model = linear()
-        with pytest.raises(ValueError):  # zero steps: refused by both
+        with pytest.raises(ValueError, match="(?i)gradient_accumulation_steps"):  # zero steps: refused by both
             factory(model, SGD(model.parameters(), 0.1), mse_loss, gradient_accumulation_steps=0)
 
 
@@ -302,6 +302,12 @@ def _load(name: str, source: str):
 
 
 def test_an_ignite_mnist_script_ports_by_one_line_and_resumes(tmp_path):
+    import ignite.engine
+
+    import ignite_amp.engine
+
+    for name in ("Engine", "Events"):  # what else an Ignite script imports from ignite.engine
+        assert getattr(ignite_amp.engine, name) is getattr(ignite.engine, name)
     path = os.path.join(ROOT, "examples", "ignite_mnist.py")
     ours = open(path, encoding="utf-8").read()
     theirs = ours.replace("from ignite_amp.engine import", "from ignite.engine import")
