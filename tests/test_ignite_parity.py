@@ -8,6 +8,7 @@ The data and the zeroed ``Linear(1, 1)`` are those of Ignite's own tests of thes
 """
 import difflib
 import importlib.util
+import inspect
 import os
 
 import pytest
@@ -280,16 +281,30 @@ def test_difference_an_accumulation_cycle_never_crosses_an_epoch():
     assert same_weights(model, our_model)
 
 
-def test_difference_dtype_auto_amp_mode_scales_and_a_sum_is_refused():
+def test_difference_dtype_auto_amp_mode_scales_non_blocking_and_a_sum_is_refused():
     model = linear()
     auto = create_amp_trainer(model, SGD(model.parameters(), 0.1), mse_loss, "cpu")
     assert auto.amp_step.dtype in (torch.bfloat16, torch.float32)  # Ignite: float32 unless amp_mode
     amp = create_amp_trainer(model, SGD(model.parameters(), 0.1), mse_loss, "cpu", amp_mode="amp")
     assert amp.amp_step.scaler.is_enabled()  # Ignite: amp_mode="amp" alone runs float16 without a scaler
+    for factory in (create_amp_trainer, create_amp_evaluator):  # Ignite: False
+        assert inspect.signature(factory).parameters["non_blocking"].default is True
     summed = create_amp_trainer(model, SGD(model.parameters(), 0.1), lambda p, y: mse_loss(p, y, reduction="sum"),
                                 "cpu")
     with pytest.raises(ValueError, match="sum"):
         summed.run(BATCHES)
+
+
+def test_difference_a_submodule_frozen_in_eval_mode_stays_frozen():
+    """Ignite calls model.train() every iteration (a frozen BatchNorm flips back); ours only when the model is in
+    eval mode, which also spares the walk over every submodule."""
+    modes = []
+    for factory, extra in ((create_supervised_trainer, {}), (create_amp_trainer, {"dtype": "float32"})):
+        model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+        model[1].eval()
+        factory(model, SGD(model.parameters(), 0.1), mse_loss, device="cpu", **extra).run(BATCHES)
+        modes.append(model[1].training)
+    assert modes == [True, False]
 
 
 # -- an Ignite MNIST script, ported by its import line -------------------------------------------------------
