@@ -30,8 +30,9 @@ _SCORE_FIX = ("ignite_amp's trainer output is a 0-d tensor (read without a host 
 
 def accumulation(accumulation_steps: int, gradient_accumulation_steps: int) -> int:
     """The accumulation steps given by either name (1, the default of both, gives way to the other)."""
+    POSITIVE_INT.argument(accumulation_steps, "accumulation_steps")
     POSITIVE_INT.argument(gradient_accumulation_steps, "gradient_accumulation_steps")
-    if POSITIVE_INT.argument(accumulation_steps, "accumulation_steps") and gradient_accumulation_steps == 1:
+    if gradient_accumulation_steps == 1:
         return accumulation_steps
     if accumulation_steps not in (1, gradient_accumulation_steps):
         raise ValueError(f"Argument gradient_accumulation_steps ({gradient_accumulation_steps}) is Ignite's name of "
