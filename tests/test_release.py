@@ -43,7 +43,8 @@ def test_ci_builds_checks_and_trains_from_the_wheel_outside_the_checkout():
              'work="$(mktemp -d)"', 'python -m build --outdir "$work/dist" .', 'twine check --strict "$work/dist"/*',
              'python -m venv --without-pip "$work/venv"',
              'python -m pip --python "$work/venv/bin/python" install --quiet "$work/dist"/*.whl',
-             'cd "$work"', '"$work/venv/bin/ignite-amp" train quickstart --set train.epochs=1']
+             'cd "$work"', '"$work/venv/bin/ignite-amp" init quickstart -o mine.yaml',
+             '"$work/venv/bin/ignite-amp" train quickstart --set train.epochs=1']
     at = [ci.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), dict(zip(steps, at))
     assert ci.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in ci
