@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import List, Optional, Tuple
 
+import ignite_amp.cli_configs as cli_configs
 from ignite_amp.version import __version__
 
 __all__ = ["main"]
@@ -30,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("config", help="a YAML config file, or a built-in config's name (ignite-amp configs)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="override a config value (repeatable), e.g. --set train.epochs=2")
     parser.add_argument("--debug", action="store_true", help="print the traceback of a failure too")
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "smallest batch within 3%% of the best samples/s")
     schema = sub.add_parser("schema", help="print the config's JSON Schema (for editors: see the config reference)")
     schema.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")
+    cli_configs.add_commands(sub)  # configs, init
     return parser
 
 
@@ -128,7 +130,7 @@ def _train_command(args: argparse.Namespace) -> str:
     """This command, quoted for a shell, without the settings the hints set themselves."""
     import shlex
 
-    words = ["ignite-amp", "train", args.config]
+    words = ["ignite-amp", "train", getattr(args, "config_as_typed", args.config)]
     for override in args.overrides:
         if override.partition("=")[0].strip() not in ("train.epochs", "handlers.checkpoint.resume"):
             words += ["--set", override]
@@ -177,6 +179,7 @@ def _dashboard_hint(tensorboard_dir: str) -> str:
 
 
 COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size, "schema": _schema}
+COMMANDS.update(cli_configs.COMMANDS)  # configs, init
 
 
 _state: dict = {}  # what the command knew before it failed (the run's log file)
@@ -272,6 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
                     signal.SIGINT: signal.getsignal(signal.SIGINT)}
     try:
+        cli_configs.resolve_config(args)  # CONFIG: a file, or a built-in config's name
         return COMMANDS[args.command](args)
     except KeyboardInterrupt as exc:
         if signals:  # a second Ctrl-C while this one is handled: no traceback

@@ -1,2 +1,2 @@
 """The package version: a leaf module, so low layers (run facts) can name it without importing the package."""
-__version__ = "0.1.0"
+__version__ = "0.2.0"

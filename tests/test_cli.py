@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from conftest import CONFIGS, ROOT
-from ignite_amp import load_config, train_from_config
+from ignite_amp import __version__, load_config, train_from_config
 from ignite_amp.cli import main
 
 
@@ -88,7 +88,7 @@ def test_help_and_version_do_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage: ignite-amp" in proc.stdout and "find-batch-size" in proc.stdout
-    assert "ignite-amp 0.1.0" in proc.stdout
+    assert f"ignite-amp {__version__}" in proc.stdout
     assert proc.stdout.rstrip().endswith("heavy: []"), proc.stdout
 
 

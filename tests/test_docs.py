@@ -16,7 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import pytest
 
@@ -111,8 +111,10 @@ def _extras() -> set:
     return set(cfg["options.extras_require"])
 
 
-def check_command(words: List[str], where: str) -> None:
-    """One documented shell command names real things."""
+def check_command(words: List[str], where: str, made: Optional[set] = None) -> None:
+    """One documented shell command names real things (a config: a file, a built-in config's name, or a file
+    that an ``ignite-amp init`` earlier in the block wrote: ``made``)."""
+    from ignite_amp.builtin_configs import builtin_names
     from ignite_amp.cli import build_parser
 
     while words and "=" in words[0] and words[0] != "CI=true":  # VAR=value before the command
@@ -132,7 +134,10 @@ def check_command(words: List[str], where: str) -> None:
             return
         args = build_parser().parse_args(rest)
         if getattr(args, "config", None):
-            assert os.path.exists(os.path.join(ROOT, args.config)), f"{where}: no file {args.config}"
+            known = os.path.exists(os.path.join(ROOT, args.config)) or args.config in builtin_names()
+            assert known or args.config in (made or ()), f"{where}: no file or built-in config {args.config}"
+        if args.command == "init" and made is not None:
+            made.add(args.output or f"{args.name}.yaml")
     elif head == "pip" and rest[:1] == ["install"]:
         for word in rest[1:]:
             extras = re.fullmatch(r"\.\[([\w,]+)\]", word)  # .[test] names extras; -e, . and files name none
@@ -144,7 +149,7 @@ def check_command(words: List[str], where: str) -> None:
         for script in scripts:
             assert os.path.exists(os.path.join(ROOT, script)), f"{where}: no file {script}"
         if "-m" in rest and head == "torchrun":  # torchrun ... -m ignite_amp train CONFIG
-            check_command(["python"] + rest[rest.index("-m"):], where)
+            check_command(["python"] + rest[rest.index("-m"):], where, made)
 
 
 @pytest.mark.parametrize("block", of("bash"))
@@ -152,6 +157,7 @@ def test_bash_block_names_real_things(block):
     if block.not_run:
         pytest.skip(block.not_run)
     text = block.text.replace("\\\n", " ")
+    made: set = set()  # the files `ignite-amp init` wrote so far in this block
     for line in text.splitlines():
         line = line.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
@@ -159,4 +165,13 @@ def test_bash_block_names_real_things(block):
         for command in re.split(r"\s*(?:&&|\|\||;)\s*", line):
             words = shlex.split(command)
             words = [w for w in words if not w.startswith("$(")]
-            check_command(words, block.name)
+            check_command(words, block.name, made)
+
+
+def test_the_command_check_knows_built_in_configs_and_the_files_init_wrote():
+    made: set = set()
+    check_command(["ignite-amp", "train", "quickstart"], "t", made)
+    with pytest.raises(AssertionError, match="no file or built-in config my_run.yaml"):
+        check_command(["ignite-amp", "train", "my_run.yaml"], "t", made)
+    check_command(["ignite-amp", "init", "quickstart", "-o", "my_run.yaml"], "t", made)
+    check_command(["ignite-amp", "train", "my_run.yaml"], "t", made)
