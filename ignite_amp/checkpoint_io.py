@@ -5,11 +5,13 @@ files to keep and which to resume from, is :class:`ignite_amp.handlers.BestCheck
 """
 import contextlib
 import errno
+import importlib
 import logging
 import os
+import re
 import shutil
 import warnings
-from typing import Any, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Iterator, List, Mapping, Optional, TypeVar
 
 import ignite.distributed as idist
 import torch
@@ -20,16 +22,20 @@ from ignite.handlers import DiskSaver
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ignite_amp.collectives import any_rank, is_distributed
-from ignite_amp.errors import CheckpointError, CheckpointWriteError, first_line
+from ignite_amp.errors import CheckpointError, CheckpointTypeError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
-           "TEMP_MARK", "STATE_FILE", "dcp_cause"]
+           "TEMP_MARK", "STATE_FILE", "dcp_cause", "TYPE_PACKAGES", "refused_class", "with_types", "type_error"]
 
 logger = logging.getLogger("ignite_amp")
 
 TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>"
 STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: what is not in its DCP shards
 SHARDED_KEYS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
+# The packages whose tensor classes a checkpoint of ours may hold, with what installs them: importing one registers
+# its classes with weights_only loading (torchao.float8: the float8 weights FSDP2 all-gathers in float8).
+TYPE_PACKAGES = {"torchao.float8": 'torchao (pip install -e ".[fp8]")'}
+T = TypeVar("T")
 
 
 class StoredValue(Serializable):
@@ -257,6 +263,48 @@ def _check_shards(path: str) -> None:
             raise CheckpointError(f"checkpoint {path}: shard {name} is {'missing' if have is None else 'truncated'}")
 
 
+def refused_class(error: BaseException) -> Optional[str]:
+    """The class a ``weights_only`` load refused (torch names it ``GLOBAL module.Class``), or None: the file is a
+    sound pickle that holds that class, not damaged bytes (those fail to decode, or name no such dotted path)."""
+    match = re.search(r"GLOBAL ([A-Za-z_][\w.]*\.[A-Za-z_]\w*) was not an allowed global", str(dcp_cause(error)))
+    return match.group(1) if match else None
+
+
+def _package(name: str) -> Optional[str]:
+    return next((p for p in TYPE_PACKAGES if name.startswith(p + ".")), None)
+
+
+def with_types(load: Callable[[], T]) -> T:
+    """``load()``; when its ``weights_only`` reading refused a class of :data:`TYPE_PACKAGES` (a float8 run's
+    shards read in a process that has not imported torchao.float8), that package is imported and ``load()``
+    runs once more. Any other error is ``load()``'s."""
+    try:
+        return load()
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        package = _package(refused_class(exc) or "")
+        if package is None:
+            raise
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise exc from None
+    return load()
+
+
+def type_error(path: str, error: BaseException) -> Optional[CheckpointTypeError]:
+    """The one-line error for a sound checkpoint that holds a class this process cannot load, or None when
+    ``error`` is not such a refusal (damage, or a checkpoint that does not fit)."""
+    name = refused_class(error)
+    if name is None:
+        return None
+    package = _package(name)
+    if package is not None:
+        return CheckpointTypeError(f"checkpoint {path}: holds {name}, which loads with {package} installed: install "
+                                   f"{TYPE_PACKAGES[package]}")
+    return CheckpointTypeError(f"checkpoint {path}: holds {name}, which weights-only loading refuses (a class "
+                               f"ignite-amp does not save: not a checkpoint of this run)")
+
+
 def load_checkpoint(path: str) -> dict:
     """``torch.load(path, weights_only=True)`` on the CPU; a missing or unreadable file is a CheckpointError.
 
@@ -271,8 +319,11 @@ def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = with_types(lambda: torch.load(path, map_location="cpu", weights_only=True))
     except Exception as exc:  # truncated zip, foreign pickle...: whatever torch.load raised
+        refused = type_error(path, exc)
+        if refused is not None:  # a sound file: never taken for damage
+            raise refused from None
         raise CheckpointError(f"checkpoint {path}: truncated or not a checkpoint file "
                               f"({exc.__class__.__name__})") from None
     if not isinstance(state, dict):
