@@ -21,7 +21,7 @@ from ignite.base.mixins import Serializable
 from ignite.handlers import DiskSaver
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.collectives import any_rank, is_distributed
+from ignite_amp.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.errors import CheckpointError, CheckpointTypeError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
@@ -29,7 +29,7 @@ __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint"
 
 logger = logging.getLogger("ignite_amp")
 
-TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>"
+TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>" (of a sharded one: rank 0's pid)
 STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: what is not in its DCP shards
 SHARDED_KEYS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
 # The packages whose tensor classes a checkpoint of ours may hold, with what installs them: importing one registers
@@ -120,10 +120,11 @@ class SafeDiskSaver(DiskSaver):
 
     @staticmethod
     def remove_temp_files(dirname: str) -> List[str]:
-        """Remove what killed saves left (``.<name>.tmp-<pid>``); returns their names."""
+        """Remove what killed saves left (``.<name>.tmp-<pid>``); returns their names. A temp file whose pid is a
+        live process other than this one is a save in progress (another script on the same directory): kept."""
         if not os.path.isdir(dirname):
             return []
-        left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n]
+        left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n and not _saving(n)]
         for name in left:
             try:
                 remove_path(os.path.join(dirname, name))
@@ -136,7 +137,7 @@ class ShardedDiskSaver(SafeDiskSaver):
     """Crash-safe saves of a sharded model's checkpoint: a directory per checkpoint.
 
     Every rank writes its shards of ``model`` and ``optimizer`` with ``torch.distributed.checkpoint``
-    into ``.<name>.tmp-save`` (torch fsyncs them), rank 0 adds the rest as ``state.pt`` (fsynced),
+    into ``.<name>.tmp-<pid of rank 0>`` (torch fsyncs them), rank 0 adds the rest as ``state.pt`` (fsynced),
     then renames the directory into place and only then removes the checkpoints it replaces. The
     ranks agree on the outcome, so a failed write (disk full on any rank) raises
     :class:`~ignite_amp.errors.CheckpointWriteError` on every rank and keeps the old checkpoints.
@@ -145,7 +146,8 @@ class ShardedDiskSaver(SafeDiskSaver):
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Optional[Mapping] = None) -> None:
         main = idist.get_rank() == self.save_on_rank
         path = os.path.join(self.dirname, filename)
-        tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}save")
+        pid = broadcast_text(str(os.getpid()), src=self.save_on_rank)  # its pid names the save in progress
+        tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}{pid}")
         error: Optional[BaseException] = None
         try:
             if main:
@@ -161,7 +163,7 @@ class ShardedDiskSaver(SafeDiskSaver):
                     f.flush()
                     os.fsync(f.fileno())
                 _fsync_dir(tmp)
-                old = os.path.join(self.dirname, f".{filename}{TEMP_MARK}old")
+                old = f"{tmp}-old"
                 if os.path.exists(path):  # Ignite overwrites a name it saved before: keep it until the new one is in
                     shutil.rmtree(old, ignore_errors=True)
                     os.replace(path, old)
@@ -232,6 +234,22 @@ def remove_path(path: str) -> None:
             os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def _saving(name: str) -> bool:
+    """Whether the temp file ``name`` (``.<name>.tmp-<pid>[-old]``) is a save in progress: its pid is a live process
+    other than this one (this one is not saving while it attaches; a killed run's pid may come back after a
+    restart). A pid reused by an unrelated process keeps a stale file until a later attach: it costs only space."""
+    match = re.search(rf"{re.escape(TEMP_MARK)}(\d+)(?:-old)?$", name)
+    if match is None or int(match.group(1)) in (os.getpid(), 0):
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)  # signal 0: only asks whether the process exists
+    except PermissionError:  # another user's live process
+        return True
+    except (OSError, OverflowError):  # no such process (ProcessLookupError), or a pid no process can have
+        return False
+    return True
 
 
 def _fsync_dir(dirname: str) -> None:

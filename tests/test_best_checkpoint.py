@@ -107,6 +107,25 @@ def test_a_last_checkpoint_a_killed_save_left_behind_is_removed_on_resume(tmp_pa
     assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
 
 
+def test_attach_keeps_the_temp_files_of_saves_in_progress_in_other_live_processes(tmp_path):
+    """Issue 39.6: a second script on the same directory removed the first's in-flight temp file as stale, and the
+    first died in FileNotFoundError. A temp file is stale when its pid is gone, or this process's (a restart)."""
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    live = os.getppid()  # alive, and not this process
+    stale = [f".last_checkpoint_1.pt.tmp-{ended.pid}", f".best_checkpoint_1_accuracy=0.5000.pt.tmp-{os.getpid()}",
+             ".last_checkpoint_2.dcp.tmp-save", f".last_checkpoint_2.dcp.tmp-{ended.pid}-old"]
+    in_flight = [f".last_checkpoint_3.pt.tmp-{live}", f".last_checkpoint_3.dcp.tmp-{live}",
+                 f".last_checkpoint_3.dcp.tmp-{live}-old"]
+    for name in stale + in_flight:
+        (tmp_path / name).mkdir() if ".dcp." in name else (tmp_path / name).write_bytes(b"half a checkpoint")
+    trainer, _ = scripted(tmp_path, [])
+    assert sorted(os.listdir(tmp_path)) == sorted(in_flight)
+
+
 def test_nothing_to_resume_returns_none(tmp_path):
     _, ckpt = scripted(tmp_path, [])
     assert ckpt.resume() is None
