@@ -34,7 +34,7 @@ STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: what is not in i
 SHARDED_KEYS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
 # The packages whose tensor classes a checkpoint of ours may hold, with what installs them: importing one registers
 # its classes with weights_only loading (torchao.float8: the float8 weights FSDP2 all-gathers in float8).
-TYPE_PACKAGES = {"torchao.float8": 'torchao (pip install -e ".[fp8]")'}
+TYPE_PACKAGES = {"torchao.float8": 'torchao to load: pip install -e ".[fp8]" (or pip install "torchao>=0.10")'}
 T = TypeVar("T")
 
 
@@ -317,8 +317,7 @@ def type_error(path: str, error: BaseException) -> Optional[CheckpointTypeError]
         return None
     package = _package(name)
     if package is not None:
-        return CheckpointTypeError(f"checkpoint {path}: holds {name}, which loads with {package} installed: install "
-                                   f"{TYPE_PACKAGES[package]}")
+        return CheckpointTypeError(f"checkpoint {path}: holds {name}, which needs {TYPE_PACKAGES[package]}")
     return CheckpointTypeError(f"checkpoint {path}: holds {name}, which weights-only loading refuses (a class "
                                f"ignite-amp does not save: not a checkpoint of this run)")
 
