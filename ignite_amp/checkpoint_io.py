@@ -284,7 +284,8 @@ def _check_shards(path: str) -> None:
 def refused_class(error: BaseException) -> Optional[str]:
     """The class a ``weights_only`` load refused (torch names it ``GLOBAL module.Class``), or None: the file is a
     sound pickle that holds that class, not damaged bytes (those fail to decode, or name no such dotted path)."""
-    match = re.search(r"GLOBAL ([A-Za-z_][\w.]*\.[A-Za-z_]\w*) was not an allowed global", str(dcp_cause(error)))
+    match = re.search(r"GLOBAL ([A-Za-z_][\w.]*\.[A-Za-z_]\w*) (?:was not an allowed global|whose module)",
+                      str(dcp_cause(error)))
     return match.group(1) if match else None
 
 
