@@ -8,11 +8,24 @@ other batches. Here the position in the stream is the number of batches trained 
 ``p`` runs in the order of ``sampler.set_epoch(p + 1)`` (the order an epoch-long pass would have), and a stream
 that starts inside a pass leaves out, in the sampler, the batches of it already trained, without loading them.
 """
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
+from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader
 
-__all__ = ["PassStream"]
+__all__ = ["PassStream", "training_data"]
+
+
+def training_data(trainer: Engine, loader: DataLoader, epoch_length: Optional[int]) -> Any:
+    """What ``trainer.run`` trains on: ``loader``, its sampler's order drawn from each epoch's number (an epoch is a
+    pass, restarted by Ignite); with an ``epoch_length``, a :class:`PassStream` that starts at the trainer's
+    iteration (the passes' order drawn from their numbers)."""
+    if epoch_length is not None:
+        return PassStream(loader, lambda: trainer.state.iteration)
+    sampler = loader.sampler
+    if hasattr(sampler, "set_epoch"):
+        trainer.add_event_handler(Events.EPOCH_STARTED, lambda engine: sampler.set_epoch(engine.state.epoch))
+    return loader
 
 
 class PassStream:

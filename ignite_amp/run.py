@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import ignite.distributed as idist
 import torch
-from ignite.engine import Engine, Events
+from ignite.engine import Engine
 from ignite.metrics import Accuracy, Loss
 
 from ignite_amp.resume import plan_resume, resume_run
@@ -27,7 +27,7 @@ from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuar
                                  StepSchedule, TensorBoardMetrics)
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
-from ignite_amp.passes import PassStream
+from ignite_amp.passes import training_data
 from ignite_amp.sharding import check_shardable, shard_model
 from ignite_amp.rundir import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
 from ignite_amp.device import describe_device, dtype_name
@@ -223,18 +223,14 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     trainer, evaluator, optimizer = _engines(cfg, model, optimizer, device, files)
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
     scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
-    sampler = train_loader.sampler
-    if hasattr(sampler, "set_epoch") and cfg["train"]["epoch_length"] is None:  # each epoch's order follows from
-        trainer.add_event_handler(Events.EPOCH_STARTED, lambda engine: sampler.set_epoch(engine.state.epoch))  # its number
+    train_data = training_data(trainer, train_loader, cfg["train"]["epoch_length"])  # each pass's order: its number
 
     to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
     if scheduler is not None:
         to_save["scheduler"] = scheduler
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
               files)
-    run.command, run.batch_search = command, batch_search
-    if cfg["train"]["epoch_length"] is not None:  # epochs are not passes: a resume continues the pass in progress
-        run.train_data = PassStream(train_loader, lambda: trainer.state.iteration)
+    run.command, run.batch_search, run.train_data = command, batch_search, train_data
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     if progress:
