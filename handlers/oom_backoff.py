@@ -79,7 +79,8 @@ class OOMBackoff(Serializable):
         min_batch_size: smallest micro-batch to try.
         mode: ``"micro_batch"`` keeps the loader's batch; ``"batch"`` also makes the loader yield
             the smaller batch from the next epoch on (the effective batch then changes; the
-            current epoch finishes in micro-batches).
+            current epoch finishes in micro-batches). That is decided at the next epoch's start,
+            from this handler's state, so a resume from the checkpoint of this epoch decides the same.
         grow_after: after this many clean iterations, try the previous (larger) micro-batch again.
     """
 
