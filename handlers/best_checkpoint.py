@@ -203,8 +203,9 @@ class BestCheckpoint:
         state too), newest first. Files that do not load (truncated, not a checkpoint) and are
         newer than the one chosen are renamed ``<name>.unreadable`` (kept, never picked again)
         and named in a warning. When files are there but none loads, it raises a CheckpointError
-        naming them and the way out (nothing is renamed). Callable before the run is built, so
-        the stored config can be compared with the new one first. ``of_a_config``: only files that hold
+        naming them and the way out (nothing is renamed). A sound file that holds a class this process cannot
+        load is not damage: ``CheckpointTypeError`` (one line) at once, nothing renamed. Callable before the run
+        is built, so the stored config can be compared with the new one first. ``of_a_config``: only files that hold
         a trainer and a config, as a config run's do (a script's may hold any subset of its objects).
         """
         candidates = [(cls.LAST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.LAST_PREFIX))]
