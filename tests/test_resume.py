@@ -242,12 +242,7 @@ def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_direc
     assert f"resumed from {ckpts}/last_checkpoint_2.pt at epoch 2" in out and "epoch 3/3" in out
 
 
-# --- a run that dies mid-epoch resumes to the uninterrupted run's weights, bit for bit -----------------------------
-class Killed(BaseException):
-    """Stands in for kill -9 inside epoch 2: nothing after the epoch-1 checkpoint reaches the disk (what a kill
-    does to the files, at every point of a save, is tests/test_run_state.py's)."""
-
-
+# --- a run killed mid-epoch resumes to the uninterrupted run's weights, bit for bit ------------------------------
 OOM = {"model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 16}}}  # batches of 32: 2 chunks
 COMBINATIONS = {  # a pass over the loader is 4 batches of 32
     "float8-epoch_length-cosine": {"amp": {"dtype": "float8"}, "scheduler": {"name": "cosine"},
@@ -270,30 +265,44 @@ def resumable(tmp_path, name, over):
     return cfg
 
 
-@pytest.mark.parametrize("over", COMBINATIONS.values(), ids=COMBINATIONS)
-def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, over):
-    """Issue 39.2, 39.3: train.epoch_length shorter than the loader (a resume started a new pass where the run was in
-    the middle of one), OOMBackoff mode batch (the checkpoint was written before the loader shrank); with float8, the
-    schedules and the other backoff mode: the run dies in epoch 2 and resumes to the same weights."""
+def _killed_in_epoch_2(cfg):
+    """A forked child: the run ends by ``os._exit`` inside epoch 2, after the epoch-1 checkpoint (nothing of the
+    process runs afterwards, as with kill -9; one thread, as in tests/test_run_state.py)."""
     from ignite.engine import Events
 
     from ignite_amp.run import build_run
 
-    straight = build_run(resumable(tmp_path, "straight", over), print_fn=lambda *a: None)
-    straight.train()
+    torch.set_num_threads(1)
+    run = build_run(cfg, print_fn=lambda *a: None)
+    run.trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: e.state.epoch == 2 and os._exit(137))
+    run.train()
+    os._exit(0)
 
-    killed = build_run(resumable(tmp_path, "killed", over), print_fn=lambda *a: None)
 
-    @killed.trainer.on(Events.ITERATION_COMPLETED)
-    def die(engine):
-        if engine.state.epoch == 2:
-            raise Killed()
+@pytest.mark.parametrize("over", COMBINATIONS.values(), ids=COMBINATIONS)
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, over):
+    """Issue 39.2, 39.3: train.epoch_length shorter than the loader (a resume started a new pass where the run was in
+    the middle of one), OOMBackoff mode batch (the checkpoint was written before the loader shrank); with float8, the
+    schedules and the other backoff mode: the run is killed in epoch 2 and resumes to the same weights."""
+    import multiprocessing
 
-    with pytest.raises(Killed):
-        killed.train()
-    resumed = build_run(resumable(tmp_path, "killed", over), print_fn=lambda *a: None)
-    assert resumed.resumed_from.endswith("last_checkpoint_1.pt")
-    resumed.train()
+    from ignite_amp.run import build_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the killed child's count: the weights then compare bit for bit
+    try:
+        straight = build_run(resumable(tmp_path, "straight", over), print_fn=lambda *a: None)
+        straight.train()
+        child = multiprocessing.get_context("fork").Process(target=_killed_in_epoch_2,
+                                                            args=(resumable(tmp_path, "killed", over),))
+        child.start()
+        child.join(300)
+        assert child.exitcode == 137
+        resumed = build_run(resumable(tmp_path, "killed", over), print_fn=lambda *a: None)
+        assert resumed.resumed_from.endswith("last_checkpoint_1.pt")
+        resumed.train()
+    finally:
+        torch.set_num_threads(threads)
     assert [h["epoch"] for h in resumed.history] == [2]
     expected, got = straight.model.state_dict(), resumed.model.state_dict()
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
