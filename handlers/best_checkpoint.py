@@ -13,9 +13,10 @@ from ignite.handlers import Checkpoint, global_step_from_engine
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, dcp_cause,
-                                      load_checkpoint, remove_path)
+                                      load_checkpoint, remove_path, type_error)
 from ignite_amp.collectives import any_rank, broadcast_text, is_distributed
-from ignite_amp.errors import CheckpointError, NonFiniteError, UnreadableCheckpointError, first_line
+from ignite_amp.errors import (CheckpointError, CheckpointTypeError, NonFiniteError, UnreadableCheckpointError,
+                               first_line)
 from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.metric_modes import metric_mode, require_metric
 from ignite_amp.rng import RNGState
@@ -202,8 +203,9 @@ class BestCheckpoint:
         state too), newest first. Files that do not load (truncated, not a checkpoint) and are
         newer than the one chosen are renamed ``<name>.unreadable`` (kept, never picked again)
         and named in a warning. When files are there but none loads, it raises a CheckpointError
-        naming them and the way out (nothing is renamed). Callable before the run is built, so
-        the stored config can be compared with the new one first. ``of_a_config``: only files that hold
+        naming them and the way out (nothing is renamed). A sound file that holds a class this process cannot
+        load is not damage: ``CheckpointTypeError`` (one line) at once, nothing renamed. Callable before the run
+        is built, so the stored config can be compared with the new one first. ``of_a_config``: only files that hold
         a trainer and a config, as a config run's do (a script's may hold any subset of its objects).
         """
         candidates = [(cls.LAST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.LAST_PREFIX))]
@@ -216,6 +218,8 @@ class BestCheckpoint:
                 if of_a_config and ("trainer" not in state or "config" not in state):
                     raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing "
                                           f"{', '.join(k for k in ('trainer', 'config') if k not in state)})")
+            except CheckpointTypeError:  # sound, but not loadable here: never renamed, and no older one is taken
+                raise
             except CheckpointError as exc:
                 skipped.append((path, str(exc).split(": ", 1)[-1]))
                 continue
@@ -313,6 +317,9 @@ class BestCheckpoint:
                 first = first_line(dcp_cause(exc))
                 # Damaged bytes, or a checkpoint that does not fit? Rank 0 reads it back to tell, for every rank.
                 unreadable = broadcast_text((unreadable_shards(path) or "") if idist.get_rank() == 0 else "")
+                refused = type_error(path, exc)
+                if refused is not None and not unreadable:  # a sound file this process cannot load: not damage
+                    raise refused from None
                 if unreadable:
                     raise UnreadableCheckpointError(f"checkpoint {path}: a shard does not read back "
                                                     f"({unreadable})") from None

@@ -79,7 +79,8 @@ class OOMBackoff(Serializable):
         min_batch_size: smallest micro-batch to try.
         mode: ``"micro_batch"`` keeps the loader's batch; ``"batch"`` also makes the loader yield
             the smaller batch from the next epoch on (the effective batch then changes; the
-            current epoch finishes in micro-batches).
+            current epoch finishes in micro-batches). That is decided at the next epoch's start,
+            from this handler's state, so a resume from the checkpoint of this epoch decides the same.
         grow_after: after this many clean iterations, try the previous (larger) micro-batch again.
     """
 
@@ -107,8 +108,7 @@ class OOMBackoff(Serializable):
         if self.grow_after is not None:
             engine.add_event_handler(Events.ITERATION_COMPLETED, self._grow)
         if self.mode == "batch":
-            engine.add_event_handler(Events.STARTED, self._apply_loader_batch_size)
-            engine.add_event_handler(Events.EPOCH_COMPLETED, self._shrink_loader)
+            engine.add_event_handler(Events.EPOCH_STARTED, self._shrink_loader)
 
     def __call__(self, engine: Engine) -> None:
         step = self.step
@@ -133,19 +133,18 @@ class OOMBackoff(Serializable):
             self.clean = 0
 
     def _shrink_loader(self, engine: Engine) -> None:
+        """At each epoch's start (not at the previous one's end: the checkpoint saved there must hold what the
+        next epoch starts from, so a resume makes the same choice): after backoffs, the loader yields the
+        micro-batch size that worked, in one micro-batch."""
         step, loader = self.step, engine.state.dataloader
         # The loader's batch, not the epoch's last (often partial) one.
         full = loader.batch_size if isinstance(loader, DataLoader) and loader.batch_size else step.batch_size
-        if step.micro_batches > 1 and full > 1:
+        if self.history and step.micro_batches > 1 and full and full > 1:
             self.loader_batch_size = micro_batch_size(full, step.micro_batches)
             step.micro_batches = 1
             self.history.clear()
-            self._apply_loader_batch_size(engine)
             logger.warning("the loader yields batches of %d from epoch %d on", self.loader_batch_size,
-                           engine.state.epoch + 1)
-
-    def _apply_loader_batch_size(self, engine: Engine) -> None:
-        loader = engine.state.dataloader
+                           engine.state.epoch)
         if self.loader_batch_size is None or not isinstance(loader, DataLoader) or loader.batch_size is None:
             return
         if loader.batch_size == self.loader_batch_size:
@@ -155,7 +154,7 @@ class OOMBackoff(Serializable):
         # Ignite keeps epoch_length across set_data: make it the new loader's, and keep the
         # iteration a whole number of epochs so resume and the end-of-run check stay right.
         engine.state.epoch_length = len(new)
-        engine.state.iteration = engine.state.epoch * len(new)
+        engine.state.iteration = (engine.state.epoch - 1) * len(new)
 
     def state_dict(self) -> dict:
         """The backoffs so far (count, history, the loader's batch size) for a checkpoint."""

@@ -5,11 +5,13 @@ files to keep and which to resume from, is :class:`ignite_amp.handlers.BestCheck
 """
 import contextlib
 import errno
+import importlib
 import logging
 import os
+import re
 import shutil
 import warnings
-from typing import Any, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Iterator, List, Mapping, Optional, TypeVar
 
 import ignite.distributed as idist
 import torch
@@ -19,17 +21,21 @@ from ignite.base.mixins import Serializable
 from ignite.handlers import DiskSaver
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.collectives import any_rank, is_distributed
-from ignite_amp.errors import CheckpointError, CheckpointWriteError, first_line
+from ignite_amp.collectives import any_rank, broadcast_text, is_distributed
+from ignite_amp.errors import CheckpointError, CheckpointTypeError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
-           "TEMP_MARK", "STATE_FILE", "dcp_cause"]
+           "TEMP_MARK", "STATE_FILE", "dcp_cause", "TYPE_PACKAGES", "refused_class", "with_types", "type_error"]
 
 logger = logging.getLogger("ignite_amp")
 
-TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>"
+TEMP_MARK = ".tmp-"  # a save in progress: ".<filename>.tmp-<pid>" (of a sharded one: rank 0's pid)
 STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: what is not in its DCP shards
 SHARDED_KEYS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
+# The packages whose tensor classes a checkpoint of ours may hold, with what installs them: importing one registers
+# its classes with weights_only loading (torchao.float8: the float8 weights FSDP2 all-gathers in float8).
+TYPE_PACKAGES = {"torchao.float8": 'torchao to load: pip install -e ".[fp8]" (or pip install "torchao>=0.10")'}
+T = TypeVar("T")
 
 
 class StoredValue(Serializable):
@@ -114,10 +120,11 @@ class SafeDiskSaver(DiskSaver):
 
     @staticmethod
     def remove_temp_files(dirname: str) -> List[str]:
-        """Remove what killed saves left (``.<name>.tmp-<pid>``); returns their names."""
+        """Remove what killed saves left (``.<name>.tmp-<pid>``); returns their names. A temp file whose pid is a
+        live process other than this one is a save in progress (another script on the same directory): kept."""
         if not os.path.isdir(dirname):
             return []
-        left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n]
+        left = [n for n in os.listdir(dirname) if n.startswith(".") and TEMP_MARK in n and not _saving(n)]
         for name in left:
             try:
                 remove_path(os.path.join(dirname, name))
@@ -130,7 +137,7 @@ class ShardedDiskSaver(SafeDiskSaver):
     """Crash-safe saves of a sharded model's checkpoint: a directory per checkpoint.
 
     Every rank writes its shards of ``model`` and ``optimizer`` with ``torch.distributed.checkpoint``
-    into ``.<name>.tmp-save`` (torch fsyncs them), rank 0 adds the rest as ``state.pt`` (fsynced),
+    into ``.<name>.tmp-<pid of rank 0>`` (torch fsyncs them), rank 0 adds the rest as ``state.pt`` (fsynced),
     then renames the directory into place and only then removes the checkpoints it replaces. The
     ranks agree on the outcome, so a failed write (disk full on any rank) raises
     :class:`~ignite_amp.errors.CheckpointWriteError` on every rank and keeps the old checkpoints.
@@ -139,7 +146,8 @@ class ShardedDiskSaver(SafeDiskSaver):
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Optional[Mapping] = None) -> None:
         main = idist.get_rank() == self.save_on_rank
         path = os.path.join(self.dirname, filename)
-        tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}save")
+        pid = broadcast_text(str(os.getpid()), src=self.save_on_rank)  # its pid names the save in progress
+        tmp = os.path.join(self.dirname, f".{filename}{TEMP_MARK}{pid}")
         error: Optional[BaseException] = None
         try:
             if main:
@@ -155,7 +163,7 @@ class ShardedDiskSaver(SafeDiskSaver):
                     f.flush()
                     os.fsync(f.fileno())
                 _fsync_dir(tmp)
-                old = os.path.join(self.dirname, f".{filename}{TEMP_MARK}old")
+                old = f"{tmp}-old"
                 if os.path.exists(path):  # Ignite overwrites a name it saved before: keep it until the new one is in
                     shutil.rmtree(old, ignore_errors=True)
                     os.replace(path, old)
@@ -228,6 +236,22 @@ def remove_path(path: str) -> None:
         pass
 
 
+def _saving(name: str) -> bool:
+    """Whether the temp file ``name`` (``.<name>.tmp-<pid>[-old]``) is a save in progress: its pid is a live process
+    other than this one (this one is not saving while it attaches; a killed run's pid may come back after a
+    restart). A pid reused by an unrelated process keeps a stale file until a later attach: it costs only space."""
+    match = re.search(rf"{re.escape(TEMP_MARK)}(\d+)(?:-old)?$", name)
+    if match is None or int(match.group(1)) in (os.getpid(), 0):
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)  # signal 0: only asks whether the process exists
+    except PermissionError:  # another user's live process
+        return True
+    except (OSError, OverflowError):  # no such process (ProcessLookupError), or a pid no process can have
+        return False
+    return True
+
+
 def _fsync_dir(dirname: str) -> None:
     try:
         fd = os.open(dirname, os.O_RDONLY)
@@ -257,6 +281,48 @@ def _check_shards(path: str) -> None:
             raise CheckpointError(f"checkpoint {path}: shard {name} is {'missing' if have is None else 'truncated'}")
 
 
+def refused_class(error: BaseException) -> Optional[str]:
+    """The class a ``weights_only`` load refused (torch names it ``GLOBAL module.Class``), or None: the file is a
+    sound pickle that holds that class, not damaged bytes (those fail to decode, or name no such dotted path)."""
+    match = re.search(r"GLOBAL ([A-Za-z_][\w.]*\.[A-Za-z_]\w*) (?:was not an allowed global|whose module)",
+                      str(dcp_cause(error)))
+    return match.group(1) if match else None
+
+
+def _package(name: str) -> Optional[str]:
+    return next((p for p in TYPE_PACKAGES if name.startswith(p + ".")), None)
+
+
+def with_types(load: Callable[[], T]) -> T:
+    """``load()``; when its ``weights_only`` reading refused a class of :data:`TYPE_PACKAGES` (a float8 run's
+    shards read in a process that has not imported torchao.float8), that package is imported and ``load()``
+    runs once more. Any other error is ``load()``'s."""
+    try:
+        return load()
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        package = _package(refused_class(exc) or "")
+        if package is None:
+            raise
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise exc from None
+    return load()
+
+
+def type_error(path: str, error: BaseException) -> Optional[CheckpointTypeError]:
+    """The one-line error for a sound checkpoint that holds a class this process cannot load, or None when
+    ``error`` is not such a refusal (damage, or a checkpoint that does not fit)."""
+    name = refused_class(error)
+    if name is None:
+        return None
+    package = _package(name)
+    if package is not None:
+        return CheckpointTypeError(f"checkpoint {path}: holds {name}, which needs {TYPE_PACKAGES[package]}")
+    return CheckpointTypeError(f"checkpoint {path}: holds {name}, which weights-only loading refuses (a class "
+                               f"ignite-amp does not save: not a checkpoint of this run)")
+
+
 def load_checkpoint(path: str) -> dict:
     """``torch.load(path, weights_only=True)`` on the CPU; a missing or unreadable file is a CheckpointError.
 
@@ -271,8 +337,11 @@ def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = with_types(lambda: torch.load(path, map_location="cpu", weights_only=True))
     except Exception as exc:  # truncated zip, foreign pickle...: whatever torch.load raised
+        refused = type_error(path, exc)
+        if refused is not None:  # a sound file: never taken for damage
+            raise refused from None
         raise CheckpointError(f"checkpoint {path}: truncated or not a checkpoint file "
                               f"({exc.__class__.__name__})") from None
     if not isinstance(state, dict):

@@ -19,7 +19,7 @@ from ignite_amp.errors import ConfigError
 from ignite_amp.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
 
-__all__ = ["DataConfig", "EpochShuffleSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -219,21 +219,39 @@ class EpochShuffleSampler(Sampler):
     """Random order drawn from ``seed + epoch``: an epoch's order depends on its number alone.
 
     So a resumed run sees the same batches as an uninterrupted one. ``set_epoch`` is called
-    at each ``EPOCH_STARTED``, like ``DistributedSampler.set_epoch``.
+    at each ``EPOCH_STARTED``, like ``DistributedSampler.set_epoch``; ``start`` leaves out the
+    first samples of that order (a resume in the middle of a pass, :mod:`ignite_amp.passes`).
     """
 
     def __init__(self, length: int, seed: int = 0):
-        self.length, self.seed, self.epoch = length, seed, 0
+        self.length, self.seed, self.epoch, self.start = length, seed, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The pass's order (``seed + epoch``), less its first ``start`` samples."""
+        self.epoch, self.start = epoch, start
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.length, generator=generator).tolist())
+        return iter(torch.randperm(self.length, generator=generator)[self.start:].tolist())
 
     def __len__(self) -> int:
         return self.length
+
+
+class ShuffleShardSampler(DistributedSampler):
+    """``DistributedSampler`` (shuffled from ``seed + epoch``) whose ``set_epoch`` also takes ``start``: the
+    first samples of this rank's shard to leave out, as :class:`EpochShuffleSampler`'s."""
+
+    #: Samples of this rank's shard left out of the next pass (set by :meth:`set_epoch`).
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The pass's order (``seed + epoch``), less its first ``start`` samples."""
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
 
 
 class EvenShardSampler(DistributedSampler):
@@ -286,7 +304,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
     ``batch_size / N`` (validation: rounded down; and ``num_workers`` is shared out over the processes of a machine). The
     training order is drawn from ``seed + epoch`` (``set_epoch``), the same permutation in one
-    process (:class:`EpochShuffleSampler`) as over N (``DistributedSampler``), so the global
+    process (:class:`EpochShuffleSampler`) as over N (:class:`ShuffleShardSampler`), so the global
     batches are the same sets of samples. Validation is sharded without padding.
     ``no_single_last``: a training epoch whose last batch would hold one sample (which BatchNorm
     cannot train on) leaves it out, with a warning; the order is shuffled, so not the same sample.
@@ -305,7 +323,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         if train and batch_size % world:
             raise ConfigError(f"data.batch_size: {batch_size} is the global batch and should divide evenly over "
                               f"{world} processes")
-        sampler = DistributedSampler(dataset, shuffle=True, seed=seed) if train else EvenShardSampler(dataset)
+        sampler = ShuffleShardSampler(dataset, shuffle=True, seed=seed) if train else EvenShardSampler(dataset)
     else:
         sampler = EpochShuffleSampler(len(dataset), seed) if train else None
     drop_last = False

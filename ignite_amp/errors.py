@@ -10,7 +10,7 @@ Two families, told apart by the CLI:
 
 __all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
            "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "UnreadableCheckpointError",
-           "RankDiedError", "BatchError", "USER_ERRORS", "RUN_STOPPED"]
+           "CheckpointTypeError", "RankDiedError", "BatchError", "USER_ERRORS", "RUN_STOPPED"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -30,6 +30,11 @@ class CheckpointError(ValueError):
 class UnreadableCheckpointError(CheckpointError):
     """A checkpoint whose stored bytes do not read back (a shard overwritten, say): a resume that chose it
     itself falls back to the previous one."""
+
+
+class CheckpointTypeError(CheckpointError):
+    """A sound checkpoint that holds a class this process cannot load (float8 weights without torchao, a class
+    weights-only loading refuses): never taken for damage, never renamed; one line naming what it needs."""
 
 
 class RunDirInUseError(ValueError):

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import ignite.distributed as idist
 import torch
-from ignite.engine import Engine, Events
+from ignite.engine import Engine
 from ignite.metrics import Accuracy, Loss
 
 from ignite_amp.resume import plan_resume, resume_run
@@ -27,6 +27,7 @@ from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuar
                                  StepSchedule, TensorBoardMetrics)
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
+from ignite_amp.passes import training_data
 from ignite_amp.sharding import check_shardable, shard_model
 from ignite_amp.rundir import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
 from ignite_amp.device import describe_device, dtype_name
@@ -48,6 +49,7 @@ class Run:
         self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_loader, self.val_loader = train_loader, val_loader
+        self.train_data: Any = train_loader  # what the trainer runs on (a PassStream with train.epoch_length)
         self.to_save = to_save
         self._print = print_fn
         self.files = files
@@ -112,7 +114,7 @@ class Run:
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
-                    self.trainer.run(self.train_loader, max_epochs=cfg["train"]["epochs"],
+                    self.trainer.run(self.train_data, max_epochs=cfg["train"]["epochs"],
                                      epoch_length=cfg["train"]["epoch_length"])
                 finally:  # also after an exception: stop the profiler, flush TensorBoard, say how it went
                     for close in self.closers:
@@ -221,16 +223,14 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     trainer, evaluator, optimizer = _engines(cfg, model, optimizer, device, files)
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
     scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
-    sampler = train_loader.sampler
-    if hasattr(sampler, "set_epoch"):  # each epoch's order follows from its number, also after a resume
-        trainer.add_event_handler(Events.EPOCH_STARTED, lambda engine: sampler.set_epoch(engine.state.epoch))
+    train_data = training_data(trainer, train_loader, cfg["train"]["epoch_length"])  # each pass's order: its number
 
     to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
     if scheduler is not None:
         to_save["scheduler"] = scheduler
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
               files)
-    run.command, run.batch_search = command, batch_search
+    run.command, run.batch_search, run.train_data = command, batch_search, train_data
     run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     if progress:

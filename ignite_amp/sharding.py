@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ignite.base.mixins import Serializable
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -23,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.blocks import block_names
 from ignite_amp.checkpointing import checkpoint_blocks
-from ignite_amp.checkpoint_io import SHARDED_KEYS, dcp_cause, single_process_quiet
+from ignite_amp.checkpoint_io import SHARDED_KEYS, dcp_cause, refused_class, single_process_quiet, type_error, with_types
 from ignite_amp.collectives import is_distributed, is_sharded
 from ignite_amp.device import resolve_dtype
 
@@ -151,20 +152,28 @@ def load_sharded(path: str, objects: Mapping[str, Any]) -> None:
     """Load the DCP shards of the checkpoint directory ``path`` into ``objects`` (every rank calls it)."""
     template = {key: obj.state_dict() for key, obj in objects.items()}
     with single_process_quiet():
-        dcp.load(template, checkpoint_id=path, no_dist=not is_distributed())
+        with_types(lambda: dcp.load(template, checkpoint_id=path, no_dist=not is_distributed()))
     for key, obj in objects.items():
         obj.load_state_dict(template[key])
 
 
 def load_full_model_state(path: str) -> Dict[str, torch.Tensor]:
     """The full (unsharded) model state dict of the sharded checkpoint directory ``path``, in one
-    process without a process group: e.g. to export it, ``torch.save(load_full_model_state(p), "model.pt")``."""
+    process without a process group: e.g. to export it, ``torch.save(load_full_model_state(p), "model.pt")``.
+    A float8 run's shards import torchao's float8 first (:func:`ignite_amp.checkpoint_io.with_types`); without
+    torchao that is a one-line :class:`~ignite_amp.errors.CheckpointTypeError`."""
     metadata = dcp.FileSystemReader(path).read_metadata()
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    with single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+    try:
+        with single_process_quiet():
+            with_types(lambda: dcp.load(state, checkpoint_id=path, no_dist=True))
+    except (Exception, CheckpointException) as exc:
+        refused = type_error(path, exc)
+        if refused is None:
+            raise
+        raise refused from None
     return {key[len("model."):]: value for key, value in state.items()}
 
 
@@ -173,16 +182,17 @@ def unreadable_shards(path: str) -> Optional[str]:
 
     Reads the whole checkpoint in this process (on the CPU, without a process group): called only after a
     load failed, to tell a damaged checkpoint (shard bytes overwritten: the file sizes are right) from one
-    that does not fit the run."""
+    that does not fit the run. A shard that reads as a sound pickle of a class this process cannot load (float8
+    weights without torchao) is not damaged: None."""
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
         state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                  if isinstance(meta, TensorStorageMetadata) else None
                  for key, meta in metadata.state_dict_metadata.items()}
         with single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=True)
+            with_types(lambda: dcp.load(state, checkpoint_id=path, no_dist=True))
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        return dcp_cause(exc).__class__.__name__
+        return None if refused_class(exc) else dcp_cause(exc).__class__.__name__
     return None

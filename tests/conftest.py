@@ -212,3 +212,9 @@ def browser():
     b = Browser(*found)
     yield b
     b.close()
+
+
+def image_mlp(num_classes: int = 10, width: int = 64) -> nn.Module:
+    """An MLP on 3x16x16 images whose middle Linear layers float8 converts (multiples of 16, not first or last)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes))

@@ -107,6 +107,54 @@ def test_a_last_checkpoint_a_killed_save_left_behind_is_removed_on_resume(tmp_pa
     assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
 
 
+def test_attach_keeps_the_temp_files_of_saves_in_progress_in_other_live_processes(tmp_path):
+    """Issue 39.6: a second script on the same directory removed the first's in-flight temp file as stale, and the
+    first died in FileNotFoundError. A temp file is stale when its pid is gone, or this process's (a restart)."""
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    live = os.getppid()  # alive, and not this process
+    stale = [f".last_checkpoint_1.pt.tmp-{ended.pid}", f".best_checkpoint_1_accuracy=0.5000.pt.tmp-{os.getpid()}",
+             ".last_checkpoint_2.dcp.tmp-save", f".last_checkpoint_2.dcp.tmp-{ended.pid}-old"]
+    in_flight = [f".last_checkpoint_3.pt.tmp-{live}", f".last_checkpoint_3.dcp.tmp-{live}",
+                 f".last_checkpoint_3.dcp.tmp-{live}-old"]
+    for name in stale + in_flight:
+        (tmp_path / name).mkdir() if ".dcp." in name else (tmp_path / name).write_bytes(b"half a checkpoint")
+    trainer, _ = scripted(tmp_path, [])
+    assert sorted(os.listdir(tmp_path)) == sorted(in_flight)
+
+
+class Runs:
+    """Pickles as a call of os.system: weights_only loading must refuse it, never run it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_file_that_holds_a_refused_class_is_one_line_and_never_renamed_or_run(tmp_path):
+    """Issue 39.1: a sound pickle of a class weights_only loading refuses is not damage: resume stops in one line
+    naming the class, and leaves the file (and the older checkpoints) as they are."""
+    from ignite_amp.checkpoint_io import load_checkpoint
+    from ignite_amp.errors import CheckpointTypeError
+
+    trainer, _ = scripted(tmp_path / "ckpts", [0.5])
+    trainer.run([0], max_epochs=1)
+    marker = tmp_path / "ran"
+    torch.save({"model": Runs(str(marker))}, tmp_path / "ckpts" / "last_checkpoint_2.pt")
+    before = sorted(os.listdir(tmp_path / "ckpts"))
+    with pytest.raises(CheckpointTypeError, match=r"last_checkpoint_2.pt: holds (posix|os|nt)\.system, which "
+                                                  r"weights-only loading refuses \(a class ignite-amp does not save"):
+        load_checkpoint(str(tmp_path / "ckpts" / "last_checkpoint_2.pt"))
+    with pytest.raises(CheckpointTypeError, match=r"holds (posix|os|nt)\.system"):
+        BestCheckpoint.find_resumable(str(tmp_path / "ckpts"), of_a_config=False)
+    assert sorted(os.listdir(tmp_path / "ckpts")) == before and not marker.exists()
+
+
 def test_nothing_to_resume_returns_none(tmp_path):
     _, ckpt = scripted(tmp_path, [])
     assert ckpt.resume() is None

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 from torch import nn
 
 import ignite_amp.float8 as f8
@@ -369,3 +369,70 @@ def test_float8_and_activation_checkpointing_compose_exactly():
         trainer.run(data, max_epochs=1)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
+
+
+FRESH_PROCESS_LOAD = r"""
+import os, sys, torch
+from ignite.engine import Engine
+from torch import nn
+from ignite_amp.errors import CheckpointTypeError
+from ignite_amp.handlers import BestCheckpoint
+from ignite_amp.sharding import load_full_model_state
+
+ckpts, last = sys.argv[1], os.path.join(sys.argv[1], "last_checkpoint_1.dcp")
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def resume():
+    checkpoint = BestCheckpoint(ckpts, {"model": model, "optimizer": optimizer}, sharded=True)
+    checkpoint.attach(Engine(lambda e, b: None), Engine(lambda e, b: None))
+    return checkpoint.resume()
+
+
+sys.modules["torchao"] = None  # first as if torchao were not installed
+for load in (lambda: load_full_model_state(last), resume):
+    try:
+        load()
+        print("loaded without torchao")
+    except CheckpointTypeError as exc:
+        print(exc)
+del sys.modules["torchao"]
+full = load_full_model_state(last)
+print("resumed", resume(), all(torch.equal(v, full[k]) for k, v in model.state_dict().items()))
+print(sorted(os.listdir(ckpts)))
+"""
+
+
+def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported_and_is_never_renamed(tmp_path):
+    """Issue 39.1: the shards hold torchao's WeightWithDynamicFloat8CastTensor, which weights_only loading allows
+    only once torchao.float8 is imported: a bfloat16 resume renamed every sound checkpoint .unreadable, and
+    load_full_model_state was a raw UnpicklingError. Without torchao it is one line, and nothing is renamed."""
+    import subprocess
+
+    from ignite_amp.handlers import BestCheckpoint
+    from conftest import ROOT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    convert_to_float8(model, device="cpu", fsdp_all_gather=True)  # the weights FSDP2 all-gathers in float8
+    assert type(model[2].weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, optimizer, nn.functional.cross_entropy, device="cpu", dtype="float8")
+    evaluator = Engine(lambda e, b: None)
+    evaluator.add_event_handler(Events.COMPLETED, lambda e: e.state.metrics.update(accuracy=0.5))
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run([0]))
+    BestCheckpoint(str(tmp_path), {"model": model, "optimizer": optimizer}, sharded=True).attach(trainer, evaluator)
+    g = torch.Generator().manual_seed(0)
+    trainer.run([(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(2)])
+
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    needs = ('torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor, which needs torchao to load: pip install '
+             '-e ".[fp8]" (or pip install "torchao>=0.10")')
+    assert lines[0] == f"checkpoint {tmp_path}/last_checkpoint_1.dcp: holds {needs}", lines
+    assert lines[1] == f"checkpoint {tmp_path}/last_checkpoint_1.dcp: holds {needs}", lines
+    assert lines[2] == f"resumed {tmp_path}/last_checkpoint_1.dcp True", lines
+    assert lines[3] == str(["best_checkpoint_1_accuracy=0.5000.dcp", "last_checkpoint_1.dcp"])

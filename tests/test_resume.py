@@ -240,3 +240,96 @@ def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_direc
     assert main(["train", path, "--set", "handlers.checkpoint.resume=auto"]) == 0
     out = capsys.readouterr().out
     assert f"resumed from {ckpts}/last_checkpoint_2.pt at epoch 2" in out and "epoch 3/3" in out
+
+
+# --- a run killed mid-epoch resumes to the uninterrupted run's weights, bit for bit ------------------------------
+OOM = {"model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 16}}}  # batches of 32: 2 chunks
+COMBINATIONS = {  # a pass over the loader is 4 batches of 32
+    "float8-epoch_length-cosine": {"amp": {"dtype": "float8"}, "scheduler": {"name": "cosine"},
+                                   "model": {"name": "conftest:image_mlp", "num_classes": 10, "kwargs": {}},
+                                   "train": {"epoch_length": 3}},
+    "epoch_length-cosine": {"train": {"epoch_length": 3}, "scheduler": {"name": "cosine"}},
+    "epoch_length-longer-than-the-loader-onecycle": {"train": {"epoch_length": 6}, "scheduler": {"name": "onecycle"}},
+    "oom-micro_batch-onecycle": dict(OOM, scheduler={"name": "onecycle"}),
+    "oom-batch-accumulation": dict(OOM, handlers={"oom_backoff": {"mode": "batch"}}, amp={"accumulation_steps": 3}),
+}
+
+
+def resumable(tmp_path, name, over):
+    if over.get("amp", {}).get("dtype") == "float8":
+        pytest.importorskip("torchao")
+    cfg = tiny_config(tmp_path, output_dir=str(tmp_path / name), data={"train_size": 128, "val_size": 32},
+                      amp={"dtype": "bfloat16"}, train={"epochs": 2})
+    for key, value in over.items():
+        cfg[key] = {**cfg[key], **value} if key in ("amp", "train", "handlers") else value
+    return cfg
+
+
+def _killed_in_epoch_2(cfg):
+    """A forked child: the run ends by ``os._exit`` inside epoch 2, after the epoch-1 checkpoint (nothing of the
+    process runs afterwards, as with kill -9; one thread, as in tests/test_run_state.py)."""
+    from ignite.engine import Events
+
+    from ignite_amp.run import build_run
+
+    torch.set_num_threads(1)
+    run = build_run(cfg, print_fn=lambda *a: None)
+    run.trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: e.state.epoch == 2 and os._exit(137))
+    run.train()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("over", COMBINATIONS.values(), ids=COMBINATIONS)
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, over):
+    """Issue 39.2, 39.3: train.epoch_length shorter than the loader (a resume started a new pass where the run was in
+    the middle of one), OOMBackoff mode batch (the checkpoint was written before the loader shrank); with float8, the
+    schedules and the other backoff mode: the run is killed in epoch 2 and resumes to the same weights."""
+    import multiprocessing
+
+    from ignite_amp.run import build_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the killed child's count: the weights then compare bit for bit
+    try:
+        straight = build_run(resumable(tmp_path, "straight", over), print_fn=lambda *a: None)
+        straight.train()
+        child = multiprocessing.get_context("fork").Process(target=_killed_in_epoch_2,
+                                                            args=(resumable(tmp_path, "killed", over),))
+        child.start()
+        child.join(300)
+        assert child.exitcode == 137
+        resumed = build_run(resumable(tmp_path, "killed", over), print_fn=lambda *a: None)
+        assert resumed.resumed_from.endswith("last_checkpoint_1.pt")
+        resumed.train()
+    finally:
+        torch.set_num_threads(threads)
+    assert [h["epoch"] for h in resumed.history] == [2]
+    expected, got = straight.model.state_dict(), resumed.model.state_dict()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_stream_started_at_a_position_yields_what_the_stream_from_the_start_yields_there(world):
+    """The pass order follows the pass's number, and the batches of a pass already trained are skipped in the
+    sampler: on one process (EpochShuffleSampler) and on each of N ranks (ShuffleShardSampler)."""
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    from ignite_amp.data import EpochShuffleSampler, ShuffleShardSampler
+    from ignite_amp.passes import PassStream
+
+    data = list(range(22))
+
+    def stream(start, rank=0):
+        sampler = EpochShuffleSampler(len(data), seed=3) if world == 1 else ShuffleShardSampler(
+            data, num_replicas=world, rank=rank, shuffle=True, seed=3)
+        return [b.tolist() for b in itertools.islice(PassStream(DataLoader(data, 4, sampler=sampler),
+                                                                lambda: start), 12 - start)]
+
+    first_pass = []
+    for rank in range(world):
+        whole = stream(0, rank)
+        assert all(stream(start, rank) == whole[start:] for start in (1, 3, 5, 6, 9)), rank
+        first_pass += sum(whole[:-(-len(data) // world // 4)], [])
+    assert sorted(first_pass) == data  # a pass: each sample once over the ranks
