@@ -111,8 +111,10 @@ class TrainWindow:
         self.samples = self.largest_batch = 0
         self.data_wait = self.busy = 0.0  # seconds fetching batches; in iterations (fetch, step, handlers)
 
-    def attach(self, trainer: Engine) -> None:
-        """The per-iteration bookkeeping (register before the log's handlers)."""
+    def attach(self, trainer: Engine, every: int = 0, log: Optional[Callable[[Engine], None]] = None) -> None:
+        """The per-iteration bookkeeping; ``log(trainer)`` right after it on every ``every``-th iteration (one
+        trainer handler per iteration, where a filtered handler per log handler would each run per iteration)."""
+        self._every, self._log = every, log
         trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
         trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
@@ -156,6 +158,8 @@ class TrainWindow:
         self.largest_batch = max(self.largest_batch, step.batch_size)
         # From the batch's fetch to now: evaluation, checkpoints and other epoch-end work are not training time.
         self.busy += time.perf_counter() - self._fetch_start
+        if self._log is not None and not engine.state.iteration % self._every:
+            self._log(engine)
 
     def read(self, iteration: int) -> Dict[str, float]:
         """The window's values by tag (one host sync), kept in ``history``; then a new window starts."""
