@@ -48,6 +48,5 @@ def clip_to_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm: tor
     if group is None:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
         return
-    # torch computes max_norm / (norm + 1e-6) as (norm + 1e-6).reciprocal() * max_norm, then clamps: the same ops.
-    coef = (float(max_norm) / (norm + 1e-6) * 1.0000001).clamp_(max=1.0)
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's expression, as torch writes it
     torch._foreach_mul_(group[1], coef.to(group[0]))

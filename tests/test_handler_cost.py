@@ -21,26 +21,28 @@ COMPARED = ("loss", "optimizer/grad_norm", "optimizer/clip_share", "optimizer/lr
             "precision/skipped_steps")
 
 
-def grads_of(dtypes, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(7, 5, generator=g) * 3 ** i).to(dtype) for i, dtype in enumerate(dtypes)]
+def grads_of(dtypes, g):
+    scale = torch.rand((), generator=g).item() * 10
+    return [(torch.randn(7, 5, generator=g) * scale * 3 ** i).to(dtype) for i, dtype in enumerate(dtypes)]
 
 
 @pytest.mark.parametrize("dtypes", [[torch.float32] * 4, [torch.bfloat16] * 3, [torch.float16] * 2,
                                     [torch.float32, torch.bfloat16, torch.float32]])  # the last: torch's own path
-@pytest.mark.parametrize("max_norm", [0.5, 1e4])  # clipping, and a bound above the norm (coefficient clamped to 1)
+@pytest.mark.parametrize("max_norm", [0.7, 1e4])  # clipping, and a bound above the norm (coefficient clamped to 1)
 def test_norm_and_clipping_are_torchs_to_the_bit(dtypes, max_norm):
-    grads = grads_of(dtypes)
-    norm = total_norm(grads)
-    expected = get_total_norm(grads, 2.0, foreach=True)
-    assert norm.dtype == expected.dtype and torch.equal(norm, expected)
-    ours, theirs = ([torch.nn.Parameter(torch.zeros_like(g)) for g in grads] for _ in range(2))
-    for a, b, g in zip(ours, theirs, grads):
-        a.grad, b.grad = g.clone(), g.clone()
-    ours[1].grad = theirs[1].grad = None  # a parameter without a gradient is left out by both
-    clip_to_norm_(ours, max_norm, norm)
-    clip_grads_with_norm_(theirs, max_norm, norm, foreach=True)
-    assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):  # a rounding that differs shows in some draws only
+        grads = grads_of(dtypes, g)
+        norm = total_norm(grads)
+        expected = get_total_norm(grads, 2.0, foreach=True)
+        assert norm.dtype == expected.dtype and torch.equal(norm, expected)
+        ours, theirs = ([torch.nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
+        for a, b, t in zip(ours, theirs, grads):
+            a.grad, b.grad = t.clone(), t.clone()
+        ours[1].grad = theirs[1].grad = None  # a parameter without a gradient is left out by both
+        clip_to_norm_(ours, max_norm, norm)
+        clip_grads_with_norm_(theirs, max_norm, norm, foreach=True)
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
     assert total_norm([]) is None
 
 
