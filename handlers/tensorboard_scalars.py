@@ -170,9 +170,10 @@ class TrainWindow:
             losses = torch.where(kept, losses, torch.zeros_like(losses)).sum() / kept.sum()
         reads = {"loss": losses.mean()}
         if self.norms:
-            reads["optimizer/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
-        if self.clip_norms:
-            bound = torch.stack([n.to(device) for n in self.clip_norms]) > self.clipping.max_norm
+            # One stack, then one cast (exact, whatever the norms' dtype): not a cast per step at each log.
+            reads["optimizer/grad_norm"] = torch.stack(self.norms).to(device, torch.float32).mean()
+        if self.clip_norms:  # one run's norms share a dtype: stacked as they are, compared in it
+            bound = torch.stack(self.clip_norms).to(device) > self.clipping.max_norm
             reads["optimizer/clip_share"] = bound.float().mean()
         scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
         if scale is not None:
