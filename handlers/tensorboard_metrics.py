@@ -148,8 +148,8 @@ def _text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -> Non
 class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
-    One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) with small
-    handlers attached (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) and small
+    handlers (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
     ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; Ignite's
     ``OptimizerParamsHandler`` for the learning rate; ``RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
