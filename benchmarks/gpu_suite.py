@@ -16,6 +16,8 @@ f. host syncs: one bfloat16 epoch with the default handlers under ``torch.cuda.s
 g. the data path: samples/s with num_workers 0, 4, 8 and pin_memory off/on, quickstart and CIFAR recipe;
 h. activation checkpointing: peak activation memory and step time with and without it, on a GPT-style
    transformer (12 layers, width 1024, 1024 tokens) and on ResNet-50 at 224x224 (bfloat16).
+j. the handlers' host cost: benchmarks/overhead.py's table (hand loop, Ignite bare and with its handlers, ours
+   bare, with each default handler, with all) on the small CNN (host-bound) and ResNet-50 (device-bound), float16.
 
 Opt-in, outside the 9 minutes (run with ``--only i``, alone: it takes about 7 minutes by itself):
 
@@ -59,6 +61,7 @@ from torch.utils.data import DataLoader
 
 from bench_amp import measure_variant, resnet50, tf32
 from float8_gpt import Block as GPTBlock, float8_section
+import overhead as handler_table
 from overhead import attach_default_handlers, hand_written_loop, timed
 
 import ignite_amp
@@ -295,6 +298,49 @@ def _overhead_times(size: dict, dtype: torch.dtype, device: torch.device, deadli
             if repeat >= 2 and time.monotonic() + (time.monotonic() - begin) > deadline:
                 break
     return times
+
+
+# -- j. the handlers' host cost --------------------------------------------------------------------
+def handler_cost(ctx: Context) -> None:
+    size = ctx.sizes(
+        # Expected on one H100: ~20 s. benchmarks/overhead.py's table (issue 42), float16 (where Ignite's
+        # amp_mode="amp" compares): the quickstart's small CNN at 32x32, batch 64, host-bound (a step of ~2-3 ms,
+        # mostly launches: 19 variants x 4 epochs of 30 iterations ~7 s), and ResNet-50 at 224x224, batch 32,
+        # device-bound (~12 ms a step: 19 x 3 epochs of 10 iterations ~7 s), plus building the 2 x 19 models.
+        gpu=dict(cases=[("small CNN, 32x32, batch 64", "ignite_amp.models:small_cnn", {}, 64, 32, 30, 3),
+                        ("ResNet-50, 224x224, batch 32", "resnet50", {}, 32, 224, 10, 2)]),
+        smoke=dict(cases=[("small CNN (width 8), 16x16, batch 8", "ignite_amp.models:small_cnn", {"width": 8}, 8, 16,
+                           4, 1),
+                          ("ResNet-50 stand-in: small CNN (width 4)", "ignite_amp.models:small_cnn", {"width": 4}, 4,
+                           16, 4, 1)]))
+    device = ctx.device
+    ctx.result["data"]["sizes"] = size
+    ctx.table("float16, ms per iteration (wall clock, synchronized after each epoch; medians of interleaved repeats); "
+              "over: the median per-repeat difference to the reference; between logs: the median iteration without "
+              "a log", ["model", "variant", "ms_per_iter", "over", "reference", "between_logs", "work"])
+    for name, model, kwargs, batch, image, iters, repeats in size["cases"]:
+        if ctx.left() < 8:
+            ctx.note(f"{name}: not run, {ctx.left():.0f} s left of the budget")
+            continue
+        torch.manual_seed(0)
+        base = build_model(model, 10, kwargs)
+        batches = [(torch.randn(batch, 3, image, image, device=device), torch.randint(0, 10, (batch,), device=device))
+                   for _ in range(iters)]
+        with tempfile.TemporaryDirectory(prefix="gpu-suite-handlers-") as logdir:
+            fns = handler_table.variants(base, batches, device, torch.float16,
+                                         lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), logdir,
+                                         clock=time.perf_counter)
+            table = handler_table.overhead_table(handler_table.measure(fns, repeats, time.perf_counter, device),
+                                                 iters, unit="ms")
+        del fns, base, batches
+        for row in table["rows"]:
+            ctx.row(model=name, variant=row["variant"], ms_per_iter=row["per_iter"], over=row["over"],
+                    reference=row["reference"], between_logs=row.get("between_logs"), work=row.get("work"))
+        for text, limit, value in table["ratios"]:
+            ctx.target(f"{name}: {text} <= {limit}x", "" if value is None else f"{value:.2f}x",
+                       None if value is None else value <= limit)
+    ctx.note("Variants: benchmarks/overhead.py (each default handler alone on create_amp_trainer; Ignite's "
+             "TerminateOnNan and TensorboardLogger on create_supervised_trainer(amp_mode='amp', scaler=True)).")
 
 
 # -- c. AMP against float32 -------------------------------------------------------------------------
@@ -898,13 +944,16 @@ class Section(NamedTuple):
 SECTIONS = (
     Section("a_gpu_tests", "a. GPU tests (pytest -m gpu)", gpu_tests, 185, 170),
     Section("b_overhead", "b. Overhead against the hand-written loop (ResNet-18, 32x32, batch 256)", overhead, 40, 25),
-    Section("c_amp_vs_fp32", "c. AMP against float32 (ResNet-50, 224x224, batch 128)", amp_vs_fp32, 120, 100),
-    Section("d_batch_size", "d. Batch-size search and out-of-memory recovery", batch_size_and_oom, 50, 35),
+    Section("c_amp_vs_fp32", "c. AMP against float32 (ResNet-50, 224x224, batch 128)", amp_vs_fp32, 110, 100),
+    Section("d_batch_size", "d. Batch-size search and out-of-memory recovery", batch_size_and_oom, 45, 35),
     Section("e_numerics", "e. Numerics parity (CIFAR ResNet-18 on shapes, 32x32)", numerics, 40, 30),
-    Section("f_host_syncs", "f. Host syncs per iteration (bfloat16, default handlers)", host_syncs, 25, 12),
-    Section("g_data_path", "g. Data path (num_workers, pin_memory)", data_path, 35, 25),
+    Section("f_host_syncs", "f. Host syncs per iteration (bfloat16, default handlers)", host_syncs, 20, 12),
+    Section("g_data_path", "g. Data path (num_workers, pin_memory)", data_path, 30, 25),
     Section("h_activation_checkpointing", "h. Activation checkpointing (GPT-style transformer, ResNet-50)",
             activation_checkpointing, 35, 25),
+    # (budgets c, d, f and g gave 25 s to j: each keeps 5 s or more over its expected time)
+    Section("j_handler_cost", "j. The handlers' host cost (small CNN, ResNet-50; benchmarks/overhead.py's table)",
+            handler_cost, 25, 20),
 )
 # Run only when --only names them; their budgets are outside the 9 minutes of SECTIONS.
 OPT_IN = (
@@ -1046,7 +1095,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h; i, float8, only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; i, float8, only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - _seconds_since_start()  # the imports count against the 9 minutes too

@@ -1,40 +1,51 @@
-"""What the trainer costs over the hand-written AMP loop of the tutorials.
+"""What the trainer and each handler cost per iteration over the hand-written AMP loop of the tutorials.
 
-Two cases, the same variants, interleaved repeats (hand, ignite, amp, handlers, hand, ...) so
-drift in clocks or load hits all alike; the figures are medians over the repeats.
+One interleaved run (variant 1, variant 2, ..., variant 1, ...) so drift in clocks or load hits every variant
+alike; each figure is the median over the repeats, each overhead the median of the per-repeat differences
+against its reference (the hand loop, Ignite's bare trainer, or ours).
 
-The hand loop runs twice: bare, and with the clipping the default handlers do (unscale_, then
-``clip_grad_norm_(1.0)``), so the handlers' overhead can be read against the same work.
+Variants: the hand loop (also with ``clip_grad_norm_``, and with ``get_total_norm``), Ignite's
+``create_supervised_trainer`` bare and with its own handlers where an equivalent exists (``TerminateOnNan``; a
+``TensorboardLogger`` writing the loss, the learning rate and the gradient norms every 50 iterations),
+``create_amp_trainer`` bare, with each default handler alone, and with all of them (``attach_default_handlers``:
+what a config attaches). Beside them, the tensor work a handler must do: ``clip_grad_norm_`` for the clipping,
+one ``get_total_norm`` for TensorBoard, each timed alone (a tight loop on one backward's gradients) and in the
+hand loop (its variant less the bare one). "Between logs": the median iteration without a log, from
+per-iteration stamps, of TensorBoard's trainer less the bare trainer's (twins carrying the same stamps; the
+hand loops' twins give the norm's in-loop cost the same way).
 
-- ``--case host`` (the default): host overhead per iteration. A tiny MLP (batch 32, float32) whose
-  kernels take microseconds, so the time per iteration is the Python work around them: what a
-  small or fast model waits on, on a GPU too. Timed in CPU time of this thread
-  (``time.thread_time``), with torch on one thread, so other processes on the machine do not
-  count. Reports microseconds per iteration over the hand loop for Ignite's
-  ``create_supervised_trainer``, ``create_amp_trainer`` and the trainer with the default handlers.
-- ``--case model``: a real model (default the small CNN at 32x32, batch 64, autocast dtype "auto"),
-  timed in wall clock (device-synchronized on CUDA); ratios to the hand loop.
+- ``--case host`` (the default): a tiny MLP 32-64-10, batch 32, float32, torch on one thread, timed in CPU
+  time of this thread (``time.thread_time``): other processes on a shared machine do not count, and the
+  kernels take microseconds, so the figure is the Python work around them (what a small model waits on,
+  on a GPU too).
+- ``--case model``: a real model (default the small CNN at 32x32, batch 64, dtype "auto"; float16 on CUDA
+  compares Ignite's ``amp_mode="amp"`` too), timed in wall clock, device-synchronized after each epoch.
 
-The default handlers are those a config attaches: NonFiniteGuard, GradientClipping(1.0),
-TensorBoardMetrics(log_every=50), BestCheckpoint (it saves at evaluation, so not inside the timed
-loop) and OOMBackoff.
-
-    python benchmarks/overhead.py                                  # host overhead, tiny MLP
-    python benchmarks/overhead.py --case model                     # small CNN, batch 64
-    python benchmarks/overhead.py --case model --device cuda --model resnet18 --batch-size 256 --image-size 32
+    python benchmarks/overhead.py                        # the host table (markdown)
+    python benchmarks/overhead.py --case model --device cuda --dtype float16 --model resnet50 --batch-size 32 \
+        --image-size 224
 """
 import argparse
 import copy
 import statistics
 import tempfile
 import time
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
-from ignite_amp.models import build_model
 from ignite_amp.device import resolve_device, resolve_dtype
+from ignite_amp.models import build_model
+
+HAND, HAND_CLIP, HAND_NORM = ("hand-written loop", "hand-written loop + clip_grad_norm_",
+                             "hand-written loop + get_total_norm")
+IGNITE, OURS, ALL = "Ignite create_supervised_trainer", "create_amp_trainer", "+ all default handlers"
+CLIP, TB = "+ GradientClipping(max_norm=1.0)", "+ TensorBoardMetrics(log_every=50)"
+CLIP_WORK, NORM_WORK = "clip_grad_norm_(params, 1.0, foreach=True) alone", "get_total_norm(grads, foreach=True) alone"
+STAMPED = " (stamped)"  # the twins timed per iteration for "between logs"
+LOG_EVERY = 50
 
 
 def sync(device: torch.device) -> None:
@@ -42,18 +53,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hand_written_loop(model, optimizer, scaler, batches, device, dtype, max_norm=None):
-    """The loop every AMP tutorial ends with; with ``max_norm``, the clipping step on unscaled gradients."""
+def hand_written_loop(model, optimizer, scaler, batches, device, dtype, max_norm=None, grad_norm=False,
+                      stamps: Optional[Callable[[], None]] = None):
+    """The loop every AMP tutorial ends with; with ``max_norm``, the clipping step on unscaled gradients; with
+    ``grad_norm``, the gradients' norm of each step (what logging it takes); ``stamps()`` at each batch."""
     model.train()
+    params = list(model.parameters())
     for x, y in batches:
+        if stamps is not None:
+            stamps()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        if max_norm is not None:
+        if max_norm is not None or grad_norm:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        elif grad_norm:
+            torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         scaler.step(optimizer)
         scaler.update()
 
@@ -68,90 +87,240 @@ def timed(fn, device) -> float:
 
 def attach_default_handlers(trainer, model, optimizer, logdir):
     """The handlers a config attaches by default, in the order build_run attaches them."""
-    from ignite.metrics import Accuracy
-
-    from ignite_amp import create_amp_evaluator
     from ignite_amp.handlers import BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, TensorBoardMetrics
 
-    step = trainer.amp_step
-    evaluator = create_amp_evaluator(model, {"accuracy": Accuracy(device=step.device)}, device=step.device,
-                                     dtype=step.dtype)
+    evaluator = _evaluator(trainer, model)
     NonFiniteGuard().attach(trainer)
     OOMBackoff().attach(trainer)
-    GradientClipping(max_norm=1.0).attach(trainer)
-    TensorBoardMetrics(logdir, log_every=50).attach(trainer, evaluator=evaluator, optimizer=optimizer)
-    BestCheckpoint(logdir, {"model": model, "optimizer": optimizer, "amp_step": step}).attach(trainer, evaluator)
+    clipping = GradientClipping(max_norm=1.0)
+    clipping.attach(trainer)
+    TensorBoardMetrics(logdir, log_every=LOG_EVERY, clipping=clipping).attach(trainer, evaluator=evaluator,
+                                                                              optimizer=optimizer)
+    BestCheckpoint(logdir, {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step}).attach(
+        trainer, evaluator)
     return evaluator
 
 
-def variants(base, batches, device, dtype, optimizer_fn, logdir):
-    """name -> a function running one epoch over ``batches``; each variant has its own copy of the model."""
+def _evaluator(trainer, model):
+    from ignite.metrics import Accuracy
+
+    from ignite_amp import create_amp_evaluator
+
+    step = trainer.amp_step
+    return create_amp_evaluator(model, {"accuracy": Accuracy(device=step.device)}, device=step.device,
+                                dtype=step.dtype)
+
+
+def _ours_alone() -> Dict[str, Callable]:
+    """Each default handler alone: name -> attach(trainer, model, optimizer, logdir)."""
+    from ignite_amp.handlers import BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, TensorBoardMetrics
+
+    return {
+        CLIP: lambda t, m, o, d: GradientClipping(max_norm=1.0).attach(t),
+        TB: lambda t, m, o, d: TensorBoardMetrics(d, log_every=LOG_EVERY).attach(t, optimizer=o),
+        "+ NonFiniteGuard": lambda t, m, o, d: NonFiniteGuard().attach(t),
+        "+ OOMBackoff": lambda t, m, o, d: OOMBackoff().attach(t),
+        "+ BestCheckpoint (saves at evaluation)": lambda t, m, o, d: BestCheckpoint(
+            d, {"model": m, "optimizer": o, "amp_step": t.amp_step}).attach(t, _evaluator(t, m)),
+        ALL: attach_default_handlers,
+    }
+
+
+def _ignite_tensorboard(trainer, model, optimizer, logdir) -> None:
+    from ignite.engine import Events
+    from ignite.handlers.tensorboard_logger import GradsScalarHandler, TensorboardLogger
+
+    logger, every = TensorboardLogger(log_dir=logdir), Events.ITERATION_COMPLETED(every=LOG_EVERY)
+    logger.attach_output_handler(trainer, every, tag="training", output_transform=lambda loss: {"loss": loss})
+    logger.attach_opt_params_handler(trainer, every, optimizer)
+    logger.attach(trainer, GradsScalarHandler(model, reduction=torch.norm), every)
+
+
+def _ignite_alone() -> Dict[str, Callable]:
+    from ignite.engine import Events
+    from ignite.handlers import TerminateOnNan
+
+    return {"Ignite + TerminateOnNan (NonFiniteGuard's equivalent)":
+            lambda t, m, o, d: t.add_event_handler(Events.ITERATION_COMPLETED, TerminateOnNan()),
+            "Ignite + TensorboardLogger every 50: loss, lr, grad norms": _ignite_tensorboard}
+
+
+class Stamps:
+    """The clock at each batch (an engine: at ``GET_BATCH_STARTED``, attached first; the hand loop: at its top)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock, self.times = clock, []
+
+    def __call__(self, *_) -> None:
+        self.times.append(self.clock())
+
+    def attach(self, trainer) -> None:
+        from ignite.engine import Events
+
+        trainer.add_event_handler(Events.GET_BATCH_STARTED, self)
+
+    def between_logs(self) -> float:
+        """Median seconds of the iterations that do not log (iteration i runs from stamp i to stamp i + 1)."""
+        spans = [b - a for i, (a, b) in enumerate(zip(self.times, self.times[1:]), 1) if i % LOG_EVERY]
+        self.times.clear()
+        return statistics.median(spans)
+
+
+def variants(base, batches, device, dtype, optimizer_fn, logdir, clock=time.thread_time) -> Dict[str, Callable]:
+    """name -> a function running one epoch over ``batches`` (each variant its own copy of the model), and
+    the tensor work alone; the stamped twins return their median time per iteration between logs."""
     from ignite.engine import create_supervised_trainer
 
-    hand_model = copy.deepcopy(base).to(device)
-    hand_opt = optimizer_fn(hand_model)
-    hand_scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    out = {"hand-written loop": lambda: hand_written_loop(hand_model, hand_opt, hand_scaler, batches, device, dtype)}
-    clip_model = copy.deepcopy(base).to(device)
-    clip_opt = optimizer_fn(clip_model)
-    clip_scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    out["hand-written loop + clipping"] = lambda: hand_written_loop(clip_model, clip_opt, clip_scaler, batches, device,
-                                                                    dtype, max_norm=1.0)
-    if dtype == torch.float32:  # Ignite's stock trainer has no autocast dtype argument
-        ignite_model = copy.deepcopy(base).to(device)
-        stock = create_supervised_trainer(ignite_model, optimizer_fn(ignite_model), cross_entropy, device=device)
-        out["ignite create_supervised_trainer"] = lambda: stock.run(batches, max_epochs=1)
-    amp_model = copy.deepcopy(base).to(device)
-    trainer = create_amp_trainer(amp_model, optimizer_fn(amp_model), cross_entropy, device=device, dtype=dtype)
-    out["create_amp_trainer"] = lambda: trainer.run(batches, max_epochs=1)  # a fresh one-epoch run
-    full_model = copy.deepcopy(base).to(device)
-    full_opt = optimizer_fn(full_model)
-    full = create_amp_trainer(full_model, full_opt, cross_entropy, device=device, dtype=dtype)
-    attach_default_handlers(full, full_model, full_opt, logdir)
-    out["+ default handlers"] = lambda: full.run(batches, max_epochs=1)
+    def fresh():
+        model = copy.deepcopy(base).to(device)
+        return model, optimizer_fn(model)
+
+    def scaler():
+        return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    out, twins = {}, {}
+    for name, kwargs in ((HAND, {}), (HAND_CLIP, {"max_norm": 1.0}), (HAND_NORM, {"grad_norm": True})):
+        model, opt = fresh()
+        out[name] = lambda m=model, o=opt, s=scaler(), k=kwargs: hand_written_loop(m, o, s, batches, device, dtype, **k)
+        if name != HAND_CLIP:
+            model, opt, stamps = *fresh(), Stamps(clock)
+            twins[name] = (lambda m=model, o=opt, s=scaler(), k=kwargs, st=stamps:
+                           (hand_written_loop(m, o, s, batches, device, dtype, stamps=st, **k), st.between_logs())[1])
+    if dtype == torch.float32 or (dtype == torch.float16 and device.type == "cuda"):
+        amp = {} if dtype == torch.float32 else {"amp_mode": "amp", "scaler": True}  # Ignite's float16 autocast
+        for name, attach in {IGNITE: None, **_ignite_alone()}.items():
+            model, opt = fresh()
+            trainer = create_supervised_trainer(model, opt, cross_entropy, device=device, **amp)
+            if attach is not None:
+                attach(trainer, model, opt, tempfile.mkdtemp(dir=logdir))
+            out[name] = lambda t=trainer: t.run(batches, max_epochs=1)
+    for name, attach in {OURS: None, **_ours_alone()}.items():
+        for twin in ((False, True) if name in (OURS, TB) else (False,)):
+            model, opt = fresh()
+            trainer = create_amp_trainer(model, opt, cross_entropy, device=device, dtype=dtype)
+            stamps = Stamps(clock)
+            if twin:
+                stamps.attach(trainer)
+            if attach is not None:
+                attach(trainer, model, opt, tempfile.mkdtemp(dir=logdir))
+            if twin:
+                twins[name] = lambda t=trainer, st=stamps: (t.run(batches, max_epochs=1), st.between_logs())[1]
+            else:
+                out[name] = lambda t=trainer: t.run(batches, max_epochs=1)
+    out.update({name + STAMPED: fn for name, fn in twins.items()})
+    out.update(_work(fresh, batches[0], device, dtype, len(batches)))
     return out
 
 
-def measure(fns: dict, repeats: int, clock) -> dict:
-    for fn in fns.values():  # warm up: allocator, kernels, first-run work
-        fn()
+def _work(fresh, batch, device, dtype, calls: int) -> Dict[str, Callable]:
+    """The tensor work a handler must do, on one backward's gradients: ``calls`` calls of each."""
+    model, _ = fresh()
+    x, y = batch[0].to(device), batch[1].to(device)
+    with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
+        cross_entropy(model(x), y).backward()
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+
+    def clip():
+        for _ in range(calls):
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+
+    def norm():
+        for _ in range(calls):
+            torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    return {CLIP_WORK: clip, NORM_WORK: norm}
+
+
+def measure(fns: Dict[str, Callable], repeats: int, clock, device: torch.device, warmup: int = 1) -> Dict[str, list]:
+    """Seconds of each function per repeat, interleaved (a stamped twin: its own figure, seconds per iteration)."""
+    for _ in range(warmup):  # allocator, kernels, first-run work (the FLOP count of TensorBoard's first step)
+        for fn in fns.values():
+            fn()
+            sync(device)
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            sync(device)
             start = clock()
-            fn()
-            times[name].append(clock() - start)
+            value = fn()
+            sync(device)
+            times[name].append(value if name.endswith(STAMPED) else clock() - start)
     return times
+
+
+def overhead_table(times: Dict[str, list], iters: int, unit: str = "us") -> dict:
+    """The table's rows and the issue's ratios from ``measure``'s times (per iteration, in ``unit``)."""
+    scale = 1e6 if unit == "us" else 1e3
+    per = {name: [t * scale if name.endswith(STAMPED) else t / iters * scale for t in values]
+           for name, values in times.items()}
+
+    def over(name: str, ref: str) -> float:  # the median of the per-repeat differences
+        return statistics.median(a - b for a, b in zip(per[name], per[ref]))
+
+    rows: List[dict] = []
+    for name, values in per.items():
+        if name.endswith(STAMPED) or name in (CLIP_WORK, NORM_WORK):
+            continue
+        ref = None if name == HAND else HAND if name in (HAND_CLIP, HAND_NORM, IGNITE, OURS) else (
+            IGNITE if name.startswith("Ignite") else OURS)
+        rows.append({"variant": name, "per_iter": statistics.median(values), "reference": ref,
+                     "over": over(name, ref) if ref else None})
+    by = {row["variant"]: row for row in rows}
+    clip_alone, norm_alone = statistics.median(per[CLIP_WORK]), statistics.median(per[NORM_WORK])
+    clip_in_loop, norm_in_loop = by[HAND_CLIP]["over"], over(HAND_NORM + STAMPED, HAND + STAMPED)
+    digits = 1 if unit == "us" else 3
+    by[CLIP].update(work=f"`clip_grad_norm_` alone {clip_alone:.{digits}f}; in the hand loop {clip_in_loop:+.{digits}f}")
+    between = over(TB + STAMPED, OURS + STAMPED)
+    by[TB].update(between_logs=between, work=f"`get_total_norm` alone {norm_alone:.{digits}f}; in the hand loop, "
+                                              f"between logs {norm_in_loop:+.{digits}f}")
+    ignite = by[IGNITE]["over"] if IGNITE in by else None
+    ratios = [("all default handlers over ours bare / Ignite's bare over the hand loop", 1.0,
+               by[ALL]["over"] / ignite if ignite and ignite > 0 else None),
+              ("the same, less the clipping's own work (clip_grad_norm_ in the hand loop)", 1.0,
+               (by[ALL]["over"] - clip_in_loop) / ignite if ignite and ignite > 0 else None),
+              ("GradientClipping over ours bare / clip_grad_norm_ alone", 1.2, by[CLIP]["over"] / clip_alone),
+              ("GradientClipping over ours bare / clip_grad_norm_ in the hand loop", 1.2, by[CLIP]["over"] / clip_in_loop),
+              ("TensorBoardMetrics between logs / one get_total_norm alone", 1.2, between / norm_alone),
+              ("TensorBoardMetrics between logs / get_total_norm in the hand loop", 1.2, between / norm_in_loop)]
+    return {"rows": rows, "ratios": ratios, "unit": unit}
+
+
+def markdown(table: dict) -> List[str]:
+    u = table["unit"]
+    d = 1 if u == "us" else 3
+    lines = [f"| variant | {u}/iter | over its reference ({u}) | the work it must do ({u}) |", "|---|---|---|---|"]
+    for row in table["rows"]:
+        over = "" if row["over"] is None else f"{row['over']:+.{d}f} over {row['reference']}"
+        if "between_logs" in row:
+            over += f"; between logs {row['between_logs']:+.{d}f}"
+        lines.append(f"| {row['variant']} | {row['per_iter']:.{d}f} | {over} | {row.get('work', '')} |")
+    lines.append("")
+    for text, limit, value in table["ratios"]:
+        verdict = "not measured" if value is None else ("met" if value <= limit else "missed")
+        lines.append(f"- {text}: " + ("-" if value is None else f"**{value:.2f}x**") + f" (target <= {limit}x: "
+                     f"{verdict})")
+    return lines
 
 
 def host_case(args) -> None:
     torch.set_num_threads(1)  # the kernels stay in this thread: thread CPU time is all of it
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    batches = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(args.iters)]
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen))
+               for _ in range(args.iters)]
     device = torch.device("cpu")
-    fns = variants(base, batches, device, torch.float32, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
-                   tempfile.mkdtemp(prefix="ignite-amp-overhead-"))
-    times = measure(fns, args.repeats, time.thread_time)
-    per_iter = {name: [t / args.iters * 1e6 for t in values] for name, values in times.items()}
-    hand = per_iter["hand-written loop"]
-    print(f"host overhead: tiny MLP 32-64-10, batch 32, float32, CPU (1 thread), {args.iters} iterations x "
-          f"{args.repeats} interleaved repeats, thread CPU time; torch {torch.__version__}")
-    print(f"{'variant':<34} {'us/iter':>8} {'over hand loop':>15}   (median; min-max of the per-repeat difference)")
-    for name, values in per_iter.items():
-        diffs = [v - h for v, h in zip(values, hand)]
-        print(f"{name:<34} {statistics.median(values):8.1f} {statistics.median(diffs):+14.1f}   "
-              f"({min(diffs):+.1f} .. {max(diffs):+.1f})")
-    if "ignite create_supervised_trainer" in per_iter:
-        ignite = [v - h for v, h in zip(per_iter["ignite create_supervised_trainer"], hand)]
-        for name in ("create_amp_trainer", "+ default handlers"):
-            ours = [v - h for v, h in zip(per_iter[name], hand)]
-            print(f"{name} overhead / Ignite's: {statistics.median(ours) / statistics.median(ignite):.2f}x")
-        # The default handlers clip (max_norm 1.0): the same work in the hand loop is not overhead.
-        clipped = per_iter["hand-written loop + clipping"]
-        ours = [v - c for v, c in zip(per_iter["+ default handlers"], clipped)]
-        print(f"+ default handlers over the hand loop that also clips: {statistics.median(ours):+.1f} us/iter, "
-              f"{statistics.median(ours) / statistics.median(ignite):.2f}x Ignite's overhead")
+    with tempfile.TemporaryDirectory(prefix="ignite-amp-overhead-") as logdir:
+        fns = variants(base, batches, device, torch.float32, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+                       logdir)
+        times = measure(fns, args.repeats, time.thread_time, device)
+    import ignite
+
+    print(f"Host cost per iteration: tiny MLP 32-64-10, batch 32, float32, CPU, torch on 1 thread, "
+          f"{args.iters} iterations x {args.repeats} interleaved repeats, thread CPU time (medians); "
+          f"torch {torch.__version__}, pytorch-ignite {ignite.__version__}\n")
+    print("\n".join(markdown(overhead_table(times, args.iters))))
 
 
 def model_case(args) -> None:
@@ -161,23 +330,17 @@ def model_case(args) -> None:
     base = build_model(args.model, 10, {})
     batches = [(torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device),
                 torch.randint(0, 10, (args.batch_size,), device=device)) for _ in range(args.iters)]
-    fns = variants(base, batches, device, dtype,
-                   lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-                   tempfile.mkdtemp(prefix="ignite-amp-overhead-"))
-    # Each variant ends synchronized, so the next one's clock starts on an idle device.
-    times = measure({name: (lambda fn=fn: (fn(), sync(device))) for name, fn in fns.items()}, args.repeats,
-                    time.perf_counter)
+    with tempfile.TemporaryDirectory(prefix="ignite-amp-overhead-") as logdir:
+        fns = variants(base, batches, device, dtype, lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                       logdir, clock=time.perf_counter)
+        times = measure(fns, args.repeats, time.perf_counter, device)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"torch {torch.__version__}, model {args.model}, batch {args.batch_size}, "
-          f"image {args.image_size}, dtype {str(dtype)[6:]}, {args.iters} iters x {args.repeats} repeats")
-    hand = times["hand-written loop"]
-    for name, values in times.items():
-        ratios = [v / h for v, h in zip(values, hand)]
-        print(f"{name:<34}: median {statistics.median(values) / args.iters * 1e3:8.2f} ms/iter, "
-              f"ratio to hand loop {statistics.median(ratios):.4f} (min {min(ratios):.4f} max {max(ratios):.4f})")
+          f"torch {torch.__version__}, model {args.model}, batch {args.batch_size}, image {args.image_size}, "
+          f"dtype {str(dtype)[6:]}, {args.iters} iters x {args.repeats} interleaved repeats, wall clock (medians)\n")
+    print("\n".join(markdown(overhead_table(times, args.iters, unit="ms"))))
 
 
-def main() -> None:
+def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=["host", "model"], default="host")
     parser.add_argument("--device", default="auto")
@@ -185,14 +348,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=None, help="iterations per repeat (host 256, model 30)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per repeat (host 256, model 60)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (host 15, model 7)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.case == "host":
         args.iters, args.repeats = args.iters or 256, args.repeats or 15
         host_case(args)
     else:
-        args.iters, args.repeats = args.iters or 30, args.repeats or 7
+        args.iters, args.repeats = args.iters or 60, args.repeats or 7
         model_case(args)
 
 

@@ -9,6 +9,7 @@ from ignite_amp.events import AmpEvents
 from ignite_amp.engine import amp_step_of
 from ignite_amp.errors import ConfigError
 from ignite_amp.fields import Number, argument, setting
+from ignite_amp.grad_norm import clip_to_norm_
 
 __all__ = ["ClippingConfig", "GradientClipping"]
 
@@ -79,7 +80,7 @@ class GradientClipping:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], self.norm_type,
                                                  foreach=True)
         self.last_norm = norm
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
+        clip_to_norm_(params, self.max_norm, norm)
 
     def attach(self, engine: Engine) -> None:
         """Clip at each ``AmpEvents.GRADS_READY`` of ``engine`` (a trainer from :func:`~ignite_amp.create_amp_trainer`)."""

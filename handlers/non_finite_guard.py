@@ -29,6 +29,14 @@ class NonFiniteConfig:
     max_consecutive: int = setting(20, POSITIVE_INT, "skipped float16 steps in a row that stop the run")
 
 
+def loss_code(loss: torch.Tensor, items) -> torch.Tensor:
+    """0: finite; 1: non-finite; 2: no loss at all (num_items counted 0 items: padding only), on the loss's
+    device. ``items`` as the step has it: a count (a Python int is never copied to the device: that copy
+    would wait for it) or a device tensor."""
+    flag = (~torch.isfinite(loss)).to(torch.uint8)
+    return flag * (1 + (items == 0)) if torch.is_tensor(items) else flag * (2 if items == 0 else 1)
+
+
 class NonFiniteGuard:
     """Stop the run on non-finite losses or gradients.
 
@@ -66,9 +74,11 @@ class NonFiniteGuard:
         """Watch ``engine``'s skipped steps, finite steps and (without a scaler) its losses."""
         self.step = amp_step_of(engine)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
-        engine.add_event_handler(AmpEvents.STEP_SKIPPED, self._skipped)
-        engine.add_event_handler(AmpEvents.GRADS_READY, self._stepped)
-        if not self.step.scaler.is_enabled():
+        if self.step.scaler.is_enabled():  # only a scaler skips steps: without one nothing to count per step
+            engine.add_event_handler(AmpEvents.STEP_SKIPPED, self._skipped)
+            engine.add_event_handler(AmpEvents.GRADS_READY, self._stepped)
+        else:
+            self._on_cpu = self.step.device.type == "cpu"
             engine.add_event_handler(Events.ITERATION_COMPLETED, self._check_loss)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)
         engine.add_event_handler(Events.COMPLETED, self._flush)
@@ -96,13 +106,12 @@ class NonFiniteGuard:
                 f"non-finite gradients (loss scale now {self.step.scaler.get_scale():g}): stopping")
 
     def _check_loss(self, engine: Engine) -> None:
-        loss, items = self.step.loss, self.step.items
-        if loss.device.type == "cpu":  # no pipeline to protect: reading it costs no wait
+        loss = self.step.loss
+        if self._on_cpu:  # no pipeline to protect: reading it costs no wait
             if not math.isfinite(loss.item()):
-                self._report(engine.state.iteration, EMPTY if float(items) == 0 else BAD)
+                self._report(engine.state.iteration, EMPTY if float(self.step.items) == 0 else BAD)
             return
-        # 0: finite; 1: non-finite; 2: no loss at all (num_items counted 0 items: padding only)
-        bad = (~torch.isfinite(loss)).to(torch.uint8) * (1 + (torch.as_tensor(items, device=loss.device) == 0))
+        bad = loss_code(loss, self.step.items)
         if bad.device.type != "cuda":  # another device: check now
             self._report(engine.state.iteration, int(bad))
             return

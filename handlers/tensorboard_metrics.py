@@ -148,8 +148,8 @@ def _text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -> Non
 class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
-    One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) with small
-    handlers attached (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) and small
+    handlers (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
     ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; Ignite's
     ``OptimizerParamsHandler`` for the learning rate; ``RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
@@ -271,7 +271,7 @@ class TensorBoardMetrics:
                        for split in (SPLITS if evaluator is not None else SPLITS[:1])}
         train = self.splits["train"]
         self.window = TrainWindow(step, self.clipping)
-        self.window.attach(trainer)  # before the log's handlers: the log's iteration is in its window
+        self.window.attach(trainer, self.log_every, self._log)  # the log's iteration is in its window
         self.memory = DeviceMemory(step.device, self.ranks)
         self.memory.attach(trainer)
         metrics = {}  # (run, tag) -> title
@@ -284,7 +284,6 @@ class TensorBoardMetrics:
         tb.attach(trainer, self.run_facts, Events.STARTED)
         trainer.add_event_handler(Events.STARTED, lambda _: setattr(self, "_ended", False))
         tb.attach(trainer, self._completed, Events.COMPLETED)
-        log = Events.ITERATION_COMPLETED(every=self.log_every)
         shape = BatchShape(step, self.window, lambda: self.facts_written)
         shape.attach(trainer)
         # shape reads the window before it starts the next; _logged writes the layout once and flushes:
@@ -293,15 +292,18 @@ class TensorBoardMetrics:
         self._log_handlers = [shape, self.window, OptimizerParamsHandler(optimizer, "lr", tag="optimizer"),
                               self.memory, _flush]
         self._lr_groups = len(optimizer.param_groups)
-        for handler in self._log_handlers:
-            train.attach(trainer, handler, log)
-        tb.attach(trainer, self._logged_once, log)
         self.trainer_metrics = TrainerMetrics(train)
         self.trainer_metrics.attach(trainer)
         if evaluator is not None:
             self.validation.trainer = trainer
             self.splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
             self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
+
+    def _log(self, engine: Engine) -> None:
+        """Every ``log_every`` iterations (called by the window) and at the end: the log's handlers, in order."""
+        for handler in self._log_handlers:
+            handler(engine, self.splits["train"], Events.ITERATION_COMPLETED)
+        self._logged_once(engine, self.tb, Events.ITERATION_COMPLETED)
 
     def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         if not self._layout_written:  # at the first log: the FLOP count and what is logged are known
@@ -348,9 +350,7 @@ class TensorBoardMetrics:
     def _completed(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
         if self.window.losses:  # the last iterations since the last log (all of a run shorter than log_every)
-            for handler in self._log_handlers:
-                handler(engine, self.splits["train"], Events.ITERATION_COMPLETED)
-            self._logged_once(engine, logger, Events.ITERATION_COMPLETED)
+            self._log(engine)
         self._write_health(engine.state.iteration)
         self._ended = True
         logger.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)

@@ -1,7 +1,7 @@
 """The small handlers :class:`~ignite_amp.handlers.TensorBoardMetrics` attaches to one Ignite ``TensorboardLogger``.
 
-Each is an Ignite log handler, ``handler(engine, logger, event_name)``, attached with
-``logger.attach(trainer, handler, event)``; those that need every iteration's values also
+Each is an Ignite log handler, ``handler(engine, logger, event_name)``, which ``TensorBoardMetrics`` calls at
+each log (or ``logger.attach(trainer, handler, event)`` attaches); those that need every iteration's values also
 ``attach`` a plain trainer handler that keeps them on the device until the log. Each keeps what
 it logged in ``history`` for the end-of-run health summary (:mod:`.run_health`). :func:`layout`
 is the Custom Scalars layout of the charts they fill.
@@ -111,8 +111,10 @@ class TrainWindow:
         self.samples = self.largest_batch = 0
         self.data_wait = self.busy = 0.0  # seconds fetching batches; in iterations (fetch, step, handlers)
 
-    def attach(self, trainer: Engine) -> None:
-        """The per-iteration bookkeeping (register before the log's handlers)."""
+    def attach(self, trainer: Engine, every: int = 0, log: Optional[Callable[[Engine], None]] = None) -> None:
+        """The per-iteration bookkeeping; ``log(trainer)`` right after it on every ``every``-th iteration (one
+        trainer handler per iteration, where a filtered handler per log handler would each run per iteration)."""
+        self._every, self._log = every, log
         trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
         trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
@@ -156,6 +158,8 @@ class TrainWindow:
         self.largest_batch = max(self.largest_batch, step.batch_size)
         # From the batch's fetch to now: evaluation, checkpoints and other epoch-end work are not training time.
         self.busy += time.perf_counter() - self._fetch_start
+        if self._log is not None and not engine.state.iteration % self._every:
+            self._log(engine)
 
     def read(self, iteration: int) -> Dict[str, float]:
         """The window's values by tag (one host sync), kept in ``history``; then a new window starts."""
@@ -166,9 +170,10 @@ class TrainWindow:
             losses = torch.where(kept, losses, torch.zeros_like(losses)).sum() / kept.sum()
         reads = {"loss": losses.mean()}
         if self.norms:
-            reads["optimizer/grad_norm"] = torch.stack([n.to(device, torch.float32) for n in self.norms]).mean()
-        if self.clip_norms:
-            bound = torch.stack([n.to(device) for n in self.clip_norms]) > self.clipping.max_norm
+            # One stack, then one cast (exact, whatever the norms' dtype): not a cast per step at each log.
+            reads["optimizer/grad_norm"] = torch.stack(self.norms).to(device, torch.float32).mean()
+        if self.clip_norms:  # one run's norms share a dtype: stacked as they are, compared in it
+            bound = torch.stack(self.clip_norms).to(device) > self.clipping.max_norm
             reads["optimizer/clip_share"] = bound.float().mean()
         scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
         if scale is not None:

@@ -50,6 +50,7 @@ from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.float8 import float8_change
+from ignite_amp.grad_norm import total_norm
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, build_scaler, found_inf
 from ignite_amp.step_base import Cycle, StepBase, call_model, identity
@@ -343,11 +344,8 @@ class AmpStep(StepBase, Serializable):
             # (after the clipping kernels, and once more); here it is made once, before them.
             skip = bool(found_inf(scaler, self._optimizer).item())
         if not skip:
-            if self._track_norm:
-                grads = [p.grad for p in self._params if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
-                # Of sharded gradients (DTensors), the norm over every rank's shards.
-                self._grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if self._track_norm:  # get_total_norm's value at its kernels' host cost
+                self._grad_norm = total_norm([p.grad for p in self._params if p.grad is not None])
             _fire(engine, AmpEvents.GRADS_READY)
             try:
                 self._optimizer.step()

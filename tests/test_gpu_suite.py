@@ -14,7 +14,7 @@ from conftest import ROOT
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
-            "g_data_path", "h_activation_checkpointing"]
+            "g_data_path", "h_activation_checkpointing", "j_handler_cost"]
 HEADER = ("device", "driver", "cuda", "torch", "ignite", "date")
 
 
@@ -95,6 +95,13 @@ def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
     checkpointing = rows(s["h_activation_checkpointing"])  # the GPT's 2 blocks, the stand-in ResNet's 8
     assert [(r["checkpointing"], r["blocks"]) for r in checkpointing] == [(False, 0), (True, 2), (False, 0), (True, 8)]
     assert all(r["step_ms"] > 0 and r["peak_activation_mb"] is None for r in checkpointing)
+
+    handlers = rows(s["j_handler_cost"])  # overhead.py's table on both models (no Ignite rows: float16 on a CPU)
+    assert len({r["model"] for r in handlers}) == 2 and all(r["ms_per_iter"] > 0 for r in handlers)
+    assert {"hand-written loop", "create_amp_trainer", "+ GradientClipping(max_norm=1.0)",
+            "+ TensorBoardMetrics(log_every=50)", "+ NonFiniteGuard", "+ all default handlers"} <= {
+        r["variant"] for r in handlers}
+    assert len(s["j_handler_cost"]["targets"]) == 12
 
 
 def test_smoke_markdown_has_the_header_and_one_part_per_section(smoke):
