@@ -210,7 +210,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         check_run_directories(cfg)
     seed_everything(cfg["seed"])
     model = build_model(**cfg["model"])
-    checkpoint_activations(cfg, model)  # the first transform: before the search, sharding and compile
+    checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
     optimizer = build_optimizer(cfg["optimizer"], model)
     batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
         else None

@@ -369,3 +369,26 @@ def test_float8_and_activation_checkpointing_compose_exactly():
         trainer.run(data, max_epochs=1)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
+
+
+def image_linear_blocks(num_classes: int = 10) -> nn.Module:
+    """Blocks that are plain ``nn.Linear`` layers (the inner Sequential's children): float8 converts them."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]),
+                         nn.Linear(32, num_classes))
+
+
+def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_path):
+    """Issue 39: the config path checkpointed first, then float8 replaced the Linear blocks by Float8Linear
+    layers without the checkpoint (checkpointed_blocks: none); the Python path had the right order."""
+    cfg = tiny_config(tmp_path, amp={"dtype": "float8", "activation_checkpointing": True},
+                      model={"name": f"{__name__}:image_linear_blocks", "num_classes": 10, "kwargs": {}})
+    from ignite_amp.checkpointing import checkpointed_blocks
+    from ignite_amp.run import build_run
+
+    run = build_run(cfg, print_fn=lambda line: None)
+    try:
+        assert converted(run.model) == ["2.0", "2.1", "2.2"]
+        assert checkpointed_blocks(run.model) == ["2.0", "2.1", "2.2"]
+        assert step_facts(run.trainer.amp_step)["checkpointed_blocks"] == "2.0-2"
+    finally:
+        run.close()
