@@ -226,6 +226,7 @@ def _rerun() -> str:
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
     from ignite_amp.checkpoint_io import disk_full
+    from ignite_amp.device import is_oom_error
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
 
     if isinstance(exc, USER_ERRORS):
@@ -236,6 +237,11 @@ def describe(exc: BaseException) -> Tuple[int, str]:
         return 1, f"ignite-amp: stopped: {one_line(exc)}; {then}"
     if isinstance(exc, RUN_STOPPED):
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
+    if is_oom_error(exc):  # one process, or one rank of several (FSDP2 cannot retry a batch: no OOMBackoff)
+        then = (f"the last checkpoint is intact: {_rerun()} to resume" if _checkpoint_kept() else
+                "no checkpoint was written yet")
+        return 1, (f"ignite-amp: stopped: out of memory ({one_line(exc)}): lower data.batch_size, or raise "
+                   f"amp.micro_batches (the same batch in smaller chunks); {then}")
     if disk_full(exc):
         where = getattr(exc, "filename", None) or "writing the run"
         then = (f"the last checkpoint is kept: free space and {_rerun()} to resume" if _checkpoint_kept() else

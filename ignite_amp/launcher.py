@@ -30,6 +30,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from ignite_amp.builders import config_device
 from ignite_amp.collectives import adopt_ignite_loggers
+from ignite_amp.device import is_oom_error
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
 from ignite_amp.fields import FIXED, Boolean, Choice, Integer, Names, setting
 from ignite_amp.rundir import COMMAND_PID, terminal_log_handler
@@ -202,6 +203,8 @@ def _collect(outbox: str, nproc: int, died: Any = None) -> Any:
         rank, (_, exc, text) = errors[0]
         if isinstance(exc, USER_ERRORS + RUN_STOPPED + (KeyboardInterrupt,)):
             raise exc
+        if is_oom_error(exc):  # the CLI says what to change; the rank's traceback after the first line
+            raise torch.OutOfMemoryError(f"rank {rank} of {nproc}: {first_line(exc)}\n{text}")
         # The cause in the first line (the CLI's one line), the rank's traceback after it (train.log, --debug).
         raise RuntimeError(f"rank {rank} of {nproc} failed: {exc.__class__.__name__}: {first_line(exc)}\n{text}")
     if 0 not in outcomes:

@@ -391,6 +391,24 @@ def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
         "ignite-amp: internal error: RuntimeError: rank 1 of 2 failed: KeyError: 'model.3.weight' (")
 
 
+
+def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monkeypatch):
+    """Issue 39: "internal error: RuntimeError: rank 1 of 2 failed: OutOfMemoryError", no advice (an FSDP2
+    run cannot retry a batch: no OOMBackoff on several processes)."""
+    from ignite_amp import cli
+    from ignite_amp.launcher import _collect, _post
+
+    _post(str(tmp_path), 1, ("error", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                             "Traceback (most recent call last):\n..."))
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _collect(str(tmp_path), 2)
+    assert "Traceback" in str(raised.value)  # kept for train.log and --debug
+    monkeypatch.setattr(cli, "_state", {})
+    assert cli.describe(raised.value) == (1, "ignite-amp: stopped: out of memory (rank 1 of 2: CUDA out of memory. "
+                                             "Tried to allocate 2.00 GiB): lower data.batch_size, or raise "
+                                             "amp.micro_batches (the same batch in smaller chunks); no checkpoint "
+                                             "was written yet")
+
 def _lock_holder(output_dir):
     import ignite.distributed as idist
 
