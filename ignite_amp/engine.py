@@ -167,6 +167,8 @@ def create_amp_trainer(
                    model_fn=model_fn, model_transform=model_transform, output_transform=output_transform,
                    num_items=num_items, **kwargs)
     engine = _engine(_with_float8(step, float8))
+    if float8 is None:  # an evaluator's float8 would convert the layers this trainer trains (see create_amp_evaluator)
+        unwrap(model)._ignite_amp_trained_in = step.dtype
     if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
         # float8 all-gather: the weights' scales for the next forward, once per optimizer step
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
@@ -205,8 +207,15 @@ def create_amp_evaluator(
     are Ignite's hooks; ``y_pred`` holds float32 tensors at any nesting, the full batch's whatever the
     micro-batches. Other keyword arguments go to :class:`EvalStep` (``micro_batches``,
     ``non_blocking``, ``channels_last``, ``compile``, ``fp32_modules``, ``prepare_batch``).
+    ``dtype="float8"`` converts the model's Linear layers in place: refused when the model's trainer
+    runs another dtype (it would train them in float8 too).
     """
     model = unwrap(model)  # evaluation never communicates: no DDP forward
+    trained_in = getattr(model, "_ignite_amp_trained_in", None)
+    if dtype == "float8" and trained_in is not None and getattr(model, "_ignite_amp_float8", None) is None:
+        raise ValueError(f"Argument dtype: float8 converts the model's Linear layers in place, and its trainer runs "
+                         f"{trained_in}: that trainer would then train them in float8; evaluate in the trainer's "
+                         f"dtype, or give the trainer dtype=\"float8\" too")
     dtype, float8 = _float8(model, device, dtype, kwargs, say=False)
     evaluator = _engine(_with_float8(EvalStep(model, device=device, dtype=dtype, model_fn=model_fn,
                                               model_transform=model_transform, output_transform=output_transform,

@@ -392,3 +392,23 @@ def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_pa
         assert step_facts(run.trainer.amp_step)["checkpointed_blocks"] == "2.0-2"
     finally:
         run.close()
+
+
+def test_a_float8_evaluator_never_converts_the_layers_a_bfloat16_trainer_trains():
+    """Issue 39: it converted them in place, and only its own line said so: the trainer went on in float8."""
+    model = mlp()
+    create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, device="cpu",
+                       dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"^Argument dtype: float8 converts the model's Linear layers in place, and "
+                                         r"its trainer runs torch.bfloat16: that trainer would then train them in "
+                                         r"float8; evaluate in the trainer's dtype, or give the trainer "
+                                         r'dtype="float8" too$'):
+        create_amp_evaluator(model, device="cpu", dtype="float8")
+    assert converted(model) == []
+    create_amp_evaluator(model, device="cpu", dtype="bfloat16")
+    alone, trained = mlp(), mlp()  # a model evaluated alone, or trained in float8: the evaluator's float8 is fine
+    create_amp_evaluator(alone, device="cpu", dtype="float8")
+    create_amp_trainer(trained, torch.optim.SGD(trained.parameters(), lr=0.1), nn.functional.cross_entropy,
+                       device="cpu", dtype="float8")
+    create_amp_evaluator(trained, device="cpu", dtype="float8")
+    assert converted(alone) == converted(trained) == ["3", "5"]
