@@ -102,6 +102,32 @@ def cpu_only(enabled: bool = True) -> Iterator[None]:
                 os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+_RESTART_SCHEME = "ignite-amp-env"
+
+
+def _restart_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple]:
+    """``env://`` with the store's keys under this torchrun restart's own prefix.
+
+    torchrun's agent serves one TCPStore to all its restarts (``--max-restarts``, c10d rendezvous), and
+    ``env://`` prefixes nothing per restart: a rank of the next attempt could read the address that a
+    killed rank of the previous one had published, and gloo failed ("connectFullMesh failed ...
+    Connection refused"), so the first restart died and only the second resumed."""
+    store, rank, world_size = next(torch.distributed.rendezvous("env://", **kwargs))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    yield torch.distributed.PrefixStore(f"ignite_amp/attempt_{attempt}", store), rank, world_size
+
+
+def _restart_scheme() -> str:
+    """The URL scheme of :func:`_restart_rendezvous` (registered once; Ignite passes an ``*env*`` scheme on)."""
+    if not _registered:
+        torch.distributed.register_rendezvous_handler(_RESTART_SCHEME, _restart_rendezvous)
+        _registered.append(True)
+    return _RESTART_SCHEME
+
+
+_registered: list = []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -265,7 +291,8 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
     if under_torchrun():
         os.environ.setdefault(COMMAND_PID, str(os.getppid()))  # torchrun, which started this rank
         result = []
-        with cpu_only(device.type == "cpu"), idist.Parallel(backend=backend) as parallel:
+        with cpu_only(device.type == "cpu"), \
+                idist.Parallel(backend=backend, init_method=f"{_restart_scheme()}://") as parallel:
             _quiet_other_ranks()
             parallel.run(lambda local_rank: result.append(_call(fn, args)))
         return result[0]
