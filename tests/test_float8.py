@@ -371,6 +371,32 @@ def test_float8_and_activation_checkpointing_compose_exactly():
     assert torch.equal(weights[0], weights[1])
 
 
+
+def test_float8_with_activation_checkpointing_compiles_in_one_graph():
+    """Issue 39: on a GPU float8 turns compile on, and the checkpoint wrapper's side effect made dynamo capture
+    nothing: float8 + activation checkpointing ran eager. fullgraph=True: a graph break is an error."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from ignite_amp.checkpointing import checkpoint_blocks, checkpointed_blocks
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
+                                                             for _ in range(3)]), nn.Linear(32, 4))
+    convert_to_float8(model)
+    checkpoint_blocks(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(8, 16))
+    out.float().sum().backward()
+    assert len(graphs) == 1 and converted(model) == ["1.0.0", "1.1.0", "1.2.0"]
+    assert checkpointed_blocks(model) == ["1.0", "1.1", "1.2"]
+    assert all(p.grad is not None for p in model.parameters())
+
 def image_linear_blocks(num_classes: int = 10) -> nn.Module:
     """Blocks that are plain ``nn.Linear`` layers (the inner Sequential's children): float8 converts them."""
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]),
