@@ -118,14 +118,13 @@ def _restart_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple]:
 
 
 def _restart_scheme() -> str:
-    """The URL scheme of :func:`_restart_rendezvous` (registered once; Ignite passes an ``*env*`` scheme on)."""
-    if not _registered:
+    """The URL scheme of :func:`_restart_rendezvous`, registered with torch (Ignite passes a scheme naming
+    ``env`` on to ``init_process_group`` as it is)."""
+    try:
         torch.distributed.register_rendezvous_handler(_RESTART_SCHEME, _restart_rendezvous)
-        _registered.append(True)
+    except RuntimeError:  # registered by an earlier launch in this process
+        pass
     return _RESTART_SCHEME
-
-
-_registered: list = []
 
 
 def _free_port() -> int:
