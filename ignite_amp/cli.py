@@ -238,10 +238,11 @@ def describe(exc: BaseException) -> Tuple[int, str]:
     if isinstance(exc, RUN_STOPPED):
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
     if is_oom_error(exc):  # one process, or one rank of several (FSDP2 cannot retry a batch: no OOMBackoff)
-        then = (f"the last checkpoint is intact: {_rerun()} to resume" if _checkpoint_kept() else
-                "no checkpoint was written yet")
-        return 1, (f"ignite-amp: stopped: out of memory ({one_line(exc)}): lower data.batch_size, or raise "
-                   f"amp.micro_batches (the same batch in smaller chunks); {then}")
+        # amp.micro_batches may change on a resume; data.batch_size not under a schedule
+        then = (f"the last checkpoint is intact: {_rerun()} with --set amp.micro_batches=N (the same batch in N "
+                f"smaller chunks) to resume" if _checkpoint_kept() else "lower data.batch_size, or raise "
+                f"amp.micro_batches (the same batch in smaller chunks), and run it again")
+        return 1, f"ignite-amp: stopped: out of memory ({one_line(exc)}); {then}"
     if disk_full(exc):
         where = getattr(exc, "filename", None) or "writing the run"
         then = (f"the last checkpoint is kept: free space and {_rerun()} to resume" if _checkpoint_kept() else

@@ -405,9 +405,14 @@ def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monke
     assert "Traceback" in str(raised.value)  # kept for train.log and --debug
     monkeypatch.setattr(cli, "_state", {})
     assert cli.describe(raised.value) == (1, "ignite-amp: stopped: out of memory (rank 1 of 2: CUDA out of memory. "
-                                             "Tried to allocate 2.00 GiB): lower data.batch_size, or raise "
-                                             "amp.micro_batches (the same batch in smaller chunks); no checkpoint "
-                                             "was written yet")
+                                             "Tried to allocate 2.00 GiB); lower data.batch_size, or raise "
+                                             "amp.micro_batches (the same batch in smaller chunks), and run it again")
+    (tmp_path / "checkpoints" / "last_checkpoint_1.pt").parent.mkdir()
+    (tmp_path / "checkpoints" / "last_checkpoint_1.pt").write_bytes(b"")
+    monkeypatch.setattr(cli, "_state", {"checkpoints": str(tmp_path / "checkpoints")})
+    assert cli.describe(raised.value)[1].endswith(  # the batch size may not change on a resume under a schedule
+        "; the last checkpoint is intact: run the same command with --set amp.micro_batches=N (the same batch in N "
+        "smaller chunks) to resume")
 
 def _lock_holder(output_dir):
     import ignite.distributed as idist
