@@ -126,6 +126,9 @@ class BestCheckpoint:
             if reserved in to_save:
                 raise ValueError(f"Argument to_save should not use the reserved key {reserved!r}.")
         self.dirname = str(dirname)
+        if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):  # found now, not after an epoch
+            raise ValueError(f"Argument dirname should be a directory (or not exist yet), {self.dirname} is "
+                             f"{'a symbolic link that leads nowhere' if os.path.islink(self.dirname) else 'a file'}.")
         self.metric, self.mode = metric, mode
         self.score_name = metric if mode == "max" else f"neg_{metric}"
         self.config = StoredValue(config)

@@ -6,6 +6,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers.param_scheduler import ParamGroupScheduler, ParamScheduler, ReduceLROnPlateauScheduler
 
 from ignite_amp.events import AmpEvents
+from ignite_amp.handlers.oom_backoff import OOMBackoff
 
 __all__ = ["StepSchedule"]
 
@@ -64,6 +65,7 @@ class StepSchedule:
 
     def attach(self, engine: Engine) -> None:
         """Advance the schedule at each ``AmpEvents.OPTIMIZER_STEPPED`` of ``engine``."""
+        engine.add_event_handler(Events.STARTED, _refuse_batch_backoff)  # at the start: attached in either order
         if self.ignite:
             engine.add_event_handler(Events.STARTED, self._first_value)
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, self)
@@ -80,3 +82,14 @@ class StepSchedule:
             self.scheduler(engine)
         else:
             self.scheduler.step()
+
+
+def _refuse_batch_backoff(engine: Engine) -> None:
+    """``OOMBackoff(mode="batch")`` shrinks the loader's batch, so the steps per epoch change, which a schedule
+    of steps cannot follow (``OneCycleLR`` dies past its ``total_steps``), as the config path refuses it.
+    Ignite lists an event's handlers nowhere public: ``engine._event_handlers`` (a test breaks if it moves)."""
+    for handler, *_ in engine._event_handlers[Events.EPOCH_COMPLETED]:
+        backoff = getattr(handler, "__self__", None)
+        if isinstance(backoff, OOMBackoff) and backoff.mode == "batch":
+            raise ValueError('StepSchedule: OOMBackoff(mode="batch") changes the steps per epoch, which a schedule '
+                             'cannot follow; use OOMBackoff(mode="micro_batch")')

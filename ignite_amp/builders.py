@@ -14,6 +14,7 @@ from ignite_amp.checkpointing import checkpoint_blocks
 from ignite_amp.collectives import is_distributed
 from ignite_amp.errors import ConfigError, first_line
 from ignite_amp.device import is_oom_error, resolve_device
+from ignite_amp.float8 import convert_to_float8
 from ignite_amp.fields import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
@@ -103,11 +104,21 @@ def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,
         raise ConfigError(f"scheduler.kwargs: {sched['name']} refused its arguments ({exc})") from None
 
 
-def checkpoint_activations(cfg: dict, model: torch.nn.Module) -> None:
-    """``amp.activation_checkpointing``: the model's blocks (``distributed.blocks``, or the repeated ones)
-    checkpointed in place as soon as the model is built: before the batch-size search, DDP or FSDP2
-    sharding and compile (the order of :mod:`ignite_amp.checkpointing`)."""
-    if cfg["amp"]["activation_checkpointing"]:
+def checkpoint_activations(cfg: dict, model: torch.nn.Module, device: torch.device) -> None:
+    """The model transforms of ``amp:`` in place as soon as the model is built, before the batch-size search,
+    DDP or FSDP2 sharding and compile, in the order of :mod:`ignite_amp.checkpointing`: ``dtype: float8``'s
+    conversion first (on the run's ``device``), then ``activation_checkpointing`` of the blocks
+    (``distributed.blocks``, or the repeated ones), so a block that is itself an ``nn.Linear`` stays
+    checkpointed as the ``Float8Linear`` it becomes (converted later, it would lose its checkpoint).
+    float8 without checkpointing is converted by the trainer's factory (nothing comes between)."""
+    amp = cfg["amp"]
+    if amp["dtype"] == "float8" and amp["activation_checkpointing"]:
+        try:  # sharded on several processes: FSDP2 all-gathers the float8 weights in float8 (as run._shard)
+            convert_to_float8(model, amp["float8_recipe"], device, amp["fp32_modules"],
+                              fsdp_all_gather=cfg["distributed"]["strategy"] == "fsdp" and is_distributed())
+        except ValueError as exc:
+            raise ConfigError(f"amp: {exc}") from None
+    if amp["activation_checkpointing"]:
         try:
             checkpoint_blocks(model, cfg["distributed"]["blocks"] or None)
         except ValueError as exc:

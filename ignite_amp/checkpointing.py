@@ -43,18 +43,20 @@ def _running_stats_kept(block: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+def _contexts(block: nn.Module) -> tuple:
+    """The forward's context and the recompute's (``checkpoint``'s ``context_fn``)."""
+    return contextlib.nullcontext(), _running_stats_kept(block)
+
+
 def _checkpointed_forward(block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-    calls = []
-
-    def run(*inputs: Any, **named: Any) -> Any:
-        if not calls:  # the forward
-            calls.append(True)
-            return forward(*inputs, **named)
-        with _running_stats_kept(block):  # the backward's recompute
-            return forward(*inputs, **named)
-
     # Non-reentrant: any inputs (keyword ones, inputs that need no grad), nesting, and autograd hooks work.
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_compiling():
+        # Traced: AOTAutograd's recompute replays no buffer update (they are functionalized into the forward's
+        # graph), so no context is needed, and a context or any state kept outside the block would stop dynamo
+        # from capturing the checkpoint ("HOP: Unsafe side effect"): the whole model would run eager.
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                             context_fn=functools.partial(_contexts, block), **kwargs)
 
 
 def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:

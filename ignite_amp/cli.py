@@ -229,6 +229,7 @@ def _rerun() -> str:
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
     from ignite_amp.checkpoint_io import disk_full
+    from ignite_amp.device import is_oom_error
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
 
     if isinstance(exc, USER_ERRORS):
@@ -239,6 +240,12 @@ def describe(exc: BaseException) -> Tuple[int, str]:
         return 1, f"ignite-amp: stopped: {one_line(exc)}; {then}"
     if isinstance(exc, RUN_STOPPED):
         return 1, f"ignite-amp: stopped: {one_line(exc)}"
+    if is_oom_error(exc):  # one process, or one rank of several (FSDP2 cannot retry a batch: no OOMBackoff)
+        # amp.micro_batches may change on a resume; data.batch_size not under a schedule
+        then = (f"the last checkpoint is intact: {_rerun()} with --set amp.micro_batches=N (the same batch in N "
+                f"smaller chunks) to resume" if _checkpoint_kept() else "lower data.batch_size, or raise "
+                f"amp.micro_batches (the same batch in smaller chunks), and run it again")
+        return 1, f"ignite-amp: stopped: out of memory ({one_line(exc)}); {then}"
     if disk_full(exc):
         where = getattr(exc, "filename", None) or "writing the run"
         then = (f"the last checkpoint is kept: free space and {_rerun()} to resume" if _checkpoint_kept() else

@@ -298,7 +298,8 @@ class LockstepBatches:
 
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
-                seed: int = 0, no_single_last: bool = False, lockstep: bool = False) -> DataLoader:
+                seed: int = 0, no_single_last: bool = False, lockstep: bool = False,
+                micro_batches: int = 1) -> DataLoader:
     """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
 
     ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
@@ -307,7 +308,8 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     process (:class:`EpochShuffleSampler`) as over N (:class:`ShuffleShardSampler`), so the global
     batches are the same sets of samples. Validation is sharded without padding.
     ``no_single_last``: a training epoch whose last batch would hold one sample (which BatchNorm
-    cannot train on) leaves it out, with a warning; the order is shuffled, so not the same sample.
+    cannot train on), or cut in ``micro_batches`` a micro-batch of one, leaves it out, with a warning;
+    the order is shuffled, so not the same samples.
     ``lockstep``: validation batches as many on every rank (:class:`LockstepBatches`), for a sharded model.
     """
     adopt_ignite_loggers()
@@ -327,11 +329,13 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     else:
         sampler = EpochShuffleSampler(len(dataset), seed) if train else None
     drop_last = False
-    if train and no_single_last and len(sampler) % (batch_size // world) == 1:
+    last = len(sampler) % (batch_size // world) if train else 0
+    if no_single_last and 0 < last < 2 * micro_batches:
         drop_last = True
-        logger.warning("data: the last batch of each epoch would hold 1 sample, which BatchNorm layers cannot train "
-                       "on: it is left out (a different sample each epoch: the order is shuffled); change "
-                       "data.batch_size or data.train_size to keep it")
+        held = "1 sample" if last == 1 else f"{last} samples, a micro-batch of 1 in {micro_batches} micro-batches,"
+        logger.warning(f"data: the last batch of each epoch would hold {held} which BatchNorm layers cannot train "
+                       f"on: it is left out (different samples each epoch: the order is shuffled); change "
+                       f"data.batch_size or data.train_size to keep it")
     return idist.auto_dataloader(
         dataset,
         batch_size=batch_size,
@@ -344,16 +348,23 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
 
 
 def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False,
-                  lockstep: bool = False):
+                  lockstep: bool = False, micro_batches: int = 1):
     """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here.
 
-    ``batch_norm``: the model has BatchNorm layers (training batches of one sample are refused or left out).
+    ``batch_norm``: the model has BatchNorm layers (training batches, or micro-batches of ``micro_batches``
+    (``amp.micro_batches``), of one sample are refused or left out).
     ``lockstep``: the model is sharded (validation batches as many on every rank)."""
     batch = data["batch_size"]
-    if batch_norm and batch // idist.get_world_size() == 1:
+    per_process = batch // idist.get_world_size()
+    if batch_norm and per_process == 1:
         raise ConfigError("data.batch_size: 1 sample per batch (per process), but the model has BatchNorm layers, "
                           "whose training statistics need at least 2")
+    if batch_norm and per_process < 2 * micro_batches:
+        raise ConfigError(f"amp.micro_batches: {micro_batches} micro-batches of a batch of {per_process} (per process) "
+                          f"hold 1 sample, but the model has BatchNorm layers, whose training statistics need at "
+                          f"least 2: use at most {per_process // 2}, or a larger data.batch_size")
     train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
-    train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm)
+    train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm,
+                        micro_batches=micro_batches)
     val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device, lockstep=lockstep)
     return train, val, n_classes

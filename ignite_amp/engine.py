@@ -213,6 +213,8 @@ def create_amp_trainer(
                    scaler=scaler, **kwargs)
     engine = _engine(_with_float8(step, float8), deterministic)
     engine.state.scaler = step.scaler  # Ignite's place for it (its docs checkpoint it as to_save["scaler"])
+    if float8 is None:  # an evaluator's float8 would convert the layers this trainer trains (see create_amp_evaluator)
+        unwrap(model)._ignite_amp_trained_in = step.dtype
     if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
         # float8 all-gather: the weights' scales for the next forward, once per optimizer step
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
@@ -259,10 +261,17 @@ def create_amp_evaluator(
     are Ignite's hooks; ``y_pred`` holds float32 tensors at any nesting, the full batch's whatever the
     micro-batches. Other keyword arguments go to :class:`EvalStep` (``micro_batches``,
     ``channels_last``, ``compile``, ``fp32_modules``, ``batch_size``, ``split_batch``).
+    ``dtype="float8"`` converts the model's Linear layers in place: refused when the model's trainer
+    runs another dtype (it would train them in float8 too).
     """
     _check_keywords(create_amp_evaluator, EvalStep, kwargs)
     check_flags(non_blocking=non_blocking)
     model = unwrap(model)  # evaluation never communicates: no DDP forward
+    trained_in = getattr(model, "_ignite_amp_trained_in", None)
+    if dtype == "float8" and trained_in is not None and getattr(model, "_ignite_amp_float8", None) is None:
+        raise ValueError(f"Argument dtype: float8 converts the model's Linear layers in place, and its trainer runs "
+                         f"{trained_in}: that trainer would then train them in float8; evaluate in the trainer's "
+                         f"dtype, or give the trainer dtype=\"float8\" too")
     device = model_device(model) if device is None else device
     dtype, float8 = _float8(model, device, amp_dtype(amp_mode, dtype), kwargs, say=False)
     evaluator = _engine(_with_float8(EvalStep(model, device=device, dtype=dtype, non_blocking=non_blocking,

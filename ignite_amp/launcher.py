@@ -30,6 +30,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from ignite_amp.builders import config_device
 from ignite_amp.collectives import adopt_ignite_loggers
+from ignite_amp.device import is_oom_error
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
 from ignite_amp.fields import FIXED, Boolean, Choice, Integer, Names, setting
 from ignite_amp.rundir import COMMAND_PID, terminal_log_handler
@@ -99,6 +100,31 @@ def cpu_only(enabled: bool = True) -> Iterator[None]:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+_RESTART_SCHEME = "ignite-amp-env"
+
+
+def _restart_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple]:
+    """``env://`` with the store's keys under this torchrun restart's own prefix.
+
+    torchrun's agent serves one TCPStore to all its restarts (``--max-restarts``, c10d rendezvous), and
+    ``env://`` prefixes nothing per restart: a rank of the next attempt could read the address that a
+    killed rank of the previous one had published, and gloo failed ("connectFullMesh failed ...
+    Connection refused"), so the first restart died and only the second resumed."""
+    store, rank, world_size = next(torch.distributed.rendezvous("env://", **kwargs))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    yield torch.distributed.PrefixStore(f"ignite_amp/attempt_{attempt}", store), rank, world_size
+
+
+def _restart_scheme() -> str:
+    """The URL scheme of :func:`_restart_rendezvous`, registered with torch (Ignite passes a scheme naming
+    ``env`` on to ``init_process_group`` as it is)."""
+    try:
+        torch.distributed.register_rendezvous_handler(_RESTART_SCHEME, _restart_rendezvous)
+    except RuntimeError:  # registered by an earlier launch in this process
+        pass
+    return _RESTART_SCHEME
 
 
 def _free_port() -> int:
@@ -202,6 +228,8 @@ def _collect(outbox: str, nproc: int, died: Any = None) -> Any:
         rank, (_, exc, text) = errors[0]
         if isinstance(exc, USER_ERRORS + RUN_STOPPED + (KeyboardInterrupt,)):
             raise exc
+        if is_oom_error(exc):  # the CLI says what to change; the rank's traceback after the first line
+            raise torch.OutOfMemoryError(f"rank {rank} of {nproc}: {first_line(exc)}\n{text}")
         # The cause in the first line (the CLI's one line), the rank's traceback after it (train.log, --debug).
         raise RuntimeError(f"rank {rank} of {nproc} failed: {exc.__class__.__name__}: {first_line(exc)}\n{text}")
     if 0 not in outcomes:
@@ -262,7 +290,8 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
     if under_torchrun():
         os.environ.setdefault(COMMAND_PID, str(os.getppid()))  # torchrun, which started this rank
         result = []
-        with cpu_only(device.type == "cpu"), idist.Parallel(backend=backend) as parallel:
+        with cpu_only(device.type == "cpu"), \
+                idist.Parallel(backend=backend, init_method=f"{_restart_scheme()}://") as parallel:
             _quiet_other_ranks()
             parallel.run(lambda local_rank: result.append(_call(fn, args)))
         return result[0]

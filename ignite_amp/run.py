@@ -212,13 +212,14 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         check_run_directories(cfg)
     seed_everything(cfg["seed"])
     model = build_model(**cfg["model"])
-    checkpoint_activations(cfg, model)  # the first transform: before the search, sharding and compile
+    checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
     optimizer = build_optimizer(cfg["optimizer"], model)
     batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
         else None
     batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
-                                                        cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg))
+                                                        cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg),
+                                                        micro_batches=cfg["amp"]["micro_batches"])
     check_classes(cfg, n_classes)
     trainer, evaluator, optimizer = _engines(cfg, model, optimizer, device, files)
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)

@@ -152,7 +152,17 @@ def check_writable(path: str, key: str = "output_dir") -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as exc:
-        raise ConfigError(f"{key}: cannot write to {path} ({exc.strerror or exc})") from None
+        raise ConfigError(f"{key}: cannot write to {path} ({_dangling_link(path) or exc.strerror or exc})") from None
+
+
+def _dangling_link(path: str) -> Optional[str]:
+    """The part of ``path`` that is a symbolic link leading nowhere (makedirs' bare "File exists"), said so."""
+    head = path
+    while head and not os.path.exists(head):
+        if os.path.islink(head):
+            return f"{head} is a symbolic link that leads nowhere: a loop, or its target is missing"
+        head = os.path.dirname(head.rstrip(os.sep))
+    return None
 
 
 def _previous_artifacts(output_dir: str) -> List[str]:

@@ -157,7 +157,12 @@ class StepBase:
 
     # -- the step ----------------------------------------------------------------------------
     def _prepare(self, batch: Any) -> tuple:
-        x, y = self.prepare_batch(batch, self._device, self.non_blocking)
+        prepared = self.prepare_batch(batch, self._device, self.non_blocking)
+        if not isinstance(prepared, (tuple, list)) or len(prepared) != 2:
+            got = f"a {type(prepared).__name__} of {len(prepared)}" if isinstance(prepared, (tuple, list)) \
+                else type(prepared).__name__
+            raise BatchError(f"prepare_batch should return an (x, y) pair (y may be None), got {got}")
+        x, y = prepared
         if self.channels_last:
             x = to_channels_last(x)
         return x, y

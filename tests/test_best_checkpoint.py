@@ -192,6 +192,10 @@ def test_reserved_keys_and_bad_arguments(tmp_path):
         BestCheckpoint(str(tmp_path), {}, n_saved=0)
     with pytest.raises(ValueError, match="mode should be 'max' or 'min'"):
         BestCheckpoint(str(tmp_path), {}, mode="up")
+    (tmp_path / "a_file").write_text("")  # issue 39: accepted, then the first save failed after an epoch
+    with pytest.raises(ValueError, match=r"^Argument dirname should be a directory \(or not exist yet\), .*a_file is a "
+                                         r"file\.$"):
+        BestCheckpoint(str(tmp_path / "a_file"), {})
 
 
 def states(run):

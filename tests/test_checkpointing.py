@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
 from torch.nn.functional import cross_entropy, gelu
 
 import ignite_amp.checkpointing
@@ -108,12 +109,13 @@ def test_training_is_the_same_with_and_without_it(dtype, options, dropout):
     assert relative_difference(checkpointed, plain) < 1e-6
 
 
-def test_batch_norm_running_statistics_are_updated_once():
-    def cnn():
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
-                               for _ in range(3)])
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+                           for _ in range(3)])
 
+
+def test_batch_norm_running_statistics_are_updated_once():
     plain, checkpointed = cnn(), cnn()
     checkpoint_blocks(checkpointed)
     for _ in range(2):
@@ -122,6 +124,39 @@ def test_batch_norm_running_statistics_are_updated_once():
         checkpointed(x).sum().backward()
     for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
         assert torch.equal(a, b), name  # num_batches_tracked is 2, not 4; the running means and variances agree
+
+
+def test_compile_captures_the_checkpointed_blocks_in_one_graph():
+    """Issue 39: the wrapper's recompute flag (a list appended to) was a side effect dynamo refuses inside the
+    checkpoint ("HOP: Unsafe side effect"): compile captured nothing and the model ran eager."""
+    graphs = []
+
+    def backend(gm, inputs):  # aot_eager (AOTAutograd's recompute, no inductor code generation), graphs kept
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    def captured_ops():  # the operators in the graphs, those inside each checkpoint's subgraph included
+        return sum(node.op == "call_function" and not str(node.target).startswith("<built-in function getitem")
+                   for gm in graphs for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+                   for node in module.graph.nodes)
+
+    plain, checkpointed = cnn(), cnn()
+    torch.compile(plain, backend=backend)(torch.zeros(2, 4, 6, 6))
+    plain_ops, graphs[:] = captured_ops(), []
+    plain = cnn()
+    checkpoint_blocks(checkpointed)
+    compiled = torch.compile(checkpointed, backend=backend, fullgraph=True)  # a graph break is an error
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(8, 4, 6, 6, generator=g)
+        plain(x).sum().backward()
+        compiled(x).sum().backward()
+    assert len(graphs) == 1 and captured_ops() >= plain_ops > 0
+    assert checkpointed_blocks(checkpointed) == ["0", "1", "2"]  # still reported
+    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name  # BatchNorm statistics updated once under compile too
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
 def saved_bytes(model, x):

@@ -391,6 +391,29 @@ def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
         "ignite-amp: internal error: RuntimeError: rank 1 of 2 failed: KeyError: 'model.3.weight' (")
 
 
+
+def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monkeypatch):
+    """Issue 39: "internal error: RuntimeError: rank 1 of 2 failed: OutOfMemoryError", no advice (an FSDP2
+    run cannot retry a batch: no OOMBackoff on several processes)."""
+    from ignite_amp import cli
+    from ignite_amp.launcher import _collect, _post
+
+    _post(str(tmp_path), 1, ("error", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                             "Traceback (most recent call last):\n..."))
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _collect(str(tmp_path), 2)
+    assert "Traceback" in str(raised.value)  # kept for train.log and --debug
+    monkeypatch.setattr(cli, "_state", {})
+    assert cli.describe(raised.value) == (1, "ignite-amp: stopped: out of memory (rank 1 of 2: CUDA out of memory. "
+                                             "Tried to allocate 2.00 GiB); lower data.batch_size, or raise "
+                                             "amp.micro_batches (the same batch in smaller chunks), and run it again")
+    (tmp_path / "checkpoints" / "last_checkpoint_1.pt").parent.mkdir()
+    (tmp_path / "checkpoints" / "last_checkpoint_1.pt").write_bytes(b"")
+    monkeypatch.setattr(cli, "_state", {"checkpoints": str(tmp_path / "checkpoints")})
+    assert cli.describe(raised.value)[1].endswith(  # the batch size may not change on a resume under a schedule
+        "; the last checkpoint is intact: run the same command with --set amp.micro_batches=N (the same batch in N "
+        "smaller chunks) to resume")
+
 def _lock_holder(output_dir):
     import ignite.distributed as idist
 
@@ -442,3 +465,45 @@ def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_p
                                f"the same command to resume")
     cli._log_rank_death(raised.value, line)
     assert (tmp_path / "train.log").read_text() == line + "\n"
+
+
+def test_a_restart_reads_only_its_own_attempt_s_keys_in_torchrun_s_store(monkeypatch):
+    """torchrun serves one store to all its restarts: the rendezvous keeps each attempt's keys apart."""
+    from ignite_amp.launcher import _restart_rendezvous
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's agent's store
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "RANK": "0", "WORLD_SIZE": "1",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(name, value)
+    first, rank, world_size = next(_restart_rendezvous("ignite-amp-env://"))
+    first.set("rank_0", "the address of a rank killed since")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second, _, _ = next(_restart_rendezvous("ignite-amp-env://"))
+    assert (rank, world_size) == (0, 1) and first.check(["rank_0"]) and not second.check(["rank_0"])
+
+
+def test_torchrun_max_restarts_resumes_on_the_first_restart_after_a_kill_9(tmp_path):
+    """Issue 39: after `kill -9` of rank 0 the first restart died in "Gloo connectFullMesh failed ... Connection
+    refused" (the new rank 1 read the killed rank's address from torchrun's store), and only the second resumed."""
+    cfg = config(tmp_path / "run", train={"epochs": 4}, scheduler={"name": "none"},
+                 data=dict(BASE["data"], train_size=512, val_size=32))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "--max-restarts=1", "-m", "ignite_amp", "train", str(path)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "checkpoints").is_dir() or not any(
+                n.startswith("last_") for n in os.listdir(tmp_path / "run" / "checkpoints")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        os.kill(min(map(int, ranks)), signal.SIGKILL)  # rank 0: started first
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "connectFullMesh" not in err, err
+    assert "resumed from" in out and "epoch 4/4" in out, out

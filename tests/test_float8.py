@@ -436,3 +436,71 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
     assert lines[1] == f"checkpoint {tmp_path}/last_checkpoint_1.dcp: holds {needs}", lines
     assert lines[2] == f"resumed {tmp_path}/last_checkpoint_1.dcp True", lines
     assert lines[3] == str(["best_checkpoint_1_accuracy=0.5000.dcp", "last_checkpoint_1.dcp"])
+
+
+def test_float8_with_activation_checkpointing_compiles_in_one_graph():
+    """Issue 39: on a GPU float8 turns compile on, and the checkpoint wrapper's side effect made dynamo capture
+    nothing: float8 + activation checkpointing ran eager. fullgraph=True: a graph break is an error."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from ignite_amp.checkpointing import checkpoint_blocks, checkpointed_blocks
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
+                                                             for _ in range(3)]), nn.Linear(32, 4))
+    convert_to_float8(model)
+    checkpoint_blocks(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(8, 16))
+    out.float().sum().backward()
+    assert len(graphs) == 1 and converted(model) == ["1.0.0", "1.1.0", "1.2.0"]
+    assert checkpointed_blocks(model) == ["1.0", "1.1", "1.2"]
+    assert all(p.grad is not None for p in model.parameters())
+
+def image_linear_blocks(num_classes: int = 10) -> nn.Module:
+    """Blocks that are plain ``nn.Linear`` layers (the inner Sequential's children): float8 converts them."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]),
+                         nn.Linear(32, num_classes))
+
+
+def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_path):
+    """Issue 39: the config path checkpointed first, then float8 replaced the Linear blocks by Float8Linear
+    layers without the checkpoint (checkpointed_blocks: none); the Python path had the right order."""
+    cfg = tiny_config(tmp_path, amp={"dtype": "float8", "activation_checkpointing": True},
+                      model={"name": f"{__name__}:image_linear_blocks", "num_classes": 10, "kwargs": {}})
+    from ignite_amp.checkpointing import checkpointed_blocks
+    from ignite_amp.run import build_run
+
+    run = build_run(cfg, print_fn=lambda line: None)
+    try:
+        assert converted(run.model) == ["2.0", "2.1", "2.2"]
+        assert checkpointed_blocks(run.model) == ["2.0", "2.1", "2.2"]
+        assert step_facts(run.trainer.amp_step)["checkpointed_blocks"] == "2.0-2"
+    finally:
+        run.close()
+
+
+def test_a_float8_evaluator_never_converts_the_layers_a_bfloat16_trainer_trains():
+    """Issue 39: it converted them in place, and only its own line said so: the trainer went on in float8."""
+    model = mlp()
+    create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, device="cpu",
+                       dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"^Argument dtype: float8 converts the model's Linear layers in place, and "
+                                         r"its trainer runs torch.bfloat16: that trainer would then train them in "
+                                         r"float8; evaluate in the trainer's dtype, or give the trainer "
+                                         r'dtype="float8" too$'):
+        create_amp_evaluator(model, device="cpu", dtype="float8")
+    assert converted(model) == []
+    create_amp_evaluator(model, device="cpu", dtype="bfloat16")
+    alone, trained = mlp(), mlp()  # a model evaluated alone, or trained in float8: the evaluator's float8 is fine
+    create_amp_evaluator(alone, device="cpu", dtype="float8")
+    create_amp_trainer(trained, torch.optim.SGD(trained.parameters(), lr=0.1), nn.functional.cross_entropy,
+                       device="cpu", dtype="float8")
+    create_amp_evaluator(trained, device="cpu", dtype="float8")
+    assert converted(alone) == converted(trained) == ["3", "5"]

@@ -165,6 +165,21 @@ def test_a_dict_batch_with_three_fields_in_a_tuple_is_named():
         trainer.run([(torch.randn(4, 5), torch.zeros(4).long(), torch.zeros(4))], max_epochs=1)
 
 
+
+@pytest.mark.parametrize("engine", ["trainer", "evaluator"])
+def test_a_prepare_batch_hook_returning_another_shape_is_a_batch_error_naming_it(engine):
+    """Issue 39: the hook's (x, y, weights) was a bare "too many values to unpack" naming no hook."""
+    from ignite_amp.errors import BatchError
+
+    model = mlp()
+    hook = lambda batch, device, non_blocking: tuple(batch)  # noqa: E731  (x, y, weights): one too many
+    made = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                              prepare_batch=hook) if engine == "trainer" else \
+        create_amp_evaluator(model, device="cpu", prepare_batch=hook)
+    with pytest.raises(BatchError, match=r"^prepare_batch should return an \(x, y\) pair \(y may be None\), got a "
+                                         r"tuple of 3$"):
+        made.run([(torch.randn(4, 5), torch.zeros(4).long(), torch.ones(4))], max_epochs=1)
+
 class TwoInputs(nn.Module):
     """An image and a row of tabular features."""
 

@@ -131,6 +131,22 @@ def test_a_batch_of_one_with_batchnorm(quick_cfg, tmp_path, capsys):
     assert "the last batch of each epoch would hold 1 sample" in err
 
 
+def test_micro_batches_of_one_sample_with_batchnorm(quick_cfg, tmp_path, capsys):
+    """Issue 39: micro-batches of one sample were "internal error: ValueError: Expected more than 1 value per
+    channel" (exit 1); a batch whose micro-batches all hold 2 or more samples is refused before anything runs."""
+    assert main(["train", write(tmp_path, quick_cfg), "--set", "data.batch_size=6", "--set", "amp.micro_batches=4"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "ignite-amp: error: amp.micro_batches: 4 micro-batches of a batch of 6 (per process) hold 1 sample, but the "
+        "model has BatchNorm layers, whose training statistics need at least 2: use at most 3, or a larger "
+        "data.batch_size"]
+    # A last batch of 3 (35 = 2 x 16 + 3) in 2 micro-batches would hold one of 1: dropped, with a warning.
+    cfg = dict(quick_cfg, data=dict(quick_cfg["data"], train_size=35, batch_size=16), train={"epochs": 1},
+               amp={"micro_batches": 2})
+    assert main(["train", write(tmp_path, cfg)]) == 0
+    assert "the last batch of each epoch would hold 3 samples, a micro-batch of 1 in 2 micro-batches, which " \
+           "BatchNorm layers cannot train on: it is left out" in capsys.readouterr().err
+
+
 def test_a_frozen_model_or_an_integer_loss_says_why_it_cannot_backpropagate():
     model = mlp()
     for p in model.parameters():

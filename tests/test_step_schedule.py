@@ -97,6 +97,27 @@ def test_plateau_schedules_and_other_objects_are_refused():
         StepSchedule(lambda engine: None)
 
 
+
+@pytest.mark.parametrize("backoff_first", [True, False])
+def test_a_batch_mode_oom_backoff_is_refused_before_the_first_step_in_either_order(backoff_first):
+    """Issue 39: the config path refused it; in Python OneCycleLR died in epoch 3 ("Tried to step 13 times")."""
+    from ignite_amp.handlers import OOMBackoff
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32")
+    handlers = [OOMBackoff(mode="batch"), StepSchedule(torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=4))]
+    for handler in handlers if backoff_first else handlers[::-1]:
+        handler.attach(trainer)
+    with pytest.raises(ValueError, match=r'^StepSchedule: OOMBackoff\(mode="batch"\) changes the steps per epoch, '
+                                         r'which a schedule cannot follow; use OOMBackoff\(mode="micro_batch"\)$'):
+        trainer.run(batches(), max_epochs=1)
+    assert trainer.state.iteration == 0
+    trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32")  # micro_batch mode: fine
+    OOMBackoff().attach(trainer)
+    StepSchedule(torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=len(batches()))).attach(trainer)
+    assert trainer.run(batches(), max_epochs=1).iteration == len(batches())
+
 def test_the_config_path_is_exact_too(tmp_path):
     from ignite_amp.run import build_run
 

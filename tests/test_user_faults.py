@@ -67,6 +67,8 @@ CASES = [
     ("cifar with no data and no download", {"data": {"name": "cifar10", "root": "nowhere"}}, 2,
      "data.root: nowhere/cifar-10-batches-py/data_batch_1 is missing (set data.download: true"),
     ("output_dir not writable", lambda t: {"output_dir": blocked(t, "f")}, 2, "output_dir: cannot write to"),
+    ("output_dir a symlink loop", lambda t: (os.symlink(t / "loop", t / "loop"), {"output_dir": str(t / "loop")})[1],
+     2, "loop is a symbolic link that leads nowhere: a loop, or its target is missing)"),  # issue 39: "File exists"
     ("resume from a missing file", {"handlers": {"checkpoint": {"resume": "nope.pt"}}}, 2,
      "checkpoint nope.pt: no such file"),
 ]
