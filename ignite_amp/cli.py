@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import List, Optional, Tuple
 
+from ignite_amp.plan_cli import add_plan_parser, plan_command
 from ignite_amp.version import __version__
 
 __all__ = ["main"]
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "smallest batch within 3%% of the best samples/s")
     schema = sub.add_parser("schema", help="print the config's JSON Schema (for editors: see the config reference)")
     schema.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")
+    add_plan_parser(sub, _add_config)  # ignite-amp plan: its arguments and command in ignite_amp.plan_cli
     return parser
 
 
@@ -177,6 +179,7 @@ def _dashboard_hint(tensorboard_dir: str) -> str:
 
 
 COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size, "schema": _schema}
+COMMANDS["plan"] = plan_command
 
 
 _state: dict = {}  # what the command knew before it failed (the run's log file)

@@ -185,3 +185,29 @@ def test_an_example_batch_is_resized_and_bad_arguments_are_refused():
 
 def test_docstring_examples():
     assert_doctests_pass(memory_plan)
+
+
+def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from conftest import tiny_config
+    from ignite_amp.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path, amp={"dtype": "bfloat16"})))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--memory", "64MiB", "--batch-sizes", "4", "16", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "| 4 |" in printed.out and "| 16 |" in printed.out and "largest batch that fits 64.0 MiB" in printed.out
+    assert "planned batch 16: peak" in printed.err
+    data = json.loads(out.read_text())
+    fit = data["largest_fit"]
+    assert fit > 16 and data["memory"] == 64 * 2 ** 20 and "CUDA caching allocator" in data["not_counted"]
+    assert max(p["peak"] for p in data["peaks"] if p["batch_size"] <= fit) <= data["budget"]
+    for bad, why in ((["--memory", "lots"], "--memory: memory: expected a size"), (["--margin", "2"], "--margin"),
+                     (["--batch-sizes", "0"], "--batch-sizes")):
+        assert main(["plan", str(path), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
