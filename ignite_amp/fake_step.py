@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ignite_amp.batching import batch_size_of
@@ -20,7 +21,7 @@ from ignite_amp.checkpointing import checkpointed_blocks
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.nested import map_tensors
 
-__all__ = ["step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
+__all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -30,22 +31,23 @@ _TRACKER_KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "g
                   "Optstate": "optimizer state", "Activation": "activations", "Temp": "temporaries", "Other": "batch"}
 
 
-def step_tracker() -> Any:
+class StepTracker(MemTracker):
     """torch's ``MemTracker`` for a whole training step: the model may run several forwards in it (micro-batches,
     accumulation), each one's module statistics replacing the last (the peak and the kinds are kept).
 
     ``MemTracker`` refuses a second top-level forward; the tests measure the real step with this tracker too.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    class StepTracker(MemTracker):
-        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:  # the model's next top-level forward: a new set of module statistics
-                self.reset_mod_stats()
-                super()._pre_fw_hook(module, inputs)
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:  # the model's next top-level forward: a new set of module statistics
+            self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
 
+
+def step_tracker() -> StepTracker:
+    """A new :class:`StepTracker`."""
     return StepTracker()
 
 

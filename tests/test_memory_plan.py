@@ -8,6 +8,7 @@ from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan as memory_plan
 from ignite_amp import create_amp_trainer
+from ignite_amp.batch_search import MemoryMeter
 from ignite_amp.fake_step import step_tracker, warm_optimizer
 from ignite_amp.memory_plan import estimate_memory, parse_bytes
 
@@ -211,3 +212,66 @@ def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
         assert main(["plan", str(path), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err
+
+
+class TrackedMeter(MemoryMeter):
+    """A CPU stand-in for a GPU: a trial holds what MemTracker counts of its real tensors times an allocator
+    overhead the search is not told; a step that would hold more than the capacity raises out of memory."""
+
+    def __init__(self, model, optimizer, capacity, overhead):
+        from ignite_amp.fake_step import StepTracker
+
+        meter = self
+
+        class OutOfMemoryTracker(StepTracker):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = super().__torch_dispatch__(func, types, args, kwargs)
+                if meter.held(self) > capacity:
+                    raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+                return result
+
+        self.make, self.model, self.optimizer = OutOfMemoryTracker, model, optimizer
+        self.capacity, self.overhead, self.tracker, self.trials = capacity, overhead, None, 0
+
+    def held(self, tracker) -> float:
+        return self.overhead * sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+
+    def reset(self):
+        self._close()
+        self.trials += 1
+        self.tracker = self.make()
+        self.tracker.track_external(self.model, self.optimizer)
+        self.tracker.__enter__()
+
+    def _close(self):
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.tracker = None
+
+    def peak_bytes(self):
+        tracker, peak = self.tracker, self.held(self.tracker)
+        self._close()
+        return peak
+
+    def capacity_bytes(self):
+        return self.capacity
+
+
+def test_the_batch_size_search_starts_from_the_plan():
+    from ignite_amp.batch_search import find_batch_size
+
+    torch.manual_seed(0)
+    model = cnn()
+    opt = torch.optim.AdamW(model.parameters())
+    plan = estimate_memory(model, opt, cross_entropy, images, [8, 64], device="cpu", dtype="bfloat16")
+    per_sample = (plan.peaks[1].peak - plan.peaks[0].peak) / 56
+    capacity = 1.15 * (plan.peaks[1].peak + 40 * per_sample) / 0.95  # the best batch ~100 with the overhead
+    meter = TrackedMeter(model, opt, capacity, overhead=1.15)
+    result = find_batch_size(model, opt, cross_entropy, images, device="cpu", dtype="bfloat16", meter=meter,
+                             plan=True, warmup=1, steps=1, verify_steps=1)
+    meter._close()
+    assert result.strategy == "plan" and len(result.trials) <= 3, result.trials
+    kept = [t for t in result.trials if t.size == result.batch_size][-1]
+    assert kept.fits and kept.peak_bytes <= 0.95 * capacity
+    best = max(n for n in range(1, 400) if 1.15 * plan.peak_at(n) <= 0.95 * capacity)  # the plan's line
+    assert 0.95 * best <= result.batch_size <= 1.05 * best, (best, result.trials)
