@@ -107,7 +107,7 @@ def checkpoint_activations(cfg: dict, model: torch.nn.Module) -> None:
     """``amp.activation_checkpointing``: the model's blocks (``distributed.blocks``, or the repeated ones)
     checkpointed in place as soon as the model is built: before the batch-size search, DDP or FSDP2
     sharding and compile (the order of :mod:`ignite_amp.checkpointing`)."""
-    if cfg["amp"]["activation_checkpointing"]:
+    if cfg["amp"]["activation_checkpointing"] is True:  # auto: once the optimizer is built (ignite_amp.config_plan)
         try:
             checkpoint_blocks(model, cfg["distributed"]["blocks"] or None)
         except ValueError as exc:

@@ -8,12 +8,50 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+import ignite.distributed as idist
+
+from ignite_amp.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
 from ignite_amp.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
 from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
 from ignite_amp.models import build_model
 
-__all__ = ["plan_config", "config_batch_sizes"]
+__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit"]
+
+
+def _make_batch(cfg: dict) -> Callable:
+    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
+    return lambda n: (torch.randn(n, *shape), torch.randint(0, classes, (n,)))
+
+
+def _step_kwargs(cfg: dict) -> dict:
+    return {k: v for k, v in cfg["amp"].items() if k not in ("cudnn_benchmark", "compile", "activation_checkpointing")}
+
+
+def _no_fsdp(cfg: dict, what: str) -> None:
+    if cfg["distributed"]["strategy"] == "fsdp":
+        raise ConfigError(f"{what}: not with distributed.strategy fsdp yet (a sharded step's memory is each rank's "
+                          f"shard); plan the same config with distributed.strategy ddp for one process's peak")
+
+
+def checkpoint_config_to_fit(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             device: torch.device, memory: Union[None, int, str] = None,
+                             batch_size: Optional[int] = None) -> CheckpointChoice:
+    """``amp.activation_checkpointing: auto``: the fewest blocks (``distributed.blocks``, or the repeated ones)
+    that make the planned step fit the GPU's free memory (or ``memory``) at ``data.batch_size`` per process,
+    checkpointed in place (:func:`~ignite_amp.auto_checkpoint.checkpoint_to_fit`)."""
+    _no_fsdp(cfg, "amp.activation_checkpointing: auto")
+    if batch_size is None:
+        if cfg["data"]["batch_size"] == "auto":
+            raise ConfigError("amp.activation_checkpointing: auto fits the blocks to data.batch_size, which is auto "
+                              "too; give one of them a value")
+        batch_size = max(1, cfg["data"]["batch_size"] // idist.get_world_size())
+    try:
+        return checkpoint_to_fit(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), batch_size,
+                                 memory=memory, device=device, blocks=cfg["distributed"]["blocks"] or None,
+                                 **_step_kwargs(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"amp.activation_checkpointing: {exc}") from None
 
 
 def config_batch_sizes(cfg: dict) -> list:
@@ -43,21 +81,19 @@ def _model_and_optimizer(cfg: dict) -> tuple:
 def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: Union[None, int, str] = None,
                 margin: float = DEFAULT_MARGIN, progress: Optional[Callable] = None) -> MemoryPlan:
     """:func:`~ignite_amp.memory_plan.estimate_memory` for a loaded config: its model, optimizer, ``amp:``
-    settings (``compile`` planned off) and image shape; ``memory`` None: the GPU's free memory on a GPU."""
-    if cfg["distributed"]["strategy"] == "fsdp":
-        raise ConfigError("plan: not with distributed.strategy fsdp yet (a sharded step's memory is each rank's "
-                          "shard); plan the same config with distributed.strategy ddp for one process's peak")
+    settings (``compile`` planned off) and image shape; ``memory`` None: the GPU's free memory on a GPU. With
+    ``activation_checkpointing: auto`` the blocks are chosen for the largest of ``batch_sizes`` first."""
+    _no_fsdp(cfg, "plan")
     device = config_device(cfg)
     model, optimizer = _model_and_optimizer(cfg)
-    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
-
-    def make_batch(n: int):
-        return torch.randn(n, *shape), torch.randint(0, classes, (n,))
-
-    amp = {k: v for k, v in cfg["amp"].items() if k not in ("cudnn_benchmark", "compile", "activation_checkpointing")}
+    sizes = batch_sizes or config_batch_sizes(cfg)
+    choice = None
+    if cfg["amp"]["activation_checkpointing"] == "auto":  # the blocks the run would checkpoint, at the largest size
+        choice = checkpoint_config_to_fit(cfg, model, optimizer, device, memory, max(sizes))
     try:
-        return estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, make_batch,
-                               batch_sizes or config_batch_sizes(cfg), memory=memory, margin=margin, device=device,
-                               progress=progress, **amp)
+        plan = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), sizes,
+                               memory=memory, margin=margin, device=device, progress=progress, **_step_kwargs(cfg))
     except ValueError as exc:
         raise ConfigError(f"plan: {exc}") from None
+    plan.auto_checkpointing = choice.line() if choice is not None else None
+    return plan

@@ -9,7 +9,7 @@ import contextlib
 import copy
 import logging
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ignite_amp.batching import batch_size_of
-from ignite_amp.checkpointing import checkpointed_blocks
+from ignite_amp.checkpointing import checkpoint_modules, checkpointed_blocks
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.nested import map_tensors
 
@@ -160,14 +160,15 @@ class FakeStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, batch: Any,
-                 device: torch.device, step_kwargs: dict):
+                 device: torch.device, step_kwargs: dict, checkpoint: Sequence[str] = ()):
         self.model, self.optimizer, self.loss_fn, self.batch = model, optimizer, loss_fn, batch
-        self.device, self.kwargs = device, step_kwargs
+        self.device, self.kwargs, self.checkpoint = device, step_kwargs, list(checkpoint)
         self.checkpointed: List[str] = []
 
     def _build(self, mode: Any) -> tuple:
         model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device,
                                         self.kwargs.get("channels_last", False))
+        checkpoint_modules(model, self.checkpoint)  # blocks chosen for the plan (activation_checkpointing auto)
         with mode, _NoHostReads():
             trainer = create_amp_trainer(model, optimizer, self.loss_fn, device=self.device,
                                          **{**self.kwargs, "compile": False})

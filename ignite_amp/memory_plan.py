@@ -83,6 +83,7 @@ class MemoryPlan:
     largest_fit: Optional[int] = None  #: the largest batch whose peak is within (1 - margin) x memory
     untraced: Optional[str] = None  #: why the step could not be traced fake (None: it was)
     checkpointed: List[str] = dataclasses.field(default_factory=list)  #: blocks checkpointed in the plan
+    auto_checkpointing: Optional[str] = None  #: what ``activation_checkpointing: auto`` chose, in a line
 
     @property
     def budget(self) -> Optional[float]:
@@ -107,7 +108,9 @@ class MemoryPlan:
         out = [f"memory plan of one training step on {self.device} (fake tensors: nothing allocated)"]
         if self.untraced:
             out.append(f"the step could not be traced fake ({self.untraced}); known without running it:")
-        if self.checkpointed:
+        if self.auto_checkpointing:
+            out.append(self.auto_checkpointing)
+        elif self.checkpointed:
             out.append(f"activation checkpointing: {len(self.checkpointed)} blocks")
         kinds = [k for k in KINDS if any(p.kinds.get(k) for p in self.peaks)] or list(self.fixed)
         out.append("| batch | peak | " + " | ".join(kinds) + " |")
@@ -135,6 +138,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
                     batch: Any, batch_sizes: Sequence[int] = (1, 8, 32), memory: Union[None, int, str] = None,
                     margin: float = DEFAULT_MARGIN, device: Union[str, torch.device] = "auto",
                     fit: bool = True, progress: Optional[Callable[[StepPeak], None]] = None,
+                    checkpoint: Sequence[str] = (),
                     **step_kwargs: Any) -> MemoryPlan:
     """The peak memory of one training step of this model, optimizer and step settings, per batch size.
 
@@ -154,6 +158,8 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             backward fails).
         fit: with a memory, trace further sizes to find :attr:`MemoryPlan.largest_fit`.
         progress: called with each :class:`StepPeak` as it is traced.
+        checkpoint: module paths of blocks planned as checkpointed (on the copy; see
+            :func:`ignite_amp.auto_checkpoint.checkpoint_to_fit`).
         step_kwargs: :func:`~ignite_amp.create_amp_trainer`'s arguments (``dtype``, ``accumulation_steps``,
             ``micro_batches``, ``activation_checkpointing``, ``channels_last``, ``fp32_modules``, ``float8_recipe``,
             ``prepare_batch``, ``model_fn``, ...); ``compile`` is planned as off.
@@ -178,7 +184,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
     if memory is None and device.type == "cuda":
         memory = torch.cuda.mem_get_info(device)[0]
     memory = None if memory is None else parse_bytes(memory)
-    tracer = FakeStep(model, optimizer, loss_fn, batch, device, step_kwargs)
+    tracer = FakeStep(model, optimizer, loss_fn, batch, device, step_kwargs, checkpoint)
     plan = MemoryPlan(str(device), [], tracer.fixed(), margin, memory)
     traced: Dict[int, StepPeak] = {}
 
