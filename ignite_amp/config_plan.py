@@ -4,6 +4,7 @@ The model and optimizer are built under fake tensors (nothing allocated: a model
 plans too); a model whose construction reads values falls back to a real build.
 """
 import contextlib
+import logging
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -16,7 +17,9 @@ from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
 from ignite_amp.models import build_model
 
-__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit"]
+__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run"]
+
+logger = logging.getLogger("ignite_amp")
 
 
 def _make_batch(cfg: dict) -> Callable:
@@ -97,3 +100,22 @@ def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: 
         raise ConfigError(f"plan: {exc}") from None
     plan.auto_checkpointing = choice.line() if choice is not None else None
     return plan
+
+
+def plan_run(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+             say: Callable[[str], None]) -> dict:
+    """What a run being built takes from the plan: ``activation_checkpointing: auto``'s blocks (said in a line),
+    and on a GPU the planned peak at ``data.batch_size`` per process, as the run fact ``planned_peak_mb`` (the
+    health summary sets the measured peak beside it). Returns the facts."""
+    if cfg["amp"]["activation_checkpointing"] == "auto":  # the first transform: before the search and sharding
+        say(checkpoint_config_to_fit(cfg, model, optimizer, device).line())
+    size = cfg["data"]["batch_size"]
+    if device.type != "cuda" or size == "auto" or cfg["distributed"]["strategy"] == "fsdp":
+        return {}
+    try:
+        plan = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg),
+                               [max(1, size // idist.get_world_size())], device=device, fit=False, **_step_kwargs(cfg))
+    except Exception as exc:  # a fact for the summary, not a reason to stop the run
+        logger.info("memory plan: %s: %s", type(exc).__name__, exc)
+        return {}
+    return {"planned_peak_mb": round(plan.peaks[0].peak / 2 ** 20, 1)} if plan.peaks else {}

@@ -203,7 +203,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
     except Exception as exc:  # shapes that depend on values, an operator with no fake kernel
         if not traced:
             plan.untraced = f"{type(exc).__name__}: {first_line(exc)}"
-            logger.warning("memory plan: %s cannot be traced with fake tensors (%s); the plan counts weights, "
+            logger.info("memory plan: %s cannot be traced with fake tensors (%s); the plan counts weights, "
                            "gradients and optimizer state only", type(model).__name__, plan.untraced)
         else:
             raise

@@ -157,6 +157,7 @@ class Masked(nn.Module):
 
 
 def test_a_model_that_cannot_be_traced_fake_gets_weights_gradients_and_optimizer_state(caplog):
+    caplog.set_level("INFO", logger="ignite_amp")
     model = Masked()
     opt = torch.optim.Adam(model.parameters())
     plan = estimate_memory(model, opt, cross_entropy, features, [8], device="cpu", dtype="bfloat16", memory="1GiB")
@@ -275,3 +276,16 @@ def test_the_batch_size_search_starts_from_the_plan():
     assert kept.fits and kept.peak_bytes <= 0.95 * capacity
     best = max(n for n in range(1, 400) if 1.15 * plan.peak_at(n) <= 0.95 * capacity)  # the plan's line
     assert 0.95 * best <= result.batch_size <= 1.05 * best, (best, result.trials)
+
+
+def test_the_health_summary_sets_the_planned_peak_beside_the_measured_one():
+    from ignite_amp.handlers.run_health import Health, health_lines
+
+    def memory_line(**kwargs):
+        return next(line for line in health_lines(Health("bfloat16", False, [], 10, 0, **kwargs))
+                    if line.startswith("memory:"))
+
+    assert memory_line(peak_memory_mb=1150.0, planned_memory_mb=1000.0) == \
+        "memory: peak 1150 MB (allocated); planned 1000 MB (+15%: what the plan does not count)"
+    # a CPU run's RSS counts the whole process, not tensors: nothing to compare
+    assert memory_line(peak_memory_mb=900.0, memory_kind="RSS", planned_memory_mb=100.0) == "memory: peak 900 MB (RSS)"
