@@ -124,6 +124,9 @@ class MemoryPlan:
             fit = ("no batch size" if self.largest_fit == 0 else
                    f"batch {self.largest_fit}" if self.largest_fit else "unknown (not traced)")
             out.append(f"largest batch that fits {format_bytes(self.memory)} less {self.margin:.0%}: {fit}")
+            if self.device == "cpu":
+                out.append("traced on the CPU: for a GPU, plan where it is (autocast's operator lists and the "
+                           "optimizer's default foreach path differ a little on CUDA)")
         out.append(f"not counted: {NOT_COUNTED}; the plan keeps {self.margin:.0%} of the memory free for them")
         return out
 
