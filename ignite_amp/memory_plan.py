@@ -8,7 +8,7 @@ optimizer's state as after its first step, and counts what it allocates with tor
 activations, temporaries (the backward's) and the batch. The user's model and optimizer are not touched:
 their parameters are stood in for by fake tensors of the same shape, dtype and strides.
 
-What the trace does not count is :data:`NOT_COUNTED`; the plan keeps a share of the memory free for it
+What the trace does not count is :data:`~ignite_amp.memory_plan.NOT_COUNTED`; the plan keeps a share of the memory free for it
 (``margin``). A model that cannot run on fake tensors (shapes that depend on values) gets a plan of what
 is known without running it: weights, gradients and optimizer state.
 """
@@ -29,10 +29,10 @@ __all__ = ["estimate_memory", "MemoryPlan", "StepPeak", "KINDS", "NOT_COUNTED", 
 
 logger = logging.getLogger("ignite_amp")
 
-#: What a plan does not count; :data:`DEFAULT_MARGIN` of the memory is kept free for it.
+#: What a plan does not count; :data:`~ignite_amp.memory_plan.DEFAULT_MARGIN` of the memory is kept free for it.
 NOT_COUNTED = ("the CUDA caching allocator's rounding and fragmentation, cuDNN/cuBLAS workspaces, NCCL buffers, "
                "the CUDA context, torch.compile's changes to the step")
-#: The share of the memory a plan keeps free for what it does not count (:data:`NOT_COUNTED`).
+#: The share of the memory a plan keeps free for what it does not count (:data:`~ignite_amp.memory_plan.NOT_COUNTED`).
 DEFAULT_MARGIN = 0.15
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -68,12 +68,12 @@ class StepPeak:
 
     batch_size: int  #: samples per batch
     peak: int  #: bytes at the step's peak
-    kinds: Dict[str, int]  #: bytes of each of :data:`KINDS` at that moment
+    kinds: Dict[str, int]  #: bytes of each of :data:`~ignite_amp.memory_plan.KINDS` at that moment
 
 
 @dataclasses.dataclass
 class MemoryPlan:
-    """What :func:`estimate_memory` found: a :class:`StepPeak` per batch size, and the largest batch that fits."""
+    """What :func:`estimate_memory` found: a :class:`~ignite_amp.memory_plan.StepPeak` per batch size, and the largest batch that fits."""
 
     device: str  #: the device the step was traced for
     peaks: List[StepPeak]  #: one per batch size traced, in increasing size (empty when not traced)
@@ -156,13 +156,13 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             tensors, so it allocates nothing), or one example batch whose per-sample tensors are resized.
         batch_sizes: the sizes to trace.
         memory: bytes (or ``"80GiB"``) to fit; ``None``: the GPU's free memory when the device is a GPU.
-        margin: the share of ``memory`` kept free for what the plan does not count (:data:`NOT_COUNTED`).
+        margin: the share of ``memory`` kept free for what the plan does not count (:data:`~ignite_amp.memory_plan.NOT_COUNTED`).
         device: the device the run uses (a plan for a GPU needs one: without a CUDA device torch's fake
             backward fails).
-        fit: with a memory, trace further sizes to find :attr:`MemoryPlan.largest_fit`.
-        progress: called with each :class:`StepPeak` as it is traced.
+        fit: with a memory, trace further sizes to find :attr:`~ignite_amp.memory_plan.MemoryPlan.largest_fit`.
+        progress: called with each :class:`~ignite_amp.memory_plan.StepPeak` as it is traced.
         checkpoint: module paths of blocks planned as checkpointed (on the copy; see
-            :func:`ignite_amp.auto_checkpoint.checkpoint_to_fit`).
+            :func:`~ignite_amp.auto_checkpoint.checkpoint_to_fit`).
         step_kwargs: :func:`~ignite_amp.create_amp_trainer`'s arguments (``dtype``, ``accumulation_steps``,
             ``micro_batches``, ``activation_checkpointing``, ``channels_last``, ``fp32_modules``, ``float8_recipe``,
             ``prepare_batch``, ``model_fn``, ...); ``compile`` is planned as off.
