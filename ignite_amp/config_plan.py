@@ -58,9 +58,11 @@ def checkpoint_config_to_fit(cfg: dict, model: torch.nn.Module, optimizer: torch
 
 
 def config_batch_sizes(cfg: dict) -> list:
-    """The sizes a plan traces by default: the config's batch size (per process), or 8, 32 and 128 for ``auto``."""
+    """The sizes a plan traces by default: the config's batch size per process (``distributed.nproc_per_node``
+    share the global batch), or 8, 32 and 128 for ``auto``."""
     size = cfg["data"]["batch_size"]
-    return [8, 32, 128] if size == "auto" else [size]
+    world = max(cfg["distributed"]["nproc_per_node"] or 1, idist.get_world_size())
+    return [8, 32, 128] if size == "auto" else [max(1, size // world)]
 
 
 def _model_and_optimizer(cfg: dict) -> tuple:

@@ -250,7 +250,7 @@ class TrackedMeter(MemoryMeter):
             self.tracker = None
 
     def peak_bytes(self):
-        tracker, peak = self.tracker, self.held(self.tracker)
+        peak = self.held(self.tracker)
         self._close()
         return peak
 
