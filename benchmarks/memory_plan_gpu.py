@@ -28,8 +28,8 @@ def memory_plan_section(ctx) -> None:
         # Expected on one H100: ~120 s (8 plans of a few seconds, 16 real steps, one search of ~3 trials).
         gpu=dict(cnn="resnet50", image=224, cnn_batches=(32, 128), vocab=32768, width=1024, depth=12, heads=16,
                  seq=1024, gpt_batches=(2, 8), dtypes=("bfloat16", "float16")),
-        smoke=dict(cnn="resnet18", image=32, cnn_batches=(2, 4), vocab=128, width=32, depth=2, heads=4, seq=16,
-                   gpt_batches=(2, 4), dtypes=("bfloat16",)))
+        smoke=dict(cnn="resnet18", image=32, cnn_batches=(2,), vocab=128, width=32, depth=2, heads=4, seq=16,
+                   gpt_batches=(2,), dtypes=("bfloat16",)))
     device = ctx.device
     ctx.result["data"]["sizes"] = size
     ctx.table("predicted (fake tensors) against torch.cuda.max_memory_allocated, AdamW, create_amp_trainer",

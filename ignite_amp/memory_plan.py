@@ -217,7 +217,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
 
 
 def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[int], max_traces: int = 8,
-                 tolerance: float = 0.01) -> int:
+                 tolerance: float = 0.01, max_size: int = 2 ** 24) -> int:
     """The largest batch whose traced peak is within ``budget`` (to ``tolerance``; 0: not even batch 1): the line
     through the two largest traced sizes aims until a size misses, then the secant between the largest fit and
     the smallest miss (the peak is close to a line in the batch size above the optimizer step's)."""
@@ -225,7 +225,7 @@ def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[in
     for _ in range(max_traces):
         lo = max((n for n, p in points.items() if p <= budget), default=0)
         hi = min((n for n, p in points.items() if p > budget), default=None)
-        if hi is not None and hi - lo <= max(1, math.floor(lo * tolerance)):
+        if hi is not None and hi - lo <= max(1, math.floor(lo * tolerance)) or lo >= max_size:
             return lo
         if lo == 0:
             target = 1 if 1 not in points else max(1, hi // 2)
@@ -233,7 +233,7 @@ def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[in
             (n0, p0), (n1, p1) = sorted(points.items())[-2:] if len(points) >= 2 else ((0, 0.0), (lo, points[lo]))
             slope = (p1 - p0) / (n1 - n0)
             target = n1 * 64 if slope <= 0 else math.floor(n1 + (budget - p1) / slope)
-            target = min(max(target, lo + 1), n1 * 64)
+            target = min(max(target, lo + 1), n1 * 64, max_size)
         else:
             target = math.floor(lo + (budget - points[lo]) * (hi - lo) / (points[hi] - points[lo]))
             step = max(1, math.floor(lo * tolerance))
