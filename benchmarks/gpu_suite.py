@@ -22,6 +22,8 @@ j. the handlers' host cost: benchmarks/overhead.py's table (hand loop, Ignite ba
 Opt-in, outside the 9 minutes (run with ``--only i``, alone: it takes about 7 minutes by itself):
 
 i. float8 (torchao) against bfloat16 on a GPT-style model with torch.compile (``float8_gpt.py``).
+k. the memory plan (fake tensors) against ``torch.cuda.max_memory_allocated`` for ResNet-50 and a GPT-style
+   model, and the batch-size search's real trials from the plan (``memory_plan_gpu.py``; ``--only k``, ~2 min).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it. Each has a time budget (SECTIONS);
@@ -62,6 +64,7 @@ from torch.utils.data import DataLoader
 from bench_amp import measure_variant, resnet50, tf32
 from float8_gpt import Block as GPTBlock, float8_section
 import overhead as handler_table
+from memory_plan_gpu import memory_plan_section
 from overhead import attach_default_handlers, hand_written_loop, timed
 
 import ignite_amp
@@ -959,6 +962,8 @@ SECTIONS = (
 OPT_IN = (
     Section("i_float8", "i. float8 against bfloat16 (GPT 4 x 2048, sequence 1024, torch.compile)", float8_section,
             480, 330),
+    Section("k_memory_plan", "k. Memory plan against max_memory_allocated (ResNet-50, GPT-style)",
+            memory_plan_section, 240, 120),
 )
 
 
@@ -1095,7 +1100,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; i, float8, only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; i (float8) and k (memory plan) only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - _seconds_since_start()  # the imports count against the 9 minutes too

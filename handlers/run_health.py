@@ -28,6 +28,7 @@ class Health(NamedTuple):
     peak_memory_mb: Optional[float] = None
     memory_kind: str = "allocated"  # "allocated" (CUDA) or "RSS" (CPU)
     max_rank_memory_mb: Optional[float] = None  # the largest rank's peak, when the ranks were asked
+    planned_memory_mb: Optional[float] = None  # the memory plan's peak (fake tensors, ignite_amp.memory_plan)
     oom_retries: int = 0
     micro_batches: int = 1
     micro_batch_size: Optional[int] = None
@@ -100,7 +101,11 @@ def health_lines(h: Health) -> List[str]:
                      f"sample, forward + backward){of_peak}")
     if h.peak_memory_mb:
         largest = f"; the largest rank's {h.max_rank_memory_mb:.0f} MB" if h.max_rank_memory_mb else ""
-        lines.append(f"memory: peak {h.peak_memory_mb:.0f} MB ({h.memory_kind}){largest}")
+        planned = ""
+        if h.planned_memory_mb and h.memory_kind == "allocated":  # the plan counts tensors, as allocated does
+            over = h.peak_memory_mb / h.planned_memory_mb - 1
+            planned = f"; planned {h.planned_memory_mb:.0f} MB ({over:+.0%}: what the plan does not count)"
+        lines.append(f"memory: peak {h.peak_memory_mb:.0f} MB ({h.memory_kind}){largest}{planned}")
     if h.oom_retries:
         size = f", micro-batches of {h.micro_batch_size}" if h.micro_batch_size else ""
         lines.append(f"out of memory: {h.oom_retries} retries; now {h.micro_batches} micro-batches per batch{size}")

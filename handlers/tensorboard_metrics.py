@@ -334,6 +334,7 @@ class TensorBoardMetrics:
             max_norm=self.clipping.max_norm if self.clipping is not None else None,
             peak_memory_mb=self.memory.peak_mb or None,
             max_rank_memory_mb=max(self.ranks.peak_mb, self.memory.peak_mb) if self.ranks is not None else None,
+            planned_memory_mb=self.facts_written.get("planned_peak_mb"),  # a config run's plan (ignite-amp plan)
             memory_kind="allocated" if step.device.type == "cuda" else "RSS",
             oom_retries=step.oom_count, micro_batches=step.micro_batches,
             micro_batch_size=-(-step.batch_size // micro) if micro else None,

@@ -20,13 +20,15 @@ _EXPORTS = {
     "find_batch_size": "ignite_amp.batch_search",
     "shard_model": "ignite_amp.sharding",
     "checkpoint_blocks": "ignite_amp.checkpointing",
+    "estimate_memory": "ignite_amp.memory_plan",
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
 _SUBMODULES = ("batch_search", "batching", "blocks", "builders", "checkpointing", "checkpoint_io", "cli",
                "collectives", "compare", "config", "config_search", "contracts", "data", "device", "engine",
-               "epochs", "errors", "eval_step", "events", "facts", "ignite_args", "launcher", "metric_modes", "models",
-               "nested", "phases", "rng", "run", "scaler", "sharding", "step", "step_base", "trees", "yaml12")
+               "epochs", "errors", "eval_step", "events", "facts", "fake_step", "ignite_args", "launcher",
+               "memory_plan", "metric_modes", "models", "nested", "phases", "rng", "run", "scaler", "sharding", "step",
+               "step_base", "trees", "yaml12")
 
 __all__ = list(_EXPORTS)
 

@@ -110,7 +110,8 @@ def checkpoint_activations(cfg: dict, model: torch.nn.Module, device: torch.devi
     conversion first (on the run's ``device``), then ``activation_checkpointing`` of the blocks
     (``distributed.blocks``, or the repeated ones), so a block that is itself an ``nn.Linear`` stays
     checkpointed as the ``Float8Linear`` it becomes (converted later, it would lose its checkpoint).
-    float8 without checkpointing is converted by the trainer's factory (nothing comes between)."""
+    float8 without checkpointing is converted by the trainer's factory (nothing comes between); ``auto`` checkpoints
+    once the optimizer is built (:mod:`ignite_amp.config_plan`), after this conversion."""
     amp = cfg["amp"]
     if amp["dtype"] == "float8" and amp["activation_checkpointing"]:
         try:  # sharded on several processes: FSDP2 all-gathers the float8 weights in float8 (as run._shard)
@@ -118,7 +119,7 @@ def checkpoint_activations(cfg: dict, model: torch.nn.Module, device: torch.devi
                               fsdp_all_gather=cfg["distributed"]["strategy"] == "fsdp" and is_distributed())
         except ValueError as exc:
             raise ConfigError(f"amp: {exc}") from None
-    if amp["activation_checkpointing"]:
+    if amp["activation_checkpointing"] is True:  # auto: once the optimizer is built (ignite_amp.config_plan)
         try:
             checkpoint_blocks(model, cfg["distributed"]["blocks"] or None)
         except ValueError as exc:

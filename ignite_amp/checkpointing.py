@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.blocks import block_names
 
-__all__ = ["checkpoint_blocks", "checkpointed_blocks", "describe_blocks"]
+__all__ = ["checkpoint_blocks", "checkpoint_modules", "checkpointed_blocks", "describe_blocks"]
 
 _MARK = "_ignite_amp_checkpointed"
 
@@ -81,10 +81,18 @@ def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) 
     """
     names = block_names(model, blocks)
     if not names:
-        warnings.warn(f"activation checkpointing: {type(model).__name__} has no repeated blocks (children of a "
-                      f"ModuleList or Sequential sharing one class); nothing is checkpointed; name its block "
+        warnings.warn(f"activation checkpointing: {type(model).__name__} has no repeated blocks (two or more "
+                      f"children in a row of one class in a ModuleList or Sequential); nothing is checkpointed; name its block "
                       f"classes (distributed.blocks, or checkpoint_blocks(model, blocks=[...]))", UserWarning,
                       stacklevel=2)
+    return checkpoint_modules(model, names)
+
+
+def checkpoint_modules(model: nn.Module, names: Sequence[str]) -> List[str]:
+    """Run the submodules of ``model`` at the module paths ``names`` under activation checkpointing, in place
+    (those checkpointed already stay as they are): :func:`checkpoint_blocks` on chosen blocks, as
+    ``activation_checkpointing: auto`` chooses them (:mod:`ignite_amp.auto_checkpoint`). Returns ``names``."""
+    names = list(names)
     for name in names:
         module = model.get_submodule(name)
         if not getattr(module, _MARK, False):

@@ -20,6 +20,7 @@ import traceback
 from typing import List, Optional, Tuple
 
 import ignite_amp.cli_configs as cli_configs
+from ignite_amp.plan_cli import add_plan_parser, plan_command
 from ignite_amp.version import __version__
 
 __all__ = ["main"]
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the config's JSON Schema (for editors: see the config reference)")
     schema.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")
     cli_configs.add_commands(sub)  # configs, init
+    add_plan_parser(sub, _add_config)  # ignite-amp plan: its arguments and command in ignite_amp.plan_cli
     return parser
 
 
@@ -180,6 +182,7 @@ def _dashboard_hint(tensorboard_dir: str) -> str:
 
 COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size, "schema": _schema}
 COMMANDS.update(cli_configs.COMMANDS)  # configs, init
+COMMANDS["plan"] = plan_command
 
 
 _state: dict = {}  # what the command knew before it failed (the run's log file)

@@ -50,9 +50,10 @@ class AmpConfig:
     compile: bool = setting(None, Boolean(nullable=True),
                             "torch.compile the forward (null: on for float8 on a GPU, else off)")
     activation_checkpointing: bool = setting(
-        False, Boolean(), "the model's repeated blocks (distributed.blocks, or the rule FSDP2 shards by) keep only "
-        "their inputs and run their forward again in the backward: less activation memory, same gradients, about "
-        "one more forward of compute; may change on resume")
+        False, Boolean(also=("auto",)), "the model's repeated blocks (distributed.blocks, or the rule FSDP2 shards "
+        "by) keep only their inputs and run their forward again in the backward: less activation memory, same "
+        "gradients, about one more forward of compute; auto: the fewest blocks that make the planned step fit the "
+        "GPU's memory at data.batch_size (ignite-amp plan); may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
 
 
@@ -204,7 +205,10 @@ def create_amp_trainer(
     device = model_device(model) if device is None else device
     # The model transforms in their fixed order: float8 first, then activation checkpointing (DESIGN.md).
     dtype, float8 = _float8(model, device, amp_dtype(amp_mode, dtype), kwargs)
-    if argument(AmpConfig, "activation_checkpointing", activation_checkpointing):
+    if argument(AmpConfig, "activation_checkpointing", activation_checkpointing) == "auto":
+        raise ValueError("Argument activation_checkpointing='auto' needs a batch and a memory to plan for: call "
+                         "ignite_amp.checkpoint_to_fit(model, optimizer, loss_fn, batch, batch_size) first")
+    if activation_checkpointing:
         _checkpoint_activations(unwrap(model))
     step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype,
                    accumulation_steps=accumulation(accumulation_steps, gradient_accumulation_steps),

@@ -160,17 +160,21 @@ class Number(Check):
 
 
 class Boolean(Check):
-    def __init__(self, nullable: bool = False):
-        self.nullable = nullable
-        self.what = "true or false" + (" or null" if nullable else "")
+    """true or false (or null, when ``nullable``; or one of the words ``also``, e.g. ``("auto",)``)."""
+
+    def __init__(self, nullable: bool = False, also: tuple = ()):
+        self.nullable, self.also = nullable, tuple(also)
+        self.what = "true or false" + "".join(f" or {word}" for word in self.also) + (" or null" if nullable else "")
 
     def normalize(self, value):
+        if isinstance(value, str) and value in self.also:
+            return value
         if not isinstance(value, bool) and not (value is None and self.nullable):
             raise _Invalid
         return value
 
     def schema(self):
-        return _or({"type": "boolean"}, (None,) if self.nullable else ())
+        return _or({"type": "boolean"}, (*self.also, *((None,) if self.nullable else ())))
 
 
 class Choice(Check):

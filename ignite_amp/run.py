@@ -17,6 +17,7 @@ from ignite_amp.builders import (build_optimizer, build_scheduler, check_classes
                                  checkpoint_activations, config_device, seed_everything)
 from ignite_amp.collectives import is_distributed
 from ignite_amp.config import load_config, save_config
+from ignite_amp.config_plan import plan_run
 from ignite_amp.config_search import search_built
 from ignite_amp.console import safe_print, silent
 from ignite_amp.data import build_loaders
@@ -214,6 +215,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     model = build_model(**cfg["model"])
     checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
     optimizer = build_optimizer(cfg["optimizer"], model)
+    planned = plan_run(cfg, model, optimizer, device, say)  # activation_checkpointing auto; the planned peak (GPU)
     batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
         else None
     batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -232,7 +234,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
               files)
     run.command, run.batch_search, run.train_data = command, batch_search, train_data
-    run.facts = config_facts(cfg, train_loader, batch_size_searched=searched)
+    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned}
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     if progress:
         from ignite.handlers import ProgressBar

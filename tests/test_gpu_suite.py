@@ -228,3 +228,17 @@ def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
     assert all(r["status"] == "measured" and r["tokens_per_s"] > 0 for r in table), table
     assert [r["float8_layers"] for r in table] == [0, 7, 7, 7]  # 2 blocks x 4 Linear, less the first; head kept
     assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
+
+
+def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "k", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["k_memory_plan"] and "k_memory_plan" not in report["gpu_budgets_s"]
+    section = report["sections"]["k_memory_plan"]
+    assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
+    table = rows(section)
+    assert len(table) == 2 and all(r["predicted_mb"] > 0 and r["measured_mb"] is None for r in table), table
+    assert [t["verdict"] for t in section["targets"]] == ["NOT MEASURED", "NOT MEASURED"]
+    assert "NOT MEASURED" in (tmp_path / "gpu_suite.md").read_text(encoding="utf-8")

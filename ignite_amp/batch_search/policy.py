@@ -4,7 +4,14 @@ Pure: it only calls ``trial(size, stage) -> Trial`` (a few real steps at that si
 whether it ran out of memory, its peak memory and its time per step), so it is tested and
 benchmarked without a device. :func:`ignite_amp.batch_search.runner.find_batch_size` supplies real trials.
 
-Two strategies:
+Three strategies:
+
+- ``"plan"`` (when a memory plan is given, :mod:`ignite_amp.memory_plan`): the plan's peak per batch size,
+  traced under fake tensors, misses only the allocator's overhead (``max_overhead``: at most 25% more). The
+  first trial is the largest batch the plan puts under the budget with that overhead; its reading gives the
+  overhead on this device, and the second trial is the largest batch under the budget with it (a third,
+  aimed lower, when the second's reading was over). Readings that do not follow the plan hand over to
+  the memory model.
 
 - ``"model"`` (the default): peak memory is close to a line in the batch size,
   ``peak = a + b * batch`` (weights, gradients, optimizer state and workspace; activations per
@@ -38,7 +45,7 @@ from ignite_amp.fields import POSITIVE_INT
 
 __all__ = ["search_batch_size", "fit_line", "STRATEGIES", "OBJECTIVES", "VERIFY_STAGES"]
 
-STRATEGIES = ("model", "bisect")
+STRATEGIES = ("plan", "model", "bisect")
 OBJECTIVES = ("largest", "fastest")
 # Stages whose trial also runs the longer verification (evaluation pass, steps after it).
 VERIFY_STAGES = ("jump", "verify", "confirm")
@@ -132,7 +139,8 @@ def _check(start: int, max_size: int, margin: float, tolerance: float, strategy:
 def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[float] = None, margin: float = 0.05,
                       strategy: str = "model", objective: str = "largest", start: int = 16, max_size: int = 65536,
                       tolerance: float = 0.03, noise: float = 0.02, fit_tolerance: float = 0.05,
-                      speed_tolerance: float = 0.03, max_jumps: int = 6) -> BatchSizeResult:
+                      speed_tolerance: float = 0.03, max_jumps: int = 6,
+                      planned: Optional[Callable[[int], float]] = None, max_overhead: float = 1.25) -> BatchSizeResult:
     """Find the batch size to train with, calling ``trial(size, stage)`` for each real trial.
 
     Args:
@@ -140,7 +148,8 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
             ``VERIFY_STAGES`` (jump, verify, confirm) asks for the longer verification.
         capacity: device memory in bytes the trials may use (None: no meter, no budget).
         margin: share of ``capacity`` kept free (without a capacity: share of the batch size).
-        strategy: ``"model"`` (memory model) or ``"bisect"`` (doubling and bisection).
+        strategy: ``"plan"`` (needs ``planned``), ``"model"`` (memory model) or ``"bisect"`` (doubling and
+            bisection).
         objective: ``"largest"`` or ``"fastest"`` (smallest batch within ``speed_tolerance`` of
             the best samples/s seen).
         start: first size tried; max_size: the largest size tried.
@@ -148,6 +157,8 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
         noise: how far (a share) a peak reading may stray from the line; bounds the first jumps.
         fit_tolerance: a peak further than this share from the best line means "not a line".
         max_jumps: jumps before the memory model gives way to bisection.
+        planned: ``planned(size) -> bytes``, the memory plan's peak (:meth:`ignite_amp.memory_plan.MemoryPlan.peak_at`).
+        max_overhead: the most the device's peak exceeds the plan by (the allocator's rounding, workspaces).
 
     Example (a 16 GiB device; 2 GiB for the model, 40 MiB per sample):
 
@@ -164,14 +175,22 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
     _check(start, max_size, margin, tolerance, strategy, objective, capacity)
     budget = None if capacity is None else (1 - margin) * capacity
     search = _Search(trial, capacity, margin, max_size)
+    if strategy == "plan" and planned is None:
+        raise ValueError("Argument planned should be given with strategy 'plan' (a memory plan's peak_at).")
     used = strategy
     note = ""
+    if strategy == "plan":
+        try:
+            _plan_search(search, planned, noise, max_overhead)
+        except _Untrusted as why:
+            used, strategy, note = "plan, then model", "model", f" (plan: {why}; the memory model took over)"
     if strategy == "model":
         try:
             _model_search(search, start, tolerance, noise, fit_tolerance, max_jumps)
         except _Untrusted as why:
-            used, note = "model, then bisect", f" (memory model: {why}; doubling and bisection took over)"
-    if used != "model":
+            used, strategy = f"{used}, then bisect", "bisect"
+            note += f" (memory model: {why}; doubling and bisection took over)"
+    if strategy == "bisect":
         batch_margin = margin if budget is None else 0.0
         _bisect_search(search, start, tolerance, batch_margin)
     largest = search.lo
@@ -192,6 +211,34 @@ def _kept(search: _Search) -> int:
     if not kept:
         raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
     return max(kept)
+
+
+def _largest_planned(planned: Callable[[int], float], limit: float, max_size: int) -> int:
+    """The largest size whose planned peak is within ``limit`` (0: none; the plan grows with the size)."""
+    lo, hi = 0, max_size + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if planned(mid) <= limit else (lo, mid)
+    return lo
+
+
+def _plan_search(search: _Search, planned: Callable[[int], float], noise: float, max_overhead: float) -> None:
+    budget, max_size = search.budget, search.max_size
+    if budget is None:
+        raise _Untrusted("no capacity to aim at")
+    first = max(1, _largest_planned(planned, budget / (max_overhead * (1 + noise)), max_size))
+    _first_fit(search, first, "jump")
+    for aim in (1 - noise / 2, 1 - noise):  # a second trial; a third, aimed lower, when it was over budget
+        if not search.points:
+            raise _Untrusted("no peak-memory readings")
+        overhead = max(peak / planned(n) for n, peak in search.points.items())
+        if not 0.5 <= overhead <= 2 * max_overhead:
+            raise _Untrusted(f"the readings are {overhead:.2f}x the plan")
+        target = _largest_planned(planned, budget * aim / overhead, max_size)
+        if search.hi is not None:
+            target = min(target, search.hi - 1)
+        if target <= search.lo or search.run(target, "jump"):
+            return
 
 
 def _model_search(search: _Search, start: int, tolerance: float, noise: float, fit_tolerance: float,

@@ -222,7 +222,7 @@ def find_batch_size(
     device: Union[str, torch.device] = "auto",
     dtype: Union[str, torch.dtype] = "auto",
     objective: str = "largest",
-    strategy: str = "model",
+    strategy: str = "plan",
     start: int = 16,
     max_size: int = 65536,
     margin: float = 0.05,
@@ -234,6 +234,7 @@ def find_batch_size(
     meter: Optional[MemoryMeter] = None,
     clock: Optional[Callable[[], float]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    plan: Optional[bool] = None,
     **step_kwargs,
 ) -> BatchSizeResult:
     """Find the batch size to train this model, optimizer and dtype with on ``device``.
@@ -245,7 +246,9 @@ def find_batch_size(
     Args:
         make_batch: ``make_batch(n) -> (x, y)`` with the real input shape (on the device, ideally).
         objective: ``"largest"`` fit, or ``"fastest"`` (the smallest batch within 3% of the best samples/s).
-        strategy: ``"model"`` (memory model) or ``"bisect"`` (doubling and bisection).
+        strategy: ``"plan"`` (start from the memory plan, :func:`~ignite_amp.estimate_memory`; the memory
+            model where the step cannot be traced fake or there is no memory meter), ``"model"`` (memory
+            model) or ``"bisect"`` (doubling and bisection).
         start, max_size: the first and the largest size tried.
         margin: share of the device memory kept free.
         tolerance: how close to the best size the search must come (a share).
@@ -256,6 +259,8 @@ def find_batch_size(
             falls back to doubling and bisection and takes ``margin`` off the batch size).
         clock: seconds after the device's queued work is done (default ``device_clock``).
         progress: called with a header, the table's header, then each trial's row as it finishes.
+        plan: whether strategy ``"plan"`` traces the memory plan (None: with CUDA's own meter only; a
+            stand-in meter measures something a plan of CUDA memory does not predict).
         step_kwargs: more :class:`~ignite_amp.step.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
 
     Under data-parallel training every rank searches its own device and every rank keeps the
@@ -276,6 +281,12 @@ def find_batch_size(
                      **step_kwargs) as runner:
         capacity = runner.capacity
         budget = None if capacity is None else (1 - margin) * capacity
+        if plan is None:
+            plan = meter is None and runner.device.type == "cuda"
+        planned = _planned(runner, loss_fn, start, margin, step_kwargs) if strategy == "plan" and capacity and \
+            plan else None
+        if strategy == "plan" and planned is None:
+            strategy = "model"
         trial = runner
         if progress is not None:
             where = f"{runner.device}" + (f", {capacity / GIB:.1f} GiB usable, {1 - margin:.0%} budget"
@@ -289,9 +300,23 @@ def find_batch_size(
                 return result
 
         result = search_batch_size(trial, capacity=capacity, margin=margin, strategy=strategy, objective=objective,
-                                   start=start, max_size=max_size, tolerance=tolerance)
+                                   start=start, max_size=max_size, tolerance=tolerance, planned=planned)
     if is_distributed():  # each rank searched its own device: every rank takes the smallest answer
         result = result._replace(batch_size=min_across_ranks(result.batch_size),
                                  largest_fit=min_across_ranks(result.largest_fit),
                                  reason=f"{result.reason}; the smallest of {idist.get_world_size()} processes")
     return result
+
+
+def _planned(runner: TrialRunner, loss_fn: Callable, start: int, margin: float,
+             step_kwargs: dict) -> Optional[Callable[[int], float]]:
+    """The memory plan's peak per batch size on the runner's model and settings (traced around the largest size
+    it puts under the budget), or None where the step cannot be traced fake."""
+    from ignite_amp.memory_plan import estimate_memory
+
+    step = runner.engine.amp_step
+    kwargs = {k: v for k, v in step_kwargs.items() if k not in ("float8_recipe", "float8_filter")}
+    # the runner converted a float8 model in place already: its fake copy keeps the float8 layers
+    plan = estimate_memory(runner.model, runner.optimizer, loss_fn, runner.make_batch, [start],
+                           memory=runner.capacity, margin=margin, device=step.device, dtype=step.dtype, **kwargs)
+    return None if plan.untraced or not plan.peaks else plan.peak_at
