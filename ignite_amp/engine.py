@@ -47,6 +47,9 @@ class AmpConfig:
         "their inputs and run their forward again in the backward: less activation memory, same gradients, about "
         "one more forward of compute; may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
+    check_split: bool = setting(True, Boolean(), "check once, where a batch is cut or combined (micro-batches, "
+                                "accumulation, an out-of-memory retry, DDP), that its weighted chunks give its gradient; "
+                                "false accepts a loss that fails the check knowingly")
 
 
 class AmpEngine(Engine):
