@@ -8,6 +8,7 @@ Under :func:`still` a model computes the same function of each sample whatever e
   ``p >= 0.5`` (a keep mask of stochastic depth keeps everything), ``rand``/``uniform_`` the middle of their
   range, ``randn``/``normal_`` their mean, ``randint``/``random_`` their lower bound, ``randperm(n)`` the
   identity, ``multinomial`` the most likely outcomes;
+- augmentation inside the model that draws per batch: transformers' SpecAugment (``apply_spec_augment``) is off;
 - BatchNorm layers in training mode normalise with their running statistics (zero mean and unit variance
   where they keep none), so rows do not mix, and update nothing.
 
@@ -145,6 +146,21 @@ def _batch_norm_fixed(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _no_spec_augment(module: nn.Module) -> Iterator[None]:
+    """transformers' SpecAugment (``config.apply_spec_augment``: masks drawn from NumPy once per batch, then row by
+    row, so a batch and its chunks cannot draw alike) switched off, then back on."""
+    configs = {id(c): c for m in module.modules() if getattr(c := getattr(m, "config", None), "apply_spec_augment",
+                                                                 False) is True}
+    for config in configs.values():
+        config.apply_spec_augment = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.apply_spec_augment = True
+
+
+@contextlib.contextmanager
 def still(module: nn.Module) -> Iterator[Still]:
     """Randomness and BatchNorm held still in ``module`` (see the module's docstring); every generator's and
     buffer's state restored on exit."""
@@ -152,7 +168,7 @@ def still(module: nn.Module) -> Iterator[Still]:
     numpy_state = numpy.random.get_state()
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
-        with _batch_norm_fixed(module), _NoDropout(), _Middle():
+        with _batch_norm_fixed(module), _no_spec_augment(module), _NoDropout(), _Middle():
             yield Still()
     finally:
         with torch.no_grad():

@@ -51,6 +51,8 @@ SAMPLES = 4
 TOLERANCE = 1e-3
 #: Largest relative gradient difference accepted for parameters in a lower precision, or float8 layers.
 LOW_PRECISION_TOLERANCE = 5e-2
+#: Labels with at most this many distinct values have each tried as the ignored one when naming a num_items.
+MAX_CLASSES = 32
 SWITCH = "or pass check_split=False (config: amp.check_split: false) to accept it knowingly"
 
 
@@ -170,15 +172,20 @@ def _labels(x: Any, y: Any) -> Tuple[str, Any]:
 
 
 def _candidates(step: Any, parts: list) -> List[Tuple[str, List[float]]]:
-    """The usual num_items (labels not ignored, with and without a causal shift), counted in each half."""
+    """The usual num_items counted in each half: the labels that are not the loss's ignore_index (or -100, or,
+    among a few classes, any one value), with and without a causal LM's shift."""
     name, first = _labels(*parts[0])
     if not (torch.is_tensor(first) and not first.is_floating_point() and first.dim()):
         return []
     found = []
-    for ignore in dict.fromkeys((ignore_index_of(step.loss_fn), -100)):
+    values = [ignore_index_of(step.loss_fn), -100]
+    distinct = torch.unique(torch.cat([_labels(x, y)[1].reshape(-1) for x, y in parts]))
+    if len(distinct) <= MAX_CLASSES:  # a few classes (segmentation): any one of them may be the ignored one
+        values += distinct.tolist()
+    for ignore in dict.fromkeys(values):
         if ignore is None:
             continue
-        for shift in ("", "[..., 1:]"):
+        for shift in ("", "[..., 1:]") if first.dim() > 1 else ("",):
             counts = []
             for x, y in parts:
                 labels = _labels(x, y)[1]
