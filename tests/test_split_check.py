@@ -102,7 +102,8 @@ def test_a_sum_is_stopped_whether_the_batch_is_cut_or_accumulated():
     for kwargs in ({"micro_batches": 2}, {"micro_batches": 1, "accumulation_steps": 2}):
         stopped("the chunks' gradients add up to the batch's, so the loss is a sum", Noisy(), noisy_batches(), total,
                 **kwargs)
-    train(Noisy(), noisy_batches(), total, check_split=False)  # accepted knowingly
+    with pytest.raises(ValueError, match="doubles when the batch is doubled"):  # loss_fn's own sum check stays
+        train(Noisy(), noisy_batches(), total, check_split=False)
 
 
 class OutOfMemoryAbove(nn.Module):
@@ -138,7 +139,7 @@ def test_a_user_error_of_the_command_line():
 @pytest.fixture(scope="module")
 def llama():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     return transformers.LlamaForCausalLM(config)
 
@@ -156,7 +157,7 @@ SHIFTED = 'num_items=lambda x, y: (x["labels"][..., 1:] != -100).sum() fits'
 
 
 def test_a_causal_lm_is_exact_with_the_shifted_count_and_stopped_otherwise(llama):
-    batches = [lm_batch(seed=0), lm_batch(seed=1)]
+    batches = [lm_batch(seed=0)]
     stopped(re.escape(SHIFTED), copy.deepcopy(llama), batches, own_loss, model_fn=keywords)  # a sample mean
     stopped(re.escape(SHIFTED), copy.deepcopy(llama), batches, own_loss, model_fn=keywords,
             num_items=lambda x, y: (x["labels"] != -100).sum())  # the old advice: one token per row too many
@@ -307,8 +308,8 @@ def test_segmentation_with_ignore_index_is_exact_with_its_count_and_stopped_with
     torch.manual_seed(0)
     model = DeepLabV3(TinyBackbone(), DeepLabHead(8, 3))  # ASPP: BatchNorm, dropout 0.5, image pooling
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 3, (4, 32, 32), generator=g)
-    y[0, :20], y[2, :4] = 255, 255  # the recipe's void label, uneven between the halves
+    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 3, (4, 16, 16), generator=g)
+    y[0, :10], y[2, :2] = 255, 255  # the recipe's void label, uneven between the halves
     ce = nn.CrossEntropyLoss(ignore_index=255)
     stopped(re.escape("num_items=lambda x, y: (y != 255).sum() fits"), copy.deepcopy(model), [(x, y)], ce,
             model_transform=lambda out: out["out"])
@@ -317,7 +318,7 @@ def test_segmentation_with_ignore_index_is_exact_with_its_count_and_stopped_with
     assert trainer.amp_step._split_check.last < 1e-5
 
 
-def test_retinanet_and_timm_models_raise_no_alarm():
+def test_retinanet_and_a_timm_efficientnet_raise_no_alarm():
     from torchvision.models.detection import RetinaNet
     from torchvision.models.detection.anchor_utils import AnchorGenerator
 
@@ -331,7 +332,6 @@ def test_retinanet_and_timm_models_raise_no_alarm():
                     model_fn=lambda m, x: m(*x))
     assert trainer.amp_step._split_check.last < 1e-5
     x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 3, (4,), generator=g)
-    for name in ("test_convnext", "test_efficientnet"):  # stochastic depth, dropout; BatchNorm in EfficientNet
-        model = timm.create_model(name, pretrained=False, num_classes=3, drop_path_rate=0.2, drop_rate=0.2)
-        trainer = train(model, [(x, y)], cross_entropy)
-        assert trainer.amp_step._split_check.last < 1e-5, name
+    model = timm.create_model("test_efficientnet", pretrained=False, num_classes=3, drop_path_rate=0.2, drop_rate=0.2)
+    trainer = train(model, [(x, y)], cross_entropy)  # stochastic depth, dropout and BatchNorm
+    assert trainer.amp_step._split_check.last < 1e-5
