@@ -19,7 +19,8 @@ h. activation checkpointing: peak activation memory and step time with and witho
 
 Opt-in, outside the 9 minutes (run with ``--only i``, alone: it takes about 7 minutes by itself):
 
-i. float8 (torchao) against bfloat16 on a GPT-style model with torch.compile (``float8_gpt.py``).
+i. float8 (torchao) against bfloat16 on a GPT-style model with torch.compile (``float8_gpt.py``);
+j. the split check's cost on the first step, and its extra peak memory (``split_check_cost.py``; ``--only j``).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it. Each has a time budget (SECTIONS);
@@ -59,6 +60,7 @@ from torch.utils.data import DataLoader
 
 from bench_amp import measure_variant, resnet50, tf32
 from float8_gpt import Block as GPTBlock, float8_section
+from split_check_cost import split_check_section
 from overhead import attach_default_handlers, hand_written_loop, timed
 
 import ignite_amp
@@ -910,6 +912,8 @@ SECTIONS = (
 OPT_IN = (
     Section("i_float8", "i. float8 against bfloat16 (GPT 4 x 2048, sequence 1024, torch.compile)", float8_section,
             480, 330),
+    Section("j_split_check", "j. The split check's cost on the first step (GPT 8 x 1024, bfloat16, micro-batches 2)",
+            split_check_section, 60, 30),
 )
 
 

@@ -100,7 +100,7 @@ class AmpStep(StepBase, Serializable):
         split_batch: ``split_batch(x, y, chunks) -> [(x, y), ...]``, a prepared batch cut into micro-batches
             (default :func:`ignite_amp.batching.split_batch`); each sample in exactly one chunk.
         check_split: check once on the real batch that its weighted chunks give its gradient, where a batch is
-            cut or combined (:mod:`ignite_amp.split_check`); False accepts a loss that fails it knowingly.
+            cut or combined (``ignite_amp.split_check``); False accepts a loss that fails it knowingly.
 
     Besides the properties of every step, handlers may read ``optimizer``, ``scaler``,
     ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`)

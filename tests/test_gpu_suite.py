@@ -221,3 +221,14 @@ def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
     assert all(r["status"] == "measured" and r["tokens_per_s"] > 0 for r in table), table
     assert [r["float8_layers"] for r in table] == [0, 7, 7, 7]  # 2 blocks x 4 Linear, less the first; head kept
     assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
+
+
+def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
+    """Issue 37: the check's first-step cost, on the CPU stand-in: measured there, NOT MEASURED as a GPU figure."""
+    assert "j_split_check" in [s.key for s in suite.OPT_IN] and "j_split_check" not in [s.key for s in suite.SECTIONS]
+    ctx = suite.Context("j_split_check", "j", smoke=True, cuda=False, budget_s=120, path=str(tmp_path / "j.json"),
+                        workdir=str(tmp_path))
+    suite.split_check_section(ctx)
+    on, off = ctx.result["tables"][0]["rows"]
+    assert on["check_split"] and on["checked"] and not off["checked"] and on["first_step_ms"] > 0
+    assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"]
