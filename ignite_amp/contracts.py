@@ -142,7 +142,8 @@ def warn_padding_without_items(x: Any, y: Any, loss_fn: Optional[Callable] = Non
     The hint is one the split check passes: a transformers causal LM (``*ForCausalLM``, ``*LMHeadModel``) shifts
     its labels inside, so it counts ``labels[..., 1:]``; a CTC head (``*ForCTC``) is a per-sample mean with
     ``ctc_loss_reduction="mean"`` (no num_items; its ``"sum"`` is stopped by the split check), so it is not
-    warned; a ``y`` read by a ``loss_fn`` whose ignore_index is unknown gets what to check, not a lambda."""
+    warned; labels read by a model other than a transformers one, or a ``y`` read by a ``loss_fn`` whose
+    ignore_index is unknown, get what to check, not a lambda."""
     labels = x.get("labels") if isinstance(x, Mapping) else None  # a BatchEncoding is a Mapping, not a dict
     named = "y" if labels is None else 'x["labels"]'
     labels = y if labels is None else labels
@@ -152,8 +153,11 @@ def warn_padding_without_items(x: Any, y: Any, loss_fn: Optional[Callable] = Non
     if kind == "ctc" or not torch.is_tensor(labels) or labels.is_floating_point() or not bool((labels == pad).any()):
         return
     shift = "[..., 1:]" if kind == "causal" else ""
-    known = (ignore is not None or _plain_cross_entropy(loss_fn)) and getattr(loss_fn, "weight", None) is None
-    if named == "y" and not known:  # how the loss reads y is unknown (or a class-weighted mean): no lambda
+    if named == "y":
+        known = (ignore is not None or _plain_cross_entropy(loss_fn)) and getattr(loss_fn, "weight", None) is None
+    else:  # labels a model reads itself: known for transformers' models only
+        known = type(module).__module__.startswith("transformers.")
+    if not known:  # how the loss reads the labels is unknown (or a class-weighted mean): what to check, no lambda
         hint = (f"pass num_items=fn(x, y) counting the items the loss averages over (the labels it does not ignore, "
                 f"after any shift it makes; the split check verifies it)")
     else:

@@ -64,14 +64,16 @@ class SplitCheck:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = Boolean().argument(enabled, "check_split")
-        self.checked: Optional[int] = None  # the number of chunks the last check ran for
+        self.checked: Optional[int] = None  # the micro-batch count the last check ran for
         self.last: Optional[float] = None  # the relative difference it measured
 
     def __call__(self, step: Any, batch: tuple, chunks: int, cycle_length: int) -> None:
-        if not self.enabled or chunks == self.checked or not (chunks > 1 or cycle_length > 1 or is_distributed()):
+        # Keyed by the micro-batch setting, which every rank shares (a rank's short last batch may be cut in fewer).
+        if not self.enabled or step.micro_batches == self.checked or not (chunks > 1 or cycle_length > 1 or
+                                                                          is_distributed()):
             return
         if getattr(step, "fsdp", None) is not None:
-            self.checked = chunks
+            self.checked = step.micro_batches
             logger.info("split check: not run on a model sharded with FSDP2")
             return
         found = None
@@ -89,7 +91,7 @@ class SplitCheck:
         worst = max_across_ranks(rel)  # every rank calls it (DDP): the verdict is the same everywhere
         if worst < 0:  # nobody could compare (one sample, or a chunk without items): the next batch is
             return
-        self.checked, self.last = chunks, worst
+        self.checked, self.last = step.micro_batches, worst
         tol = found.tol if isinstance(found, _Measured) else TOLERANCE
         if worst <= tol:
             return
@@ -178,11 +180,12 @@ def _candidates(step: Any, parts: list) -> List[Tuple[str, List[float]]]:
     """The usual num_items counted in each half: the labels that are not the loss's ignore_index (or -100, or,
     among a few classes, any one value), with and without a causal LM's shift."""
     name, first = _labels(*parts[0])
-    if not (torch.is_tensor(first) and not first.is_floating_point() and first.dim()):
+    every = [_labels(x, y)[1] for x, y in parts]
+    if not all(torch.is_tensor(t) and not t.is_floating_point() and t.dim() == first.dim() for t in every):
         return []
     found = []
     values = [ignore_index_of(step.loss_fn), -100]
-    distinct = torch.unique(torch.cat([_labels(x, y)[1].reshape(-1) for x, y in parts]))
+    distinct = torch.unique(torch.cat([t.reshape(-1) for t in every]))
     if len(distinct) <= MAX_CLASSES:  # a few classes (segmentation): any one of them may be the ignored one
         values += distinct.tolist()
     for ignore in dict.fromkeys(values):
@@ -190,8 +193,7 @@ def _candidates(step: Any, parts: list) -> List[Tuple[str, List[float]]]:
             continue
         for shift in ("", "[..., 1:]") if first.dim() > 1 else ("",):
             counts = []
-            for x, y in parts:
-                labels = _labels(x, y)[1]
+            for labels in every:
                 labels = labels[..., 1:] if shift else labels
                 counts.append(float((labels != ignore).sum()))
             if all(counts):
