@@ -67,7 +67,7 @@ def measure(size: dict, device: torch.device, repeats: int) -> dict:
 
 
 GPU = dict(vocab=32768, width=1024, depth=8, heads=16, seq=1024, batch=16, dtype="bfloat16", repeats=3)
-SMOKE = dict(vocab=256, width=64, depth=2, heads=4, seq=32, batch=8, dtype="bfloat16", repeats=2)
+SMOKE = dict(vocab=256, width=64, depth=2, heads=4, seq=32, batch=8, dtype="bfloat16", repeats=1)
 
 
 def split_check_section(ctx) -> None:

@@ -12,8 +12,7 @@ Under :func:`still` a model computes the same function of each sample whatever e
 - BatchNorm layers in training mode normalise with their running statistics (zero mean and unit variance
   where they keep none), so rows do not mix, and update nothing.
 
-A few operators that make new tensors (``rand``, ``randint``) draw once and are overwritten; torch's generators
-are restored on exit. NumPy's and Python's global generators (Wav2Vec2's SpecAugment masks
+torch's generators are never drawn from (and restored on exit all the same). NumPy's and Python's global generators (Wav2Vec2's SpecAugment masks
 draw from NumPy row by row) are set by :meth:`Still.replay` to the state they had on entry, so a batch and
 its first chunk draw the same numbers for the same rows and the next chunk continues where the first stopped.
 On exit every generator's state, and every buffer and BatchNorm flag of the model, is what it was.
@@ -47,8 +46,10 @@ class _NoDropout(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
-        if func is F.scaled_dot_product_attention and (len(args) > 4 or "dropout_p" in kwargs):
-            args, kwargs = args[:4], dict(kwargs, dropout_p=0.0)
+        if func is F.scaled_dot_product_attention and len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        elif func is F.scaled_dot_product_attention and "dropout_p" in kwargs:
+            kwargs = dict(kwargs, dropout_p=0.0)
         return func(*args, **kwargs)
 
 
@@ -81,18 +82,18 @@ def _middle(func: Any, args: tuple, kwargs: dict) -> Any:
         return args[0].fill_(args[1] if len(args) > 2 else 0)
     if packet is aten.exponential_:
         return args[0].fill_(1.0 / (args[1] if len(args) > 1 else kwargs.get("lambd", 1.0)))
+    made = {"dtype": kwargs.get("dtype"), "device": kwargs.get("device")}
     if packet in (aten.rand, aten.randn):
-        out = func(*args, **kwargs)  # the shape, dtype and device asked for (one draw, then overwritten)
-        return out.fill_(0.5 if packet is aten.rand else 0.0)
+        return torch.full(args[0], 0.5 if packet is aten.rand else 0.0, dtype=made["dtype"] or torch.get_default_dtype(),
+                          device=made["device"])
     if packet in (aten.rand_like, aten.randn_like):
         return torch.full_like(args[0], 0.5 if packet is aten.rand_like else 0.0,
                                **{k: v for k, v in kwargs.items() if k in ("dtype", "device")})
-    if packet in (aten.randint, aten.randint_like):
-        out = func(*args, **kwargs)  # randint(high, size), randint(low, high, size), randint_like(t, [low,] high)
-        low = args[0] if func._overloadname.startswith("low") and packet is aten.randint else 0
-        if packet is aten.randint_like and func._overloadname.startswith("low"):
-            low = args[1]
-        return out.fill_(low)
+    low = func._overloadname.startswith("low")  # randint(high, size), randint(low, high, size), randint_like(t, [low,] high)
+    if packet is aten.randint:
+        return torch.full(args[-1], args[0] if low else 0, dtype=made["dtype"] or torch.long, device=made["device"])
+    if packet is aten.randint_like:
+        return torch.full_like(args[0], args[1] if low else 0, **{k: v for k, v in made.items() if v is not None})
     if packet is aten.randperm:
         n = args[0]
         return torch.arange(n, dtype=kwargs.get("dtype") or torch.long, device=kwargs.get("device"))

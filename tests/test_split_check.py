@@ -335,3 +335,22 @@ def test_retinanet_and_a_timm_efficientnet_raise_no_alarm():
     model = timm.create_model("test_efficientnet", pretrained=False, num_classes=3, drop_path_rate=0.2, drop_rate=0.2)
     trainer = train(model, [(x, y)], cross_entropy)  # stochastic depth, dropout and BatchNorm
     assert trainer.amp_step._split_check.last < 1e-5
+
+
+def test_randomness_held_still_draws_nothing_and_gives_the_likely_values():
+    from ignite_amp.randomness import still
+
+    g = torch.Generator().manual_seed(0)
+    states = (torch.get_rng_state(), g.get_state(), numpy.random.get_state()[1].copy())
+    norm = nn.BatchNorm1d(2)
+    with still(norm):
+        assert torch.equal(torch.randint(2, 7, (2,), generator=g), torch.tensor([2, 2]))
+        assert torch.equal(torch.rand(2), torch.full((2,), 0.5)) and torch.equal(torch.randperm(3), torch.arange(3))
+        assert torch.equal(torch.bernoulli(torch.tensor([0.2, 0.8])), torch.tensor([0.0, 1.0]))
+        assert torch.equal(nn.functional.dropout(torch.ones(3), 0.5, training=True), torch.ones(3))
+        assert torch.equal(torch.multinomial(torch.tensor([0.1, 0.7, 0.2]), 1), torch.tensor([1]))
+        assert not norm.training  # running statistics: rows do not mix
+        numpy.random.rand()
+    assert norm.training and torch.equal(norm.running_mean, torch.zeros(2))
+    assert torch.equal(states[0], torch.get_rng_state()) and torch.equal(states[1], g.get_state())
+    assert (numpy.random.get_state()[1] == states[2]).all()
