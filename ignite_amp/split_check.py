@@ -250,6 +250,7 @@ def _measure(step: Any, batch: tuple, chunks: int) -> Any:
         return list(torch.autograd.grad(loss, params, allow_unused=True))
 
     dtype = torch.float32 if step.device.type == "mps" else torch.float64
+    step._extra_passes += 1  # a FLOP count of this iteration would include the check's: the step counts the next
     with _full_float32(), still(module) as held:
         held.replay()
         whole = grads(*part)

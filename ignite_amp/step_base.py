@@ -117,6 +117,7 @@ class StepBase:
         self._batch_size = 0
         self._oom_count = 0
         self._count_flops = False
+        self._extra_passes = 0  # forward/backward passes run beside the step's own (the split check's): not FLOPs of it
         self._flops_per_sample: Optional[float] = None
 
     # -- the documented interface ------------------------------------------------------------
@@ -231,12 +232,12 @@ class StepBase:
         if self._count_flops and self.forward is self._model:  # a compiled forward hides its operators
             from torch.utils.flop_counter import FlopCounterMode
 
-            self._count_flops, ooms = False, self._oom_count
+            self._count_flops, ooms, extra = False, self._oom_count, self._extra_passes
             counter = FlopCounterMode(display=False)
             with counter:
                 output = self._attempts(engine, batch)
-            if self._oom_count != ooms:
-                self._count_flops = True  # a retry was counted too: count the next iteration
+            if self._oom_count != ooms or self._extra_passes != extra:
+                self._count_flops = True  # a retry or the split check was counted too: count the next iteration
             elif counter.get_total_flops():  # 0: no operator the counter knows (matmul, convolution...)
                 self._flops_per_sample = counter.get_total_flops() / self._batch_size
             return output

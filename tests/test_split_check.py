@@ -354,3 +354,16 @@ def test_randomness_held_still_draws_nothing_and_gives_the_likely_values():
     assert norm.training and torch.equal(norm.running_mean, torch.zeros(2))
     assert torch.equal(states[0], torch.get_rng_state()) and torch.equal(states[1], g.get_state())
     assert (numpy.random.get_state()[1] == states[2]).all()
+
+
+def test_the_flop_count_leaves_out_the_split_check():
+    """TensorBoardMetrics counts the first iteration's FLOPs (for MFU): the split check's passes are not the step's."""
+    def flops(check):
+        model = nn.Linear(5, 3)
+        trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                     dtype="float32", micro_batches=2, check_split=check)
+        trainer.amp_step.count_flops()
+        trainer.run(noisy_batches(count=2), max_epochs=1)
+        return trainer.amp_step.flops_per_sample
+
+    assert flops(True) == flops(False) > 0
