@@ -160,9 +160,10 @@ class _Measured:
             return (f"the loss averages over something other than what the step weighs by: the first chunk holds "
                     f"{share:.0%} of it, the step gave it {self.weights[0]:.0%}; {what}")
         return ("no weighting of the chunks gives the batch's gradient, so its rows interact: a sample's loss depends "
-                "on the other samples of its chunk (in-batch negatives, a contrastive loss such as CLIP's), and "
+                "on the other samples of its chunk (in-batch negatives, a contrastive loss such as CLIP's; or inputs "
+                "padded to the chunk's largest one, as torchvision detection pads images of different sizes), and "
                 "micro-batches and accumulation change the objective: use micro_batches=1 and accumulation_steps=1 "
-                "for this loss (a larger batch needs more memory, not more chunks)")
+                "for this loss, or inputs of one size")
 
 
 def _shares(values: Sequence[float]) -> Tuple[float, float]:

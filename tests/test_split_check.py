@@ -367,3 +367,19 @@ def test_the_flop_count_leaves_out_the_split_check():
         return trainer.amp_step.flops_per_sample
 
     assert flops(True) == flops(False) > 0
+
+
+def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_differently():
+    """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off)."""
+    from test_third_party import detection_prepare, tiny_detector
+
+    def run(sizes):
+        g = torch.Generator().manual_seed(0)
+        images = tuple(torch.rand(3, s, 32, generator=g) for s in sizes)
+        targets = tuple({"boxes": torch.tensor([[4.0, 4.0, 20.0, 24.0]]), "labels": torch.tensor([1])} for _ in sizes)
+        return train(tiny_detector(), [(images, targets)], lambda losses, y: sum(losses.values()),
+                     prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x))
+
+    assert run([32, 32, 32, 32]).amp_step._split_check.last < 1e-5
+    with pytest.raises(SplitCheckError, match="padded to the chunk's largest one, as torchvision detection"):
+        run([32, 40, 32, 40])

@@ -179,8 +179,11 @@ def test_torchvision_detection_trains_and_evaluates_in_micro_batches_and_after_a
     batches = [detection_batch(n, seed) for seed in range(2)]
     model = OutOfMemoryAbove(tiny_detector(), limit=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # Images of two sizes: each chunk is padded to its own largest image, so the anchor grid and the sampled
+    # anchors differ from the batch's and the gradient is ~5% off (the split check measures it and says so,
+    # tests/test_split_check.py); accepted knowingly here, where the retry is what is tested.
     trainer = create_amp_trainer(model, opt, lambda losses, y: sum(losses.values()), device="cpu", dtype="float32",
-                                 prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x))
+                                 prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x), check_split=False)
     OOMBackoff().attach(trainer)
     trainer.run(batches, max_epochs=1)
     assert trainer.amp_step.micro_batches >= 2 and trainer.amp_step.batch_size == n  # counted by image, not channel
