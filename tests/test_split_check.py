@@ -212,7 +212,7 @@ def ctc_batch():
     labels = torch.randint(1, 12, (4, 6), generator=g)
     for row, length in enumerate((6, 2, 4, 3)):
         labels[row, length:] = -100
-    return {"input_values": torch.randn(4, 400, generator=g), "labels": labels}
+    return {"input_values": torch.randn(4, 240, generator=g), "labels": labels}
 
 
 def test_a_ctc_head_sum_is_stopped_and_its_mean_needs_no_num_items(wav2vec2, caplog):
