@@ -24,6 +24,7 @@ Opt-in, outside the 9 minutes (run with ``--only i``, alone: it takes about 7 mi
 i. float8 (torchao) against bfloat16 on a GPT-style model with torch.compile (``float8_gpt.py``).
 k. the memory plan (fake tensors) against ``torch.cuda.max_memory_allocated`` for ResNet-50 and a GPT-style
    model, and the batch-size search's real trials from the plan (``memory_plan_gpu.py``; ``--only k``, ~2 min).
+l. the split check's cost on the first step, and its extra peak memory (``split_check_cost.py``; ``--only l``).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it. Each has a time budget (SECTIONS);
@@ -65,6 +66,7 @@ from bench_amp import measure_variant, resnet50, tf32
 from float8_gpt import Block as GPTBlock, float8_section
 import overhead as handler_table
 from memory_plan_gpu import memory_plan_section
+from split_check_cost import split_check_section
 from overhead import attach_default_handlers, hand_written_loop, timed
 
 import ignite_amp
@@ -964,6 +966,8 @@ OPT_IN = (
             480, 330),
     Section("k_memory_plan", "k. Memory plan against max_memory_allocated (ResNet-50, GPT-style)",
             memory_plan_section, 240, 120),
+    Section("l_split_check", "l. The split check's cost on the first step (GPT 8 x 1024, bfloat16, micro-batches 2)",
+            split_check_section, 60, 30),
 )
 
 

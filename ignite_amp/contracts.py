@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ignite_amp.nested import join_chunks
 
 __all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum", "check_count",
-           "warn_padding_without_items", "warn_batch_norm"]
+           "warn_padding_without_items", "warn_batch_norm", "ignore_index_of"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -113,16 +113,62 @@ def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Opti
     return torch.where(valid, count, torch.zeros_like(count)), ~valid
 
 
-def warn_padding_without_items(x: Any, y: Any) -> None:
-    """One warning when a batch cut or accumulated without num_items has labels holding -100 (the padding
-    that Hugging Face losses ignore): a sample mean then differs from the token mean. One host read."""
+def ignore_index_of(loss_fn: Callable) -> Optional[int]:
+    """The label value ``loss_fn`` ignores, where it says: an ``ignore_index`` attribute (``nn.CrossEntropyLoss``,
+    ``nn.NLLLoss``) or keyword (``functools.partial(cross_entropy, ignore_index=255)``); else None."""
+    value = getattr(loss_fn, "ignore_index", None)
+    if value is None and isinstance(loss_fn, functools.partial):
+        value = loss_fn.keywords.get("ignore_index")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _model_kind(module: Optional[nn.Module]) -> str:
+    """``"ctc"``, ``"causal"`` (a transformers causal LM: it shifts its labels inside) or ``""``."""
+    name = type(module).__name__ if module is not None else ""
+    config = getattr(module, "config", None)
+    if name.endswith("ForCTC"):
+        return "ctc"
+    if name.endswith(("ForCausalLM", "LMHeadModel")) and not getattr(config, "is_encoder_decoder", False):
+        return "causal"
+    return ""
+
+
+def warn_padding_without_items(x: Any, y: Any, loss_fn: Optional[Callable] = None,
+                               module: Optional[nn.Module] = None) -> None:
+    """One warning when a batch cut or accumulated without num_items has labels holding the padding its loss
+    ignores (``loss_fn``'s own ``ignore_index``, else -100, what Hugging Face losses ignore): a sample mean then
+    differs from the token mean. One host read.
+
+    The hint is one the split check passes: a transformers causal LM (``*ForCausalLM``, ``*LMHeadModel``) shifts
+    its labels inside, so it counts ``labels[..., 1:]``; a CTC head (``*ForCTC``) is a per-sample mean with
+    ``ctc_loss_reduction="mean"`` (no num_items; its ``"sum"`` is stopped by the split check), so it is not
+    warned; labels read by a model other than a transformers one, or a ``y`` read by a ``loss_fn`` whose
+    ignore_index is unknown, get what to check, not a lambda."""
     labels = x.get("labels") if isinstance(x, Mapping) else None  # a BatchEncoding is a Mapping, not a dict
     named = "y" if labels is None else 'x["labels"]'
     labels = y if labels is None else labels
-    if torch.is_tensor(labels) and not labels.is_floating_point() and bool((labels == -100).any()):
-        logger.warning("micro-batches or accumulation on labels holding -100 (padding) without num_items: each "
-                       "chunk's mean weighs by samples, not tokens, so the gradient is not the batch's token "
-                       "mean; pass num_items=lambda x, y: (%s != -100).sum()", named)
+    kind = _model_kind(module) if named != "y" else ""
+    ignore = ignore_index_of(loss_fn) if named == "y" else None
+    pad = -100 if ignore is None else ignore
+    if kind == "ctc" or not torch.is_tensor(labels) or labels.is_floating_point() or not bool((labels == pad).any()):
+        return
+    shift = "[..., 1:]" if kind == "causal" else ""
+    if named == "y":
+        known = (ignore is not None or _plain_cross_entropy(loss_fn)) and getattr(loss_fn, "weight", None) is None
+    else:  # labels a model reads itself: known for transformers' models only
+        known = type(module).__module__.startswith("transformers.")
+    if not known:  # how the loss reads the labels is unknown (or a class-weighted mean): what to check, no lambda
+        hint = (f"pass num_items=fn(x, y) counting the items the loss averages over (the labels it does not ignore, "
+                f"after any shift it makes; the split check verifies it)")
+    else:
+        hint = f"pass num_items=lambda x, y: ({named}{shift} != {pad}).sum()"
+    logger.warning("micro-batches or accumulation on labels holding %d (padding) without num_items: each chunk's "
+                   "mean weighs by samples, not tokens, so the gradient is not the batch's token mean; %s", pad, hint)
+
+
+def _plain_cross_entropy(loss_fn: Any) -> bool:
+    """torch's cross_entropy or nll_loss called on (y_pred, y) as they are (ignore_index -100)."""
+    return loss_fn in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
 
 
 def warn_batch_norm(module: nn.Module) -> None:

@@ -55,6 +55,9 @@ class AmpConfig:
         "gradients, about one more forward of compute; auto: the fewest blocks that make the planned step fit the "
         "GPU's memory at data.batch_size (ignite-amp plan); may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
+    check_split: bool = setting(True, Boolean(), "check once, where a batch is cut or combined (micro-batches, "
+                                "accumulation, an out-of-memory retry, DDP), that its weighted chunks give its gradient; "
+                                "false accepts a loss that fails the check knowingly")
 
 
 class AmpEngine(Engine):

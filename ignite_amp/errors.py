@@ -10,7 +10,7 @@ Two families, told apart by the CLI:
 
 __all__ = ["first_line", "ConfigError", "CheckpointError", "RunDirInUseError", "BatchSizeFloorError",
            "OptimizerOutOfMemoryError", "NonFiniteError", "CheckpointWriteError", "UnreadableCheckpointError",
-           "CheckpointTypeError", "RankDiedError", "BatchError", "USER_ERRORS", "RUN_STOPPED"]
+           "CheckpointTypeError", "RankDiedError", "BatchError", "SplitCheckError", "USER_ERRORS", "RUN_STOPPED"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -45,6 +45,11 @@ class BatchError(ValueError):
     """A batch the default rules cannot count or cut: one line naming the field and the hook to pass."""
 
 
+class SplitCheckError(ValueError):
+    """The split check found that a batch's weighted chunks do not give the full batch's gradient (or outputs):
+    one line with the measured difference, the likely cause and the switch that accepts it."""
+
+
 class BatchSizeFloorError(RuntimeError):
     """Out of memory even at the smallest micro-batch allowed: one line, the run stops."""
 
@@ -66,5 +71,5 @@ class RankDiedError(RuntimeError):
     killer): one line naming it; the checkpoints on disk are as its last save left them."""
 
 
-USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError, BatchError)
+USER_ERRORS = (ConfigError, CheckpointError, RunDirInUseError, BatchError, SplitCheckError)
 RUN_STOPPED = (BatchSizeFloorError, OptimizerOutOfMemoryError, NonFiniteError, CheckpointWriteError, RankDiedError)

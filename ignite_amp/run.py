@@ -275,6 +275,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     amp = dict(cfg["amp"])
     accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
     cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
+    check_split = amp.pop("check_split")  # the trainer's only
     loss_fn = torch.nn.functional.cross_entropy
     trained = model
     if _sharded(cfg) and not is_distributed():  # one process: the same checks of the blocks as on N
@@ -289,7 +290,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
             optimizer = idist.auto_optim(optimizer)
     try:
         trainer = create_amp_trainer(trained, optimizer, loss_fn, device=device, accumulation_steps=accumulation_steps,
-                                     micro_batches=micro_batches, **amp)
+                                     micro_batches=micro_batches, check_split=check_split, **amp)
         # Metrics keep their sums on the run's device: no host sync per evaluation batch.
         metrics = {"accuracy": Accuracy(device=device), "loss": Loss(loss_fn, device=device)}
         evaluator = create_amp_evaluator(model, metrics, device=device, **amp)

@@ -53,7 +53,8 @@ from ignite_amp.float8 import float8_change
 from ignite_amp.grad_norm import total_norm
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, build_scaler, found_inf
-from ignite_amp.step_base import Cycle, StepBase, call_model, identity
+from ignite_amp.split_check import SplitCheck
+from ignite_amp.step_base import Cycle, StepBase, call_model, fire_amp_event as _fire, identity
 from ignite_amp.nested import detach, join_chunks, to_float32
 
 __all__ = ["AmpStep"]
@@ -99,6 +100,8 @@ class AmpStep(StepBase, Serializable):
             :func:`ignite_amp.batching.batch_size_of`: the rows its tensors share, or a per-sample list's length).
         split_batch: ``split_batch(x, y, chunks) -> [(x, y), ...]``, a prepared batch cut into micro-batches
             (default :func:`ignite_amp.batching.split_batch`); each sample in exactly one chunk.
+        check_split: check once on the real batch that its weighted chunks give its gradient, where a batch is
+            cut or combined (``ignite_amp.split_check``); False accepts a loss that fails it knowingly.
 
     Besides the properties of every step, handlers may read ``optimizer``, ``scaler``,
     ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`)
@@ -129,6 +132,7 @@ class AmpStep(StepBase, Serializable):
         scaler: Union[bool, torch.amp.GradScaler, None] = None,
         batch_size: Callable[[Any, Any], int] = batch_size_of,
         split_batch: Callable[[Any, Any, int], list] = split_batch,
+        check_split: bool = True,
     ):
         POSITIVE_INT.argument(accumulation_steps, "accumulation_steps")
         if num_items is not None and not callable(num_items):
@@ -160,6 +164,7 @@ class AmpStep(StepBase, Serializable):
         self._weighs_items = False  # this cycle's chunks were weighed by their items
         self._reduction_checked = self._batch_norm_named = self._padding_checked = False  # said once each
         self._bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
+        self._split_check = SplitCheck(check_split)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -238,10 +243,10 @@ class AmpStep(StepBase, Serializable):
         self._weighs_items = self.num_items is not None and (len(parts) > 1 or cycle.length > 1 or is_distributed())
         kept = [] if self.output_transform is not None else None
         total, items = None, 0
-        if not self._padding_checked and (len(parts) > 1 or cycle.length > 1):
+        self._split_check(self, batch, len(parts), cycle.length)  # once per chunk count, where cut or combined
+        if self.num_items is None and not self._padding_checked and (len(parts) > 1 or cycle.length > 1):
             self._padding_checked = True
-            if self.num_items is None:
-                warn_padding_without_items(*batch)
+            warn_padding_without_items(*batch, self.loss_fn, self._module)
         for i, (x, y) in enumerate(parts):
             count = self._count(x, y, engine, i) if self.num_items is not None else None
             # DDP all-reduces the gradients in the backward of the last chunk of a stepping
@@ -286,7 +291,7 @@ class AmpStep(StepBase, Serializable):
             self._optimizer_step(engine)
         if kept is None:
             return self._loss
-        x, y = batch
+        x, y = self._joined(batch, parts, sizes)  # a custom split_batch may reorder rows: the chunks' own x, y
         counts = None if count is None else [c for _, c in kept]  # a loss in y_pred: the items' mean too
         return self.output_transform(x, y, join_chunks([p for p, _ in kept], sizes, counts), self._loss)
 
@@ -387,11 +392,3 @@ class AmpStep(StepBase, Serializable):
         self._oom_count = int(state_dict.get("oom_count", 0))
         if change := float8_change(state_dict.get("float8"), self.float8):
             logger.warning(change)
-
-
-def _fire(engine: Engine, event: AmpEvents) -> None:
-    fire = getattr(engine, "fire_amp_event", None)
-    if fire is not None:
-        fire(event)
-    else:  # the step run by a plain Engine (e.g. Engine(AmpStep(...))) that registered AmpEvents itself
-        engine.fire_event(event)

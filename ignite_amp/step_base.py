@@ -17,9 +17,9 @@ from ignite_amp.device import free_memory, is_oom_error, resolve_device, resolve
 from ignite_amp.errors import BatchError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
-from ignite_amp.nested import to_channels_last, to_float32
+from ignite_amp.nested import join_chunks, to_channels_last, to_float32
 
-__all__ = ["StepBase", "Cycle", "keep_in_fp32", "call_model", "identity"]
+__all__ = ["StepBase", "Cycle", "keep_in_fp32", "call_model", "identity", "fire_amp_event"]
 
 
 def call_model(model: Callable, x: Any) -> Any:
@@ -28,6 +28,16 @@ def call_model(model: Callable, x: Any) -> Any:
 
 def identity(output: Any) -> Any:
     return output
+
+
+def fire_amp_event(engine: Engine, event: AmpEvents) -> None:
+    """Fire ``event`` on an :class:`~ignite_amp.engine.AmpEngine` (only when a handler listens), or on a plain
+    Engine (e.g. ``Engine(AmpStep(...))``) that registered AmpEvents itself."""
+    fire = getattr(engine, "fire_amp_event", None)
+    if fire is not None:
+        fire(event)
+    else:
+        engine.fire_event(event)
 
 
 def _fp32_forward(forward: Callable, device_type: str, *args: Any, **kwargs: Any) -> Any:
@@ -107,6 +117,7 @@ class StepBase:
         self._batch_size = 0
         self._oom_count = 0
         self._count_flops = False
+        self._extra_passes = 0  # forward/backward passes run beside the step's own (the split check's): not FLOPs of it
         self._flops_per_sample: Optional[float] = None
 
     # -- the documented interface ------------------------------------------------------------
@@ -201,6 +212,19 @@ class StepBase:
             raise BatchError(f"batch_size should return the number of samples as an int, got {n!r}")
         return n
 
+    def _split_pieces(self, x: Any, y: Any, n: int, chunks: int) -> list:
+        """``(x, y)`` of ``n`` samples cut into ``chunks`` ``(x, y)`` pieces by the step's ``split_batch`` hook."""
+        if self.split_batch is split_batch:
+            return split_pairs(x, y, n, chunks)
+        return [tuple(p) for p in self.split_batch(x, y, chunks)]
+
+    def _joined(self, batch: tuple, parts: list, sizes: Sequence[int]) -> tuple:
+        """The batch's ``(x, y)`` as its chunks hold them, in the chunks' order: a custom ``split_batch`` may
+        reorder rows, and outputs joined from the chunks must meet their own targets (the default keeps the order)."""
+        if len(parts) == 1 or self.split_batch is split_batch:
+            return batch
+        return join_chunks([p[0] for p in parts], sizes), join_chunks([p[1] for p in parts], sizes)
+
     def _size_of(self, engine: Engine, batch: tuple) -> int:
         n = self._count_samples(*batch)
         if n == 0:
@@ -213,12 +237,12 @@ class StepBase:
         if self._count_flops and self.forward is self._model:  # a compiled forward hides its operators
             from torch.utils.flop_counter import FlopCounterMode
 
-            self._count_flops, ooms = False, self._oom_count
+            self._count_flops, ooms, extra = False, self._oom_count, self._extra_passes
             counter = FlopCounterMode(display=False)
             with counter:
                 output = self._attempts(engine, batch)
-            if self._oom_count != ooms:
-                self._count_flops = True  # a retry was counted too: count the next iteration
+            if self._oom_count != ooms or self._extra_passes != extra:
+                self._count_flops = True  # a retry or the split check was counted too: count the next iteration
             elif counter.get_total_flops():  # 0: no operator the counter knows (matmul, convolution...)
                 self._flops_per_sample = counter.get_total_flops() / self._batch_size
             return output

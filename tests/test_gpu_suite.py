@@ -242,3 +242,14 @@ def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
     assert len(table) == 2 and all(r["predicted_mb"] > 0 and r["measured_mb"] is None for r in table), table
     assert [t["verdict"] for t in section["targets"]] == ["NOT MEASURED", "NOT MEASURED"]
     assert "NOT MEASURED" in (tmp_path / "gpu_suite.md").read_text(encoding="utf-8")
+
+
+def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
+    """Issue 37: the check's first-step cost, on the CPU stand-in: measured there, NOT MEASURED as a GPU figure."""
+    assert "l_split_check" in [s.key for s in suite.OPT_IN] and "l_split_check" not in [s.key for s in suite.SECTIONS]
+    ctx = suite.Context("l_split_check", "l", smoke=True, cuda=False, budget_s=120, path=str(tmp_path / "l.json"),
+                        workdir=str(tmp_path))
+    suite.split_check_section(ctx)
+    on, off = ctx.result["tables"][0]["rows"]
+    assert on["check_split"] and on["checked"] and not off["checked"] and on["first_step_ms"] > 0
+    assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"]

@@ -6,6 +6,7 @@ Tiny configs, synthetic data, float32 so that the comparison is to rounding.
 import copy
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.nn.functional import cross_entropy
 
 from conftest import OOMAbove  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
 from ignite_amp import create_amp_evaluator, create_amp_trainer
-from ignite_amp.errors import BatchError
+from ignite_amp.errors import BatchError, SplitCheckError
 from ignite_amp.handlers import OOMBackoff
 
 transformers = pytest.importorskip("transformers")
@@ -112,11 +113,16 @@ def test_seq2seq_with_num_items_gives_the_token_mean_of_the_hand_written_loop():
     assert trainer.amp_step.items.item() == (batches[-1]["labels"] != -100).sum().item()
 
 
-def test_seq2seq_without_num_items_is_told_once(caplog):
-    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+def test_seq2seq_without_num_items_is_stopped_by_the_split_check_or_told_once(caplog):
+    """Issue 37: a token mean weighed by samples is stopped before it trains, naming the num_items that fits;
+    accepted knowingly (check_split=False), the padding warning still says it once."""
+    with pytest.raises(SplitCheckError, match=re.escape('num_items=lambda x, y: (x["labels"] != -100).sum() fits')):
         ours(t5(), t5_batches(), lambda out, y: out.loss, model_fn=lambda m, x: m(**x))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        ours(t5(), t5_batches(), lambda out, y: out.loss, model_fn=lambda m, x: m(**x), check_split=False)
     lines = [r.getMessage() for r in caplog.records if "-100" in r.getMessage()]
-    assert len(lines) == 1 and "num_items" in lines[0]
+    assert len(lines) == 1 and 'num_items=lambda x, y: (x["labels"] != -100).sum()' in lines[0]
 
 
 def test_timm_vit_matches_the_hand_written_loop():
@@ -173,8 +179,11 @@ def test_torchvision_detection_trains_and_evaluates_in_micro_batches_and_after_a
     batches = [detection_batch(n, seed) for seed in range(2)]
     model = OutOfMemoryAbove(tiny_detector(), limit=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # Images of two sizes: each chunk is padded to its own largest image, so the anchor grid and the sampled
+    # anchors differ from the batch's and the gradient is ~5% off (the split check measures it and says so,
+    # tests/test_split_check.py); accepted knowingly here, where the retry is what is tested.
     trainer = create_amp_trainer(model, opt, lambda losses, y: sum(losses.values()), device="cpu", dtype="float32",
-                                 prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x))
+                                 prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x), check_split=False)
     OOMBackoff().attach(trainer)
     trainer.run(batches, max_epochs=1)
     assert trainer.amp_step.micro_batches >= 2 and trainer.amp_step.batch_size == n  # counted by image, not channel
