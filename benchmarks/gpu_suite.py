@@ -498,7 +498,10 @@ def _oom_mid_epoch(ctx: Context, size: dict) -> None:
         def apply_cap() -> None:
             model.limit = n // 2
 
-    trainer = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype=size["dtype"])
+    # check_split=False: the forward hook below counts every training forward, and the split check's own
+    # forwards (once, at the first retry) are not samples trained
+    trainer = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype=size["dtype"],
+                                 check_split=False)
     backoff = OOMBackoff()
     backoff.attach(trainer)
     seen = {"attempt": 0, "total": 0}
