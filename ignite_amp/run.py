@@ -108,7 +108,8 @@ class Run:
                     precision += f" over {dtype_name(step.dtype)} parameters"
                 if step.float8 is not None:
                     self.print(step.float8.line())
-                    precision = f"float8 {step.float8.recipe} Linear layers in {precision}"
+                    precision = (f"float8 {step.float8.recipe} Linear layers in {precision}" if step.float8.converted
+                                 else f"{precision} (float8: no Linear layer converted)")
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
