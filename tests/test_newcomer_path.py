@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from conftest import CONFIGS, ROOT
@@ -85,6 +86,9 @@ def run_in_order(commands: list, cwd) -> list:
             assert trained or (words in done and "already trained" in out), \
                 f"after {done}:\n{shown}\ndid not train the {epochs} epochs it asks for:\n{out[-3000:]}"
             dashboards += re.findall(r"^dashboard: tensorboard --logdir (\S+)$", out, re.M)
+            start = re.search(r"^training .*$", out, re.M)
+            if "amp.dtype" not in _sets(words) and not torch.cuda.is_available():  # the quickstart's dtype: auto
+                assert start and "(dtype auto: " in start.group(0), f"{shown}: the start line says no why: {start}"
         done.append(words)
         said.append(f"{shown}: " + (out.strip().splitlines() or ["(no output)"])[0])
     return said
