@@ -8,12 +8,13 @@ from typing import Any
 
 from ignite_amp.version import __version__
 
+# In the order a newcomer looks for them (the API page follows it): the factories first.
 _EXPORTS = {
+    "create_amp_trainer": "ignite_amp.engine",
+    "create_amp_evaluator": "ignite_amp.engine",
     "AmpEvents": "ignite_amp.events",
     "AmpStep": "ignite_amp.step",
     "EvalStep": "ignite_amp.eval_step",
-    "create_amp_trainer": "ignite_amp.engine",
-    "create_amp_evaluator": "ignite_amp.engine",
     "ConfigError": "ignite_amp.errors",
     "load_config": "ignite_amp.config",
     "train_from_config": "ignite_amp.run",

@@ -115,16 +115,18 @@ def _compare(args: argparse.Namespace) -> int:
     from ignite_amp.compare import compare, format_table
     from ignite_amp.config import load_config
     from ignite_amp.fields import POSITIVE_INT, Number
+    from shlex import quote
 
     POSITIVE_INT(args.steps, "--steps")
     Number()(args.tolerance, "--tolerance")
     from ignite_amp.console import safe_print
+    from ignite_amp.rundir import RunLayout
 
     cfg = load_config(args.config, args.overrides)
     results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
     safe_print(format_table(results))  # `ignite-amp compare ... | head` is not an error
-    safe_print(f"per-mode TensorBoard runs: {cfg['output_dir']}/compare  "
-               f"(open with: tensorboard --logdir {cfg['output_dir']}/compare)")
+    where = RunLayout(cfg["output_dir"]).compare_dir  # beside the run: its own dashboard stays one run
+    safe_print(f"per-mode TensorBoard runs: {where}  (open with: tensorboard --logdir {quote(where)})")
     return 0
 
 
@@ -168,16 +170,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _dashboard_hint(tensorboard_dir: str) -> str:
-    """The last line of a training run: how to open its dashboard, quoted for a shell."""
-    import shlex
+    """The last lines of a training run: the command that shows its dashboard (quoted for a shell), then the
+    page to open on a line of its own, so that a terminal of 100 columns does not wrap the URL."""
+    from ignite_amp.rundir import dashboard_command
 
-    from ignite_amp.rundir import dashboard_logdir
-
-    run = os.path.normpath(tensorboard_dir)
-    logdir = dashboard_logdir(run)
-    named = f' (run "{os.path.basename(run)}")' if logdir != run else ""
-    return (f"dashboard: tensorboard --logdir {shlex.quote(logdir)}, then open "
-            f"http://localhost:6006/#custom_scalars&_smoothingWeight=0{named}")
+    return (f"dashboard: {dashboard_command(tensorboard_dir)}\n"
+            f"  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0")
 
 
 COMMANDS = {"train": _train, "compare": _compare, "find-batch-size": _find_batch_size, "schema": _schema}

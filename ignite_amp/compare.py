@@ -21,7 +21,7 @@ from ignite_amp.errors import ConfigError
 from ignite_amp.events import AmpEvents
 from ignite_amp.models import build_model
 from ignite_amp.handlers.tensorboard_metrics import TensorBoardMetrics
-from ignite_amp.rundir import check_writable, move_aside
+from ignite_amp.rundir import RunLayout, check_writable, move_aside
 from ignite_amp.engine import create_amp_trainer
 
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
@@ -139,7 +139,7 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     """
     cfg = load_config(cfg)
     device = config_device(cfg)
-    compare_dir = os.path.join(cfg["output_dir"], "compare")
+    compare_dir = RunLayout(cfg["output_dir"]).compare_dir
     moved = move_aside(compare_dir)  # a new comparison draws fresh curves
     if moved:
         print_fn(f"moved the previous comparison's TensorBoard runs to {moved}")

@@ -3,7 +3,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["safe_print", "silent"]
+__all__ = ["safe_print", "silent", "drop_unfinished_bar"]
 
 
 def safe_print(*args: Any, **kwargs: Any) -> None:
@@ -24,3 +24,21 @@ def safe_print(*args: Any, **kwargs: Any) -> None:
 
 def silent(*args: Any, **kwargs: Any) -> None:
     """What ranks other than 0 print: nothing."""
+
+
+def drop_unfinished_bar(bar: Any) -> None:
+    """After a run stopped mid-epoch (Ctrl-C, an error): clear the line of Ignite's ``ProgressBar`` now,
+    so that the lines after it start at a line's start (not after the terminal's ``^C``) and tqdm does not
+    redraw the stale bar when the process exits. A bar its epoch closed (``pbar`` None) is left alone."""
+    pbar = getattr(bar, "pbar", None)
+    if pbar is not None:
+        pbar.leave = False  # close() then erases the line instead of drawing the bar once more
+        pbar.close()
+        bar.pbar = None
+        stream = getattr(pbar, "fp", None)
+        try:
+            if stream is not None and stream.isatty():  # and the terminal's "^C" past the bar's width (or wrapped)
+                stream.write("\r\x1b[2K")
+                stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass

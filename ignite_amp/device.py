@@ -12,7 +12,8 @@ import torch
 from ignite_amp.errors import RUN_STOPPED
 
 __all__ = ["DTYPES", "resolve_device", "resolve_dtype", "indexed", "describe_device", "dtype_name",
-           "cpu_has_native_bf16", "is_oom_error", "free_memory", "peak_tflops", "PEAK_TFLOPS"]
+           "cpu_has_native_bf16", "cpu_has_amx", "auto_dtype_reason", "is_oom_error", "free_memory", "peak_tflops",
+           "PEAK_TFLOPS"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -66,14 +67,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bfloat16 instructions (AVX512-BF16 or AMX); False when unknown."""
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bfloat16 instructions (AVX512-BF16 or AMX); False when unknown."""
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX bfloat16 matrix tiles (Intel Sapphire Rapids and newer); False when unknown."""
+    return "amx_bf16" in _cpu_flags()
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,14 +91,26 @@ def _warn_slow_cpu_bf16() -> None:
     logger.warning("this CPU has no native bfloat16 instructions: bfloat16 autocast will work, but slowly")
 
 
+def auto_dtype_reason(device: Union[str, torch.device]) -> str:
+    """Why ``dtype: auto`` chose what it did on ``device``, for a start line (`` (dtype auto: ...)``); "" off a CPU."""
+    if torch.device(device).type != "cpu":
+        return ""
+    if cpu_has_amx():
+        return " (dtype auto: AMX bfloat16 tiles)"
+    if cpu_has_native_bf16():
+        return " (dtype auto: bfloat16 ran 0.8x float32's speed on AVX512-BF16 without AMX)"
+    return " (dtype auto: emulated bfloat16 ran 8x slower)"
+
+
 def resolve_dtype(dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu") -> torch.dtype:
     """Turn ``auto | float16 | bfloat16 | float32`` (or a torch dtype) into a torch dtype.
 
-    ``auto`` picks the low precision the device runs natively: bfloat16 on Ampere and newer GPUs,
-    float16 on older ones (they only emulate bfloat16, slowly); on a CPU, bfloat16 where it has
-    bfloat16 instructions (AVX512-BF16, AMX), else float32: emulated bfloat16 ran a small CNN 8x
-    slower than float32 on a 2-core AMD EPYC (benchmarks/RESULTS.md). Asked for by name, bfloat16
-    runs on any CPU, with one log line saying it will be slow there.
+    ``auto`` is the fastest safe choice the evidence names: bfloat16 on Ampere and newer GPUs, float16
+    on older ones (they only emulate bfloat16, slowly). On a CPU it is float32, except where AMX
+    bfloat16 matrix tiles run bfloat16 matmuls in hardware: with AVX512-BF16 alone, bfloat16 autocast
+    ran the quickstart at 0.78-0.81x float32's speed on a 2-core AMD EPYC, and emulated bfloat16 (no
+    bfloat16 instructions) 8x slower (benchmarks/RESULTS.md). Asked for by name, bfloat16 runs on any
+    CPU, with one log line where it is emulated. :func:`auto_dtype_reason` says why, in words.
     """
     device = torch.device(device)
     if isinstance(dtype, torch.dtype):
@@ -99,7 +121,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype] = "auto", device: Union[str, to
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
         if device.type == "cpu":
-            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            return torch.bfloat16 if cpu_has_amx() else torch.float32
         return torch.float16
     elif dtype in DTYPES:
         resolved = DTYPES[dtype]

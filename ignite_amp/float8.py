@@ -149,12 +149,27 @@ def check_float8_device(device: Union[str, torch.device]) -> bool:
     return False
 
 
+class _DropThirdParty(logging.Filter):
+    """Drops torch's log records about torchao's own registrations (``<enum 'KernelPreference'> ...
+    register_constant() on Enum subclasses is deprecated``): torchao's to fix, nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "register_constant" not in record.getMessage()
+
+
+_QUIET = _DropThirdParty()
+
+
 def _torchao():
+    pytree = logging.getLogger("torch.utils._pytree")  # where torch logs torchao's registrations on import
+    pytree.addFilter(_QUIET)
     try:
         from torchao import float8
     except ImportError:
         raise ValueError('dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" '
                          '(or pip install "torchao>=0.10"); other dtypes run without it') from None
+    finally:
+        pytree.removeFilter(_QUIET)
     return float8
 
 

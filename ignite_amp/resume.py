@@ -27,7 +27,7 @@ from ignite_amp.rundir import RunLayout, move_previous_run
 from ignite_amp.trees import brief, same
 
 __all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint", "stored_config",
-           "apply_changes", "RULES"]
+           "apply_changes", "RULES", "rerun_of_a_finished_run", "epochs_done"]
 
 RULES: Dict[str, str] = {path: f.metadata["resume"] for path, f in leaves(Config)}
 
@@ -49,6 +49,8 @@ def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
     if state is None:
         return Plan()
     stored = stored_config(state, path)
+    if cfg["handlers"]["checkpoint"]["resume"] == "auto" and _starts_a_new_run(stored, state, cfg, main, say):
+        return Plan()
     if cfg["data"]["batch_size"] == "auto" and isinstance(stored["data"]["batch_size"], int):
         cfg["data"]["batch_size"] = stored["data"]["batch_size"]
         say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, the batch size of the resumed run "
@@ -164,3 +166,57 @@ def apply_changes(changes: List[Change], optimizer: Any, amp_step: Any, micro_ba
                     group[name] = value
     if "amp.micro_batches" in keys:
         amp_step.micro_batches = micro_batches
+
+
+# --- A finished run and a changed config -----------------------------------------------------------------------
+# What rerunning ``output_dir`` means once its run has trained all its epochs (``resume: auto`` only: an explicit
+# checkpoint path asks to continue that checkpoint, and an interrupted run resumes under the rules above).
+
+
+def epochs_done(state: dict) -> Optional[int]:
+    """The whole epochs a checkpoint's trainer state has trained (None if it does not say)."""
+    trainer = state.get("trainer")
+    if not isinstance(trainer, dict) or not trainer.get("epoch_length") or "iteration" not in trainer:
+        return None
+    return int(trainer["iteration"]) // int(trainer["epoch_length"])
+
+
+def rerun_of_a_finished_run(stored: dict, done: Optional[int], cfg: dict) -> Tuple[str, List[Change]]:
+    """``("resume" | "extend" | "new", changes)``: what running ``cfg`` over a checkpoint of ``stored``'s run,
+    ``done`` epochs trained, means.
+
+    - the run is not finished (or the config is the same): ``resume`` (the rules of :func:`check_resume`);
+    - more epochs, and nothing a resume refuses (no schedule: continuing equals a run that long from the
+      start): ``extend``, "train longer";
+    - any other change to a finished run: ``new``: there is nothing left to resume, so the config asks for
+      another run (fewer epochs, a longer scheduled run, another dtype, ...).
+    """
+    changes = config_changes(stored, cfg)
+    finished = done is not None and done >= stored.get("train", {}).get("epochs", float("inf"))
+    if not finished or not changes:
+        return "resume", changes
+    longer = any(c.key == "train.epochs" and isinstance(c.old, int) and c.new > c.old for c in changes)
+    if longer:
+        try:
+            check_resume(stored, cfg, "")
+            return "extend", changes
+        except CheckpointError:
+            pass
+    return "new", changes
+
+
+def _starts_a_new_run(stored: dict, state: dict, cfg: dict, main: bool, say: Callable) -> bool:
+    """Rerunning a finished run with another config: move it aside and say so in one line (rank 0); every rank
+    decides alike from the same checkpoint."""
+    wanted = cfg
+    if cfg["data"]["batch_size"] == "auto":  # auto on resume means the stored size (plan_resume)
+        wanted = {**cfg, "data": {**cfg["data"], "batch_size": stored["data"]["batch_size"]}}
+    verdict, changes = rerun_of_a_finished_run(stored, epochs_done(state), wanted)
+    if verdict != "new":
+        return False
+    if main:
+        moved = move_previous_run(cfg["output_dir"])
+        shown = ", ".join(map(str, changes[:3])) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+        say(f"starting a new run in {cfg['output_dir']}: its run had finished, and the config changed ({shown}); "
+            f"moved the finished run's files to {moved}")
+    return True

@@ -19,7 +19,7 @@ from ignite_amp.collectives import is_distributed
 from ignite_amp.config import load_config, save_config
 from ignite_amp.config_plan import plan_run
 from ignite_amp.config_search import search_built
-from ignite_amp.console import safe_print, silent
+from ignite_amp.console import drop_unfinished_bar, safe_print, silent
 from ignite_amp.data import build_loaders
 from ignite_amp.errors import ConfigError
 from ignite_amp.facts import config_facts
@@ -31,7 +31,7 @@ from ignite_amp.models import build_model
 from ignite_amp.passes import training_data
 from ignite_amp.sharding import check_shardable, shard_model
 from ignite_amp.rundir import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
-from ignite_amp.device import describe_device, dtype_name
+from ignite_amp.device import auto_dtype_reason, describe_device, dtype_name
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.epochs import EpochSummary, Validation
 
@@ -105,13 +105,15 @@ class Run:
                 shards = f", FSDP2: the model in {world} shards" if sharded else ""
                 where = (f"{world} processes ({idist.backend()}{shards}), {step.device.type}" if world > 1
                          else describe_device(step.device))
-                precision = ("float32 (autocast off)" if step.dtype == torch.float32
+                precision = ("float32, autocast off" if step.dtype == torch.float32
                              else f"{dtype_name(step.dtype)} autocast")
                 if sharded and step.dtype != torch.float32:
                     precision += f" over {dtype_name(step.dtype)} parameters"
                 if step.float8 is not None:
                     self.print(step.float8.line())
-                    precision = f"float8 {step.float8.recipe} Linear layers in {precision}"
+                    precision = (f"float8 {step.float8.recipe} Linear layers in {precision}" if step.float8.converted
+                                 else f"{precision} (float8: no Linear layer converted)")
+                precision += auto_dtype_reason(step.device) if cfg["amp"]["dtype"] == "auto" else ""
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
@@ -241,7 +243,9 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
 
         # Before the epoch-end handlers: the bar ends at 100% on its own line before the validation and the
         # epoch's line print. No loss in the bar: showing it would sync the host with the device every iteration.
-        ProgressBar(persist=True).attach(trainer)
+        bar = ProgressBar(persist=True, desc="Epoch")  # "Epoch" for one epoch too, not Ignite's "Iteration"
+        bar.attach(trainer)
+        run.closers.append(lambda: drop_unfinished_bar(bar))  # stopped mid-epoch: its line cleared
     _attach_handlers(run)
     if resuming.path is not None:
         run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],

@@ -18,7 +18,7 @@ except ImportError:  # not on POSIX: no advisory lock
     fcntl = None
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS",
-           "TENSORBOARD_SPLITS", "dashboard_logdir", "free_bytes", "terminal_log_handler", "RunFiles",
+           "TENSORBOARD_SPLITS", "dashboard_command", "free_bytes", "terminal_log_handler", "RunFiles",
            "warn_if_disk_is_short", "move_aside", "move_files_aside", "COMMAND_PID", "check_run_directories"]
 
 logger = logging.getLogger("ignite_amp")
@@ -41,12 +41,17 @@ class RunLayout(NamedTuple):
 
     @property
     def tensorboard_dir(self) -> str:
-        """The event files sit in output_dir itself: ``tensorboard --logdir runs`` names the run after it."""
+        """The event files sit in output_dir itself: :func:`dashboard_command` names the run after it."""
         return self.output_dir
 
     @property
     def profiler_dir(self) -> str:
         return os.path.join(self.output_dir, PROFILER)
+
+    @property
+    def compare_dir(self) -> str:
+        """``ignite-amp compare``'s TensorBoard runs (one per mode): beside the run, not in its dashboard."""
+        return f"{os.path.normpath(self.output_dir)}-compare"
 
     @property
     def checkpoint_dir(self) -> str:
@@ -69,19 +74,15 @@ class RunLayout(NamedTuple):
         return os.path.isfile(self.config_path) and os.path.isfile(self.log_path)
 
 
-def dashboard_logdir(output_dir: str) -> str:
-    """What ``tensorboard --logdir`` should read to show this run: the parent of ``output_dir`` when that
-    is a runs folder (it holds only this project's runs, so they can be compared), else ``output_dir``
-    itself, so that TensorBoard never scans a home or scratch directory."""
-    run = os.path.normpath(output_dir)
-    parent = os.path.dirname(run) or "."
-    try:
-        entries = os.listdir(parent)
-    except OSError:
-        return run
-    if entries and all(RunLayout(os.path.join(parent, name)).is_run() for name in entries):
-        return parent
-    return run
+def dashboard_command(output_dir: str) -> str:
+    """The ``tensorboard`` command that shows this run alone, quoted for a shell: ``tensorboard --logdir
+    runs/quickstart``. Not its parent (``runs/``): that also holds earlier runs moved aside and other
+    experiments, whose curves would share the charts and their colours; comparing runs is a choice made on
+    purpose (``tensorboard --logdir runs``, where the HParams tab compares them; the TensorBoard guide says how).
+    TensorBoard names the run's own event files ``.`` and its splits ``train`` and ``val``."""
+    import shlex
+
+    return f"tensorboard --logdir {shlex.quote(os.path.normpath(output_dir))}"
 
 
 class RunLock:

@@ -33,11 +33,12 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["train"]["epochs"] == 5 and saved["output_dir"] == str(out)
     assert "Traceback" not in proc.stderr
-    # The event files sit in output_dir: `tensorboard --logdir <its parent>` names the run "qs".
+    # The event files sit in output_dir: `tensorboard --logdir <output_dir>` shows this run alone.
     assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
     assert not (out / ".lock").exists()  # a finished run leaves no lock file
     # The last line names the dashboard; before it, the health summary, with no warning on the quickstart.
-    assert lines[-1] == f'dashboard: tensorboard --logdir {tmp_path}, then open http://localhost:6006/#custom_scalars&_smoothingWeight=0 (run "qs")'
+    assert lines[-2:] == [f"dashboard: tensorboard --logdir {out}",
+                          "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0"]
     health = lines[lines.index("health of the run:") + 1:lines.index(next(x for x in lines if x.startswith("done: ")))]
     assert health[0].startswith("  precision: ") and any(x.startswith("  speed: median ") for x in health)
     assert not [x for x in health if "warning" in x], health

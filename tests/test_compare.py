@@ -20,11 +20,11 @@ def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
     for r in results[1:]:
         assert abs(r.losses[0] - fp32.losses[0]) < 0.05 * abs(fp32.losses[0])
     for mode in ("float32", "float16", "float16+scaler", "bfloat16"):
-        assert os.listdir(os.path.join(quick_cfg["output_dir"], "compare", mode))
+        assert os.listdir(os.path.join(quick_cfg["output_dir"] + "-compare", mode))  # beside the run, not in it
     table = format_table(results)
     assert table.splitlines()[0].startswith("mode") and len(table.splitlines()) == 5
     # Each mode logs what a training run of its dtype logs: the scaler's figures only with the scaler.
-    tags = {mode: set(scalar_tags(os.path.join(quick_cfg["output_dir"], "compare", mode, "train")))
+    tags = {mode: set(scalar_tags(os.path.join(quick_cfg["output_dir"] + "-compare", mode, "train")))
             for mode in ("float16", "float16+scaler", "bfloat16")}
     assert {"precision/loss_scale", "precision/skipped_steps", "loss"} <= tags["float16+scaler"]
     assert "loss" in tags["bfloat16"] and not {t for t in tags["bfloat16"] | tags["float16"]
@@ -43,12 +43,12 @@ def test_a_second_comparison_starts_fresh_curves(quick_cfg):
     compare(quick_cfg, steps=2, modes=[], print_fn=lambda *a: None)
     said = []
     compare(quick_cfg, steps=3, modes=[], print_fn=said.append)
-    out = quick_cfg["output_dir"]
-    (moved,) = [d for d in os.listdir(out) if d.startswith("compare.replaced-")]
-    assert said[0] == f"moved the previous comparison's TensorBoard runs to {os.path.join(out, moved)}"
+    out = quick_cfg["output_dir"] + "-compare"
+    (moved,) = [d for d in os.listdir(os.path.dirname(out)) if d.startswith(os.path.basename(out) + ".replaced-")]
+    assert said[0] == f"moved the previous comparison's TensorBoard runs to {os.path.join(os.path.dirname(out), moved)}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(os.path.join(out, "compare", "float32"))
+    acc = EventAccumulator(os.path.join(out, "float32"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("compare/loss")] == [1, 2, 3]  # this comparison's steps only
 
@@ -117,6 +117,7 @@ def test_compare_cli(quick_cfg, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "comparing on CPU" in out and "bfloat16" in out and "speedup" in out
     assert "float16 modes are left out" in out and "float16+scaler " not in out
+    assert f"per-mode TensorBoard runs: {quick_cfg['output_dir']}-compare " in out
     assert main(["compare", str(path), "--steps", "2", "--modes", "float16+scaler"]) == 0
     assert "float16+scaler " in capsys.readouterr().out
     assert main(["compare", str(path), "--steps", "0"]) == 2

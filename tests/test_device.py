@@ -16,11 +16,15 @@ def test_is_oom_error():
 def test_resolve_dtype(monkeypatch):
     import ignite_amp.device
 
-    monkeypatch.setattr(ignite_amp.device, "cpu_has_native_bf16", lambda: True)
-    assert resolve_dtype("auto", "cpu") == torch.bfloat16
-    # Emulated bfloat16 ran 8x slower than float32 (benchmarks/RESULTS.md): auto does not pick it, by name it runs.
-    monkeypatch.setattr(ignite_amp.device, "cpu_has_native_bf16", lambda: False)
-    assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    flags = {"": torch.float32,  # emulated bfloat16 ran 8x slower than float32 (benchmarks/RESULTS.md)
+             "avx512f avx512_bf16": torch.float32,  # the quickstart ran 0.78-0.81x float32's speed in bfloat16
+             "avx512_bf16 amx_bf16 amx_tile": torch.bfloat16}  # AMX: bfloat16 matrix tiles
+    for cpu, expected in flags.items():
+        monkeypatch.setattr(ignite_amp.device, "_cpu_flags", lambda cpu=cpu: cpu)
+        assert resolve_dtype("auto", "cpu") == expected, cpu
+        assert ignite_amp.device.auto_dtype_reason("cpu").startswith(" (dtype auto: ")
+        assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # by name it runs
+    assert ignite_amp.device.auto_dtype_reason("cuda:0") == ""
     assert resolve_dtype("float16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="dtype should be one of"):
         resolve_dtype("half", "cpu")

@@ -232,6 +232,25 @@ def test_config_float8_run_states_its_layers(tmp_path):
                for line in printed), printed
 
 
+def test_a_model_with_no_converted_layer_does_not_claim_float8_layers_in_its_start_line(tmp_path):
+    printed = []
+    cfg = tiny_config(tmp_path, amp={"dtype": "float8"})  # small_cnn: one Linear, the head, never converted
+    train_from_config(cfg, print_fn=printed.append)
+    (start,) = [line for line in printed if line.startswith("training u on cpu")]
+    assert "with bfloat16 autocast (float8: no Linear layer converted)" in start and "Linear layers in" not in start
+
+
+def test_importing_torchao_prints_no_torch_warning_the_user_cannot_act_on(tmp_path):
+    """torch logs torchao's deprecated register_constant() on import (``W1126 ... KernelPreference``): filtered
+    where ignite-amp imports torchao. A fresh process: the line is printed on the first import only."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", "from ignite_amp.float8 import _torchao; _torchao(); print('ok')"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert "register_constant" not in proc.stderr and "KernelPreference" not in proc.stderr, proc.stderr
+
+
 def test_config_refuses_an_unknown_recipe(tmp_path):
     from ignite_amp.config import load_config
     from ignite_amp.errors import ConfigError

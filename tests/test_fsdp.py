@@ -244,7 +244,8 @@ def test_a_sharded_checkpoint_refuses_a_change_of_strategy_in_one_line(tmp_path,
     assert main(["train", path]) == 0
     assert os.path.isdir(last(cfg["output_dir"]))
     capsys.readouterr()
-    assert main(["train", path, "--set", "distributed.strategy=ddp", "--set", "train.epochs=2"]) == 2
+    named = f"handlers.checkpoint.resume={last(cfg['output_dir'])}"  # auto over a finished run would start anew
+    assert main(["train", path, "--set", "distributed.strategy=ddp", "--set", "train.epochs=2", "--set", named]) == 2
     err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and "distributed.strategy fsdp -> ddp cannot change under a resume" in err[0], err
     assert main(["train", path, "--set", "amp.channels_last=true"]) == 2

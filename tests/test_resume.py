@@ -10,7 +10,7 @@ from conftest import tiny_config
 from ignite_amp.cli import main
 from ignite_amp.config import load_config
 from ignite_amp.errors import CheckpointError
-from ignite_amp.resume import check_resume, config_changes
+from ignite_amp.resume import check_resume, config_changes, rerun_of_a_finished_run
 
 
 def cfg_with(**overrides):
@@ -52,6 +52,39 @@ def test_everything_else_takes_effect_and_is_named():
     assert [c.key for c in changes] == ["device", "amp.dtype", "data.num_workers", "optimizer.lr",
                                         "handlers.tensorboard.log_every"]
     assert config_changes(cfg_with(), cfg_with()) == []
+
+
+@pytest.mark.parametrize("done, sets, verdict", [
+    (5, {}, "resume"),  # the same command again: nothing to train, and it says so
+    (3, {"train.epochs": 2}, "resume"),  # an interrupted run resumes (or is refused) as before
+    (3, {"amp.dtype": "float16"}, "resume"),
+    (5, {"train.epochs": 8}, "extend"),  # no schedule: continuing equals a run that long from the start
+    (5, {"train.epochs": 8, "optimizer.lr": 0.01}, "extend"),
+    (5, {"train.epochs": 2}, "new"),  # fewer epochs than it trained
+    (5, {"train.epochs": 8, "scheduler.name": "onecycle"}, "new"),  # the schedule cannot be stretched
+    (5, {"train.epochs": 8, "optimizer.name": "SGD"}, "new"),
+    (5, {"amp.dtype": "float8"}, "new"),  # the README's float8 example after the quickstart
+    (5, {"handlers.profiler.enabled": True}, "new"),  # a finished run has nothing left to profile
+])
+def test_a_changed_config_over_a_finished_run_is_a_new_run_unless_it_trains_longer(done, sets, verdict):
+    stored = cfg_with(**{"train.epochs": 5})
+    new = cfg_with(**{"train.epochs": 5, **sets})
+    got, changes = rerun_of_a_finished_run(stored, done, new)
+    assert got == verdict and [c.key for c in changes] == [c.key for c in config_changes(stored, new)]
+    assert rerun_of_a_finished_run(stored, None, new)[0] == "resume"  # a checkpoint that does not say: as before
+
+
+def test_a_finished_run_rerun_with_fewer_epochs_starts_anew_and_moves_it_aside(tmp_path, capsys):
+    path, cfg = base(tmp_path, train={"epochs": 2})
+    assert main(["train", path]) == 0
+    capsys.readouterr()
+    assert main(["train", path, "--set", "train.epochs=1"]) == 0
+    out = capsys.readouterr().out
+    moved = re.search(rf"^starting a new run in {re.escape(cfg['output_dir'])}: its run had finished, and the config "
+                      r"changed \(train.epochs 2 -> 1\); moved the finished run's files to (\S+)$", out, re.M)
+    assert moved, out
+    assert os.path.exists(os.path.join(moved.group(1), "checkpoints", "last_checkpoint_2.pt"))
+    assert "epoch 1/1" in out and os.path.exists(os.path.join(cfg["output_dir"], "checkpoints", "last_checkpoint_1.pt"))
 
 
 def test_a_stored_config_from_an_older_schema_compares_at_the_defaults():
@@ -104,7 +137,10 @@ def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
     before = sorted(os.listdir(os.path.join(cfg["output_dir"], "checkpoints")))
     config_before = open(os.path.join(cfg["output_dir"], "config.yaml")).read()
     capsys.readouterr()
-    assert main(["train", path, "--set", "optimizer.name=SGD", "--set", "train.epochs=2"]) == 2
+    # A checkpoint named to resume is continued, or refused (resume: auto over a finished run starts a new one).
+    named = os.path.join(cfg["output_dir"], "checkpoints", "last_checkpoint_1.pt")
+    assert main(["train", path, "--set", "optimizer.name=SGD", "--set", "train.epochs=2",
+                 "--set", f"handlers.checkpoint.resume={named}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "optimizer.name AdamW -> SGD cannot change under a resume" in err
     assert sorted(os.listdir(os.path.join(cfg["output_dir"], "checkpoints"))) == before

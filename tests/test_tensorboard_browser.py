@@ -11,6 +11,7 @@ import pytest
 
 from ignite_amp import train_from_config
 from ignite_amp.cli import _dashboard_hint
+from ignite_amp.rundir import dashboard_command
 from test_tensorboard_server import serve_tensorboard
 
 DEEP = """const all = (root, sel, out = []) => { for (const el of root.querySelectorAll('*')) {
@@ -40,7 +41,7 @@ def three_epochs(quick_cfg, tmp_path):
                amp={"dtype": "bfloat16"}, data=dict(quick_cfg["data"], train_size=256, val_size=32),
                handlers={"tensorboard": {"log_every": 2}, "clipping": {"max_norm": 1.0}})
     result = train_from_config(cfg, print_fn=lambda *a: None)
-    with serve_tensorboard(runs, {"quick/train", "quick/val"}) as base:
+    with serve_tensorboard(dashboard_command(result["tensorboard_dir"]), {"train", "val"}) as base:  # as printed
         yield base, result
 
 
@@ -86,10 +87,10 @@ def test_the_printed_dashboard_tells_train_from_val_by_colour_and_legend(three_e
         # Each legend entry's line is drawn, in its colour; validation lines have their 3 points.
         for label, colour in card["legend"]:
             drawn = [line for line in card["lines"] if rgb(line["stroke"]) == rgb(colour)]
-            assert drawn and len(drawn[0]["ys"]) >= (3 if "quick/val" in label else 1), (card["title"], label)
+            assert drawn and len(drawn[0]["ys"]) >= (3 if "(val)" in label else 1), (card["title"], label)
     by_title = {c["title"]: c for c in cards}
     loss = by_title["loss: train (window mean), val"]
-    assert sorted(label for label, _ in loss["legend"]) == ["loss (quick/train)", "loss (quick/val)"]
+    assert sorted(label for label, _ in loss["legend"]) == ["loss (train)", "loss (val)"]
 
 
 TIME_SERIES_CARD = """
@@ -99,7 +100,7 @@ if (!card) { if (cards.length) cards[cards.length - 1].scrollIntoView({block: 's
 card.scrollIntoView({block: 'center'});
 const canvas = card.querySelector('canvas');
 const rows = Array.from(card.querySelectorAll('tb-data-table-content-row')).map(row => [
-    (row.textContent.match(/quick\\/\\w+/) || [''])[0],
+    (row.textContent.match(/\\b(train|val)\\b/) || [''])[0],
     (row.querySelector('.row-circle span') || {style: {}}).style.backgroundColor]);
 if (!canvas || !rows.length) return null;
 const r = canvas.getBoundingClientRect();
@@ -128,6 +129,6 @@ def test_time_series_draws_the_validation_line_in_its_own_colour(three_epochs, b
     png = browser.screenshot(os.path.join(shots(tmp_path), f"3_time_series_{tag}.png"))
     colours = {run: rgb(colour) for run, colour in card["rows"]}
     assert len(set(colours.values())) == len(colours), colours  # the table under the card is its legend
-    assert "quick/val" in colours and (tag != "loss" or "quick/train" in colours), colours
+    assert "val" in colours and (tag != "loss" or "train" in colours), colours
     for run, colour in colours.items():
         assert pixels_of(png, card["box"], card["ratio"], colour) >= 20, (tag, run)  # the line is drawn

@@ -4,6 +4,8 @@ the tags)."""
 import contextlib
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import urllib.request
 import pytest
 
 from ignite_amp import train_from_config
+from ignite_amp.rundir import dashboard_command
 
 
 def free_port() -> int:
@@ -42,15 +45,20 @@ def served(quick_cfg, tmp_path):
                handlers={"tensorboard": {"log_every": 2}, "clipping": {"max_norm": 1.0},
                          "profiler": {"enabled": True, "wait": 0, "warmup": 1, "active": 2}})
     result = train_from_config(cfg, print_fn=lambda *a: None)
-    with serve_tensorboard(runs, {"quick", "quick/train", "quick/val", "quick/profiler"}) as base:
+    # What the CLI prints: the run alone (runs moved aside and other experiments under runs/ stay out).
+    shutil.copytree(runs / "quick", runs / "quick.replaced-20261126-000000")
+    with serve_tensorboard(dashboard_command(cfg["output_dir"]), {".", "train", "val", "profiler"}) as base:
         yield base, result
 
 
 @contextlib.contextmanager
-def serve_tensorboard(logdir, runs: set):
-    """A TensorBoard over ``logdir`` (its base URL), once it lists ``runs``; stopped with its data server after."""
+def serve_tensorboard(command: str, runs: set):
+    """A TensorBoard started as ``command`` (``tensorboard --logdir ...``; its base URL), once it lists ``runs``;
+    stopped with its data server after."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
+    words = shlex.split(command)
+    assert words[0] == "tensorboard"
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", *words[1:], "--host",
                              "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -80,15 +88,16 @@ def serve_tensorboard(logdir, runs: set):
 
 def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served):
     base, result = served
-    # The run is named after output_dir, one run per split under it (as Keras's); the profiler's text beside.
-    assert sorted(fetch(base, "/data/runs")) == ["quick", "quick/profiler", "quick/train", "quick/val"]
+    # The run's own files are ".", one run per split under it (as Keras's), the profiler's text beside;
+    # nothing else under runs/ (the copy of a run moved aside) is read.
+    assert sorted(fetch(base, "/data/runs")) == [".", "profiler", "train", "val"]
 
     scalars = fetch(base, "/data/plugin/scalars/tags")
     assert {"loss", "optimizer/grad_norm",
             "optimizer/clip_share", "optimizer/lr/group_0", "throughput/samples_per_sec",
             "throughput/median_samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
-            "throughput/tflops", "memory/rss_mb"} == set(scalars["quick/train"])
-    assert set(scalars["quick/val"]) == {"loss", "accuracy", "loss/best", "accuracy/best"}
+            "throughput/tflops", "memory/rss_mb"} == set(scalars["train"])
+    assert set(scalars["val"]) == {"loss", "accuracy", "loss/best", "accuracy/best"}
     # bfloat16: no GradScaler, so no precision/ tags; constant batch values live in the facts; no hparam/* dots.
 
     layout = fetch(base, "/data/plugin/custom_scalars/layout")
@@ -101,17 +110,26 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     assert first["chart"][0]["multiline"]["tag"] == ["^loss$"]
 
     text_tags = {run: sorted(tags) for run, tags in fetch(base, "/data/plugin/text/tags").items()}
-    assert text_tags == {"quick": ["run/facts", "run/health"],
-                         "quick/profiler": ["profiler/step_breakdown", "profiler/top_ops"]}
-    facts = fetch(base, "/data/plugin/text/text?run=quick&tag=run/facts")[0]["text"]
+    assert text_tags == {".": ["run/facts", "run/health"],
+                         "profiler": ["profiler/step_breakdown", "profiler/top_ops"]}
+    facts = fetch(base, "/data/plugin/text/text?run=.&tag=run/facts")[0]["text"]
     assert "bfloat16 autocast, no GradScaler, on cpu" in facts and "1 process, batch 32" in facts
     assert "<td>grad_scaler</td>\n<td>false</td>" in facts and "<td>batch_size_search</td>" in facts
-    health = fetch(base, "/data/plugin/text/text?run=quick&tag=run/health")[0]["text"]
+    health = fetch(base, "/data/plugin/text/text?run=.&tag=run/health")[0]["text"]
     assert "precision: bfloat16 autocast" in health and "speed: median" in health
     assert health.count("<li>") == len(result["health"])
-    breakdown = fetch(base, "/data/plugin/text/text?run=quick/profiler&tag=profiler/step_breakdown")[0]["text"]
+    breakdown = fetch(base, "/data/plugin/text/text?run=profiler&tag=profiler/step_breakdown")[0]["text"]
     assert "Iterations 2-3: the trace is" in breakdown and "<td>backward</td>" in breakdown
 
+    # HParams compares runs: over runs/ (as the TensorBoard guide says), a session per run, each with the
+    # metric columns read from its train and val runs.
+    runs = os.path.dirname(result["output_dir"])
+    with serve_tensorboard(f"tensorboard --logdir {runs}", {"quick", "quick/val", "quick.replaced-20261126-000000"}) \
+            as base:
+        check_hparams(base, result)
+
+
+def check_hparams(base, result):
     experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
     types = {h["displayName"]: h["type"] for h in experiment["hparamInfos"]}
     metrics = [(m["name"]["group"], m["name"]["tag"]) for m in experiment["metricInfos"]]
@@ -126,7 +144,8 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
         "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
                                                   "STATUS_RUNNING"],
         "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
-    (group,) = groups
+    assert sorted(g["name"] for g in groups) == ["quick", "quick.replaced-20261126-000000"]
+    (group,) = [g for g in groups if g["name"] == "quick"]
     assert group["name"] == "quick" and group["sessions"][0]["status"] == "STATUS_SUCCESS"
     assert group["hparams"]["02 grad_scaler"] is False and group["hparams"]["00 dtype"] == "bfloat16"
     values = {(m["name"]["group"], m["name"]["tag"]): m["value"] for m in group["metricValues"]}

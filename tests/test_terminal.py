@@ -19,13 +19,19 @@ from conftest import ROOT, tiny_config
 COLUMNS = 160
 
 
-def run_in_a_terminal(args, cwd, timeout=600):
-    """Run ``python -m ignite_amp ARGS`` with stdin, stdout and stderr on one pseudo-terminal; its raw bytes."""
+def _own_terminal():
+    os.setsid()  # the pseudo-terminal becomes the child's controlling terminal: Ctrl-C typed there reaches it
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def run_in_a_terminal(args, cwd, timeout=600, ctrl_c_after=None):
+    """Run ``python -m ignite_amp ARGS`` with stdin, stdout and stderr on one pseudo-terminal; its raw bytes.
+    ``ctrl_c_after``: once the output holds these bytes, type Ctrl-C (the terminal echoes ``^C`` and sends SIGINT)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, COLUMNS, 0, 0))
     env = dict(os.environ, COLUMNS=str(COLUMNS), TERM="xterm")
     proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", *args], stdin=slave, stdout=slave, stderr=slave,
-                            cwd=cwd, env=env, close_fds=True)
+                            cwd=cwd, env=env, close_fds=True, preexec_fn=_own_terminal if ctrl_c_after else None)
     os.close(slave)
     out, deadline = b"", time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -38,6 +44,9 @@ def run_in_a_terminal(args, cwd, timeout=600):
             if not chunk:
                 break
             out += chunk
+            if ctrl_c_after and ctrl_c_after in out:
+                os.write(master, b"\x03")
+                ctrl_c_after = None
         elif proc.poll() is not None:
             break
     else:
@@ -103,20 +112,32 @@ def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hi
     screen = render(raw)
     assert code == 0, "\n".join(screen)
     check_epochs_and_bars(screen)
-    # "my runs" holds only this run: it is a runs folder, and the hint quotes it for a shell.
-    assert screen[-1] == (f"dashboard: tensorboard --logdir '{tmp_path}/my runs', then open "
-                          f"http://localhost:6006/#custom_scalars&_smoothingWeight=0 (run \"term run\")"), screen
+    # The hint names the run alone, quoted for a shell, and the page on a line of its own.
+    assert screen[-2:] == [f"dashboard: tensorboard --logdir '{out}'",
+                           "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0"], screen
 
 
-def test_the_hint_names_the_output_dir_when_its_parent_holds_other_things(tmp_path):
+def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_parent_holds_other_things(tmp_path):
     (tmp_path / "notes.txt").write_text("not a run")  # a home or scratch directory
     out = tmp_path / "x"
-    code, raw = run_in_a_terminal(["train", config(tmp_path, output_dir=str(out), train={"epochs": 1}),
-                                   "--no-progress"], ROOT)
+    code, raw = run_in_a_terminal(["train", config(tmp_path, output_dir=str(out), train={"epochs": 1})], ROOT)
     screen = render(raw)
     assert code == 0, "\n".join(screen)
-    assert screen[-1] == f"dashboard: tensorboard --logdir {out}, then open " \
-                         f"http://localhost:6006/#custom_scalars&_smoothingWeight=0", screen
+    check_epochs_and_bars(screen, epochs=1)
+    bar = screen[[i for i, line in enumerate(screen) if line.startswith("epoch 1/1")][0] - 1]
+    assert bar.startswith("Epoch: ") and "Iteration" not in raw, bar  # as the runs of several epochs label it
+    assert screen[-2] == f"dashboard: tensorboard --logdir {out}", screen
+
+
+def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_line(tmp_path):
+    data = {"name": "shapes", "batch_size": 8, "num_workers": 0, "train_size": 4096, "val_size": 32, "image_size": 16}
+    code, raw = run_in_a_terminal(["train", config(tmp_path, data=data)], ROOT, ctrl_c_after=b"[1/512]")
+    screen = render(raw)
+    assert code == 130, "\n".join(screen)
+    assert "health of the run:" in screen, screen  # on its own line: no "^C" (or its wrapped "C") before it
+    # The stopped bar's line is cleared, the terminal's "^C" with it, and tqdm draws no stale bar at exit.
+    assert not [line for line in screen if "%|" in line or "^C" in line or line.startswith("C")], screen
+    assert screen[-1].startswith("ignite-amp: interrupted"), screen
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo processes on Linux")
@@ -127,4 +148,4 @@ def test_with_two_processes_the_bars_and_epoch_lines_do_not_share_lines(tmp_path
     screen = render(raw)
     assert code == 0, "\n".join(screen)
     check_epochs_and_bars(screen)
-    assert screen[-1].startswith(f"dashboard: tensorboard --logdir {tmp_path}/runs, then open "), screen
+    assert screen[-2] == f"dashboard: tensorboard --logdir {out}", screen
