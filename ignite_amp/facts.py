@@ -15,7 +15,7 @@ import torch
 
 from ignite_amp.checkpointing import checkpointed_blocks, describe_blocks
 from ignite_amp.collectives import unwrap
-from ignite_amp.device import describe_device, dtype_name
+from ignite_amp.device import auto_dtype_reason, describe_device, dtype_name
 from ignite_amp.version import __version__
 
 __all__ = ["step_facts", "config_facts", "device_name", "format_facts", "summary_line"]
@@ -129,3 +129,19 @@ def format_facts(facts: Dict[str, Any]) -> str:
     """Markdown for TensorBoard's Text tab: the summary line, then a table of every fact."""
     rows = "\n".join(f"| {name} | {_show(value)} |" for name, value in facts.items())
     return f"**{summary_line(facts)}**\n\n| fact | value |\n|---|---|\n{rows}\n"
+
+
+def start_words(step: Any, auto: bool) -> tuple:
+    """``(where, precision)`` of a run's start line: the processes or device, and the precision that runs
+    (``auto``: the dtype was chosen by ``dtype: auto``, and the line says why)."""
+    world, sharded = idist.get_world_size(), step.fsdp is not None
+    shards = f", FSDP2: the model in {world} shards" if sharded else ""
+    where = (f"{world} processes ({idist.backend()}{shards}), {step.device.type}" if world > 1
+             else describe_device(step.device))
+    precision = "float32, autocast off" if step.dtype == torch.float32 else f"{dtype_name(step.dtype)} autocast"
+    if sharded and step.dtype != torch.float32:
+        precision += f" over {dtype_name(step.dtype)} parameters"
+    if step.float8 is not None:
+        precision = (f"float8 {step.float8.recipe} Linear layers in {precision}" if step.float8.converted
+                     else f"{precision} (float8: no Linear layer converted)")
+    return where, precision + (auto_dtype_reason(step.device) if auto else "")

@@ -22,7 +22,7 @@ from ignite_amp.config_search import search_built
 from ignite_amp.console import drop_unfinished_bar, safe_print, silent
 from ignite_amp.data import build_loaders
 from ignite_amp.errors import ConfigError
-from ignite_amp.facts import config_facts
+from ignite_amp.facts import config_facts, start_words
 from ignite_amp.float8 import convert_to_float8
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  StepSchedule, TensorBoardMetrics)
@@ -31,7 +31,6 @@ from ignite_amp.models import build_model
 from ignite_amp.passes import training_data
 from ignite_amp.sharding import check_shardable, shard_model
 from ignite_amp.rundir import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
-from ignite_amp.device import auto_dtype_reason, describe_device, dtype_name
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.epochs import EpochSummary, Validation
 
@@ -100,20 +99,10 @@ class Run:
                 self.print(f"already trained {state.epoch} epoch{'' if state.epoch == 1 else 's'} (checkpoint {self.resumed_from}{fewer}); nothing "
                            f"to train; to train more: {self._more_epochs_hint(state.epoch)}")
             else:
-                step, world = self.trainer.amp_step, idist.get_world_size()
-                sharded = step.fsdp is not None
-                shards = f", FSDP2: the model in {world} shards" if sharded else ""
-                where = (f"{world} processes ({idist.backend()}{shards}), {step.device.type}" if world > 1
-                         else describe_device(step.device))
-                precision = ("float32, autocast off" if step.dtype == torch.float32
-                             else f"{dtype_name(step.dtype)} autocast")
-                if sharded and step.dtype != torch.float32:
-                    precision += f" over {dtype_name(step.dtype)} parameters"
+                step = self.trainer.amp_step
                 if step.float8 is not None:
                     self.print(step.float8.line())
-                    precision = (f"float8 {step.float8.recipe} Linear layers in {precision}" if step.float8.converted
-                                 else f"{precision} (float8: no Linear layer converted)")
-                precision += auto_dtype_reason(step.device) if cfg["amp"]["dtype"] == "auto" else ""
+                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto")
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
