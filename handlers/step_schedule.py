@@ -87,8 +87,9 @@ class StepSchedule:
 def _refuse_batch_backoff(engine: Engine) -> None:
     """``OOMBackoff(mode="batch")`` shrinks the loader's batch, so the steps per epoch change, which a schedule
     of steps cannot follow (``OneCycleLR`` dies past its ``total_steps``), as the config path refuses it.
-    Ignite lists an event's handlers nowhere public: ``engine._event_handlers`` (a test breaks if it moves)."""
-    for handler, *_ in engine._event_handlers[Events.EPOCH_COMPLETED]:
+    Ignite lists an event's handlers nowhere public: ``engine._event_handlers`` (a test breaks if it moves).
+    Every event's handlers are read, not one event's: where OOMBackoff shrinks the loader is its own business."""
+    for handler, *_ in (entry for handlers in engine._event_handlers.values() for entry in handlers):
         backoff = getattr(handler, "__self__", None)
         if isinstance(backoff, OOMBackoff) and backoff.mode == "batch":
             raise ValueError('StepSchedule: OOMBackoff(mode="batch") changes the steps per epoch, which a schedule '

@@ -54,6 +54,10 @@ def tiny_config(tmp_path, **over) -> dict:
 
 
 def pytest_collection_modifyitems(config, items):
+    # A backward under FakeTensorMode (the memory plan) starts autograd's device threads, after which a forked
+    # child cannot run autograd (torch's "Autograd and Fork" rule): the tests that trace fake run last, after
+    # every test that forks a training child (test_resume, test_run_state).
+    items.sort(key=lambda item: "fake_trace" in item.keywords)  # stable: the order is otherwise kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

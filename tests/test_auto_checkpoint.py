@@ -14,6 +14,8 @@ from ignite_amp.memory_plan import estimate_memory
 
 from conftest import assert_doctests_pass, tiny_config
 
+pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
+
 
 class Block(nn.Module):
     def __init__(self, width=64):

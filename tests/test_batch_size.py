@@ -17,6 +17,8 @@ from ignite_amp.batch_search import MemoryMeter, TrialRunner, find_batch_size
 from ignite_amp.cli import main
 from ignite_amp.config import load_config, write_batch_size
 
+pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
+
 GiB, MiB = 2**30, 2**20
 
 

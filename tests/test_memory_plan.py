@@ -14,6 +14,8 @@ from ignite_amp.memory_plan import estimate_memory, parse_bytes
 
 from conftest import assert_doctests_pass
 
+pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
+
 
 class Transformer(nn.Module):
     def __init__(self, vocab: int = 50, width: int = 32, layers: int = 3, classes: int = 10):

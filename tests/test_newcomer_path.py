@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
 import yaml
 
@@ -49,7 +48,12 @@ def _epochs(words: list, cwd) -> int:
     sets = _sets(words)
     if "train.epochs" in sets:
         return int(sets["train.epochs"])
-    with open(os.path.join(cwd, words[2]), encoding="utf-8") as f:
+    path = os.path.join(cwd, words[2])
+    if not os.path.isfile(path):  # a built-in config's name (ignite-amp train quickstart)
+        from ignite_amp.builtin_configs import builtin_path
+
+        path = builtin_path(words[2])
+    with open(path, encoding="utf-8") as f:
         return yaml.safe_load(f)["train"]["epochs"]
 
 
@@ -94,16 +98,20 @@ def run_in_order(commands: list, cwd) -> list:
     return said
 
 
-@pytest.fixture
-def user_dir(tmp_path):
-    """A directory as a user has it after a checkout: the configs, nothing run yet."""
-    shutil.copytree(CONFIGS, tmp_path / "configs")
-    return tmp_path
+def two_paths(commands: list) -> tuple:
+    """The guide opens with the path of a user who installed the wheel (any directory, built-in configs), then
+    the clone's path from its ``pip install -e``: two users, each in a directory of their own."""
+    clone = next(i for i, words in enumerate(commands) if words[:3] == ["pip", "install", "-e"])
+    return commands[:clone], commands[clone:]
 
 
-def test_the_getting_started_commands_work_in_the_order_written(user_dir):
-    commands = documented_commands(GUIDE)
-    trains = [c for c in commands if c[:2] == ["ignite-amp", "train"]]
+def test_the_getting_started_commands_work_in_the_order_written(tmp_path):
+    wheel, clone = two_paths(documented_commands(GUIDE))
+    trains = [c for c in clone if c[:2] == ["ignite-amp", "train"]]
     assert len(trains) >= 2, "the guide runs the quickstart, then a changed config"
-    said = run_in_order(commands, user_dir)
-    assert len(said) == len(commands)
+    assert any(c[:2] == ["ignite-amp", "train"] for c in wheel), "the guide opens with the wheel user's training"
+    (tmp_path / "wheel").mkdir()  # a wheel user's directory: nothing in it
+    shutil.copytree(CONFIGS, tmp_path / "clone" / "configs")  # a clone's: the configs, nothing run yet
+    for commands, where in ((wheel, tmp_path / "wheel"), (clone, tmp_path / "clone")):
+        said = run_in_order(commands, where)
+        assert len(said) == len(commands)

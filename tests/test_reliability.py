@@ -282,7 +282,7 @@ def test_sigterm_to_torchrun_stops_its_ranks_with_one_line_of_ours(quick_cfg, tm
     assert not subprocess.run(["pgrep", "-f", f"ignite_amp train {tmp_path}"], capture_output=True).stdout
 
 
-def test_a_torchrun_worker_whose_peer_stopped_first_leaves_the_line_to_rank_0(monkeypatch, capsys):
+def test_a_torchrun_worker_whose_peer_stopped_first_leaves_the_line_to_rank_0(monkeypatch, capsys, tmp_path):
     """Case 32.10: SIGTERM during a sharded save: rank 0 stopped first, rank 1's collective failed ("Connection
     closed by peer") before its own SIGTERM arrived, and it printed a second, internal-error line."""
     import threading
@@ -293,6 +293,8 @@ def test_a_torchrun_worker_whose_peer_stopped_first_leaves_the_line_to_rank_0(mo
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun's signal, a bit later
         raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("name: c\n")  # a CONFIG that exists (the command line looks it up first)
     monkeypatch.setitem(cli.COMMANDS, "train", save_loses_its_peer)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
