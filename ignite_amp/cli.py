@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--steps", type=int, default=50, help="training steps per mode (default 50)")
     cmp.add_argument("--tolerance", type=float, default=0.1,
                      help="largest relative loss difference from float32 before a mode is flagged (default 0.1)")
-    cmp.add_argument("--modes", nargs="+", choices=["float32", "float16", "float16+scaler", "bfloat16", "float8"],
-                     help="modes to run besides float32 (default: those the device runs fast)")
+    modes = ["float32", "float16", "float16+scaler", "bfloat16", "float8"]  # named once in the help: a usage line that fits
+    cmp.add_argument("--modes", nargs="+", choices=modes, metavar="MODE",
+                     help=f"modes to run besides float32: {', '.join(modes)} (default: those the device runs fast)")
     search = sub.add_parser("find-batch-size", help="find the batch size to train with on the GPU (needs CUDA)")
     _add_config(search)
     search.add_argument("--write", action="store_true", help="store the chosen size as data.batch_size in CONFIG")

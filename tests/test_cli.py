@@ -105,3 +105,18 @@ def test_bare_command_prints_the_usage_with_its_commands(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: ignite-amp") and all(c in err for c in ("train", "compare", "find-batch-size"))
+
+
+def test_every_command_s_help_fits_the_cli_page_s_width():
+    """Issue 44: the CLI reference prints each command's help at 100 columns; compare's usage line ran to 139
+    (argparse does not wrap a list of choices), cut off on the page."""
+    import argparse
+
+    from ignite_amp.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in [("ignite-amp", parser)] + list(sub.choices.items()):
+        command.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=100)
+        wide = [line for line in command.format_help().splitlines() if len(line) > 100]
+        assert not wide, (name, wide)
