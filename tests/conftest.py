@@ -40,6 +40,16 @@ def error_lines(stderr: str) -> list:
     return [line for line in stderr.strip().splitlines() if "has no native bfloat16 instructions" not in line]
 
 
+def hand_loop(model, batches, loss_of, lr=0.1):
+    """The loop every tutorial writes: the full batch's loss, backward, SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for batch in batches:
+        opt.zero_grad()
+        loss_of(model, batch).backward()
+        opt.step()
+    return model
+
+
 def tiny_config(tmp_path, **over) -> dict:
     """A CPU run of a few seconds for end-to-end CLI tests; ``over`` updates sections key by key."""
     cfg = {"name": "u", "device": "cpu", "output_dir": str(tmp_path / "run"),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
+from conftest import hand_loop
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.cli import describe
 from ignite_amp.contracts import warn_padding_without_items
@@ -31,14 +32,6 @@ def train(model, batches, loss_fn, micro_batches=2, **kwargs):
                                  **kwargs)
     trainer.run(batches, max_epochs=1)
     return trainer
-
-
-def hand_loop(model, batches, loss_of, lr=0.1):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for batch in batches:
-        opt.zero_grad()
-        loss_of(model, batch).backward()
-        opt.step()
 
 
 def assert_same_weights(a, b, rtol=1e-5, atol=1e-6):

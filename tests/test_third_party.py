@@ -13,23 +13,13 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import OOMAbove  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
+from conftest import OOMAbove, hand_loop  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import BatchError, SplitCheckError
 from ignite_amp.handlers import OOMBackoff
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
-
-
-def hand_loop(model, batches, loss_of, lr=0.1):
-    """The loop every tutorial writes: the full batch's loss, backward, SGD step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for batch in batches:
-        opt.zero_grad()
-        loss_of(model, batch).backward()
-        opt.step()
-    return model
 
 
 def ours(model, batches, loss_fn, lr=0.1, **kwargs):
