@@ -22,12 +22,13 @@ _EXPORTS = {
     "shard_model": "ignite_amp.sharding",
     "checkpoint_blocks": "ignite_amp.checkpointing",
     "estimate_memory": "ignite_amp.memory_plan",
+    "probe_cpu_dtype": "ignite_amp.dtype_probe",
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
 _SUBMODULES = ("batch_search", "batching", "blocks", "builders", "checkpointing", "checkpoint_io", "cli",
-               "collectives", "compare", "config", "config_search", "contracts", "data", "device", "engine",
-               "epochs", "errors", "eval_step", "events", "facts", "fake_step", "ignite_args", "launcher",
+               "collectives", "compare", "config", "config_search", "contracts", "data", "device", "dtype_probe",
+               "engine", "epochs", "errors", "eval_step", "events", "facts", "fake_step", "ignite_args", "launcher",
                "memory_plan", "metric_modes", "models", "nested", "phases", "rng", "run", "scaler", "sharding", "step",
                "step_base", "trees", "yaml12")
 

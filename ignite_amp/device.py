@@ -92,25 +92,28 @@ def _warn_slow_cpu_bf16() -> None:
 
 
 def auto_dtype_reason(device: Union[str, torch.device]) -> str:
-    """Why ``dtype: auto`` chose what it did on ``device``, for a start line (`` (dtype auto: ...)``); "" off a CPU."""
+    """Why :func:`resolve_dtype`'s ``auto`` chose what it did on ``device``, for a start line
+    (`` (dtype auto: ...)``); "" off a CPU. A config run words its own (:func:`ignite_amp.dtype_probe.config_dtype`)."""
     if torch.device(device).type != "cpu":
         return ""
     if cpu_has_amx():
         return " (dtype auto: AMX bfloat16 tiles)"
     if cpu_has_native_bf16():
-        return " (dtype auto: bfloat16 ran 0.8x float32's speed on AVX512-BF16 without AMX)"
+        return " (dtype auto: float32 without AMX tiles, where bfloat16's speed depends on the torch build)"
     return " (dtype auto: emulated bfloat16 ran 8x slower)"
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu") -> torch.dtype:
     """Turn ``auto | float16 | bfloat16 | float32`` (or a torch dtype) into a torch dtype.
 
-    ``auto`` is the fastest safe choice the evidence names: bfloat16 on Ampere and newer GPUs, float16
-    on older ones (they only emulate bfloat16, slowly). On a CPU it is float32, except where AMX
-    bfloat16 matrix tiles run bfloat16 matmuls in hardware: with AVX512-BF16 alone, bfloat16 autocast
-    ran the quickstart at 0.78-0.81x float32's speed on a 2-core AMD EPYC, and emulated bfloat16 (no
-    bfloat16 instructions) 8x slower (benchmarks/RESULTS.md). Asked for by name, bfloat16 runs on any
-    CPU, with one log line where it is emulated. :func:`auto_dtype_reason` says why, in words.
+    ``auto`` is the fastest safe choice known without measuring: bfloat16 on Ampere and newer GPUs,
+    float16 on older ones (they only emulate bfloat16, slowly). On a CPU it is float32, except where
+    AMX bfloat16 matrix tiles run bfloat16 matmuls in hardware. With AVX512-BF16 alone bfloat16's
+    speed depends on the torch build (the quickstart on a 2-core AMD EPYC: 0.78-0.81x float32's speed
+    on torch 2.15.0, 1.24x on 2.14.1; benchmarks/RESULTS.md), so float32 is the safe rule here and a
+    config run measures instead (:func:`ignite_amp.probe_cpu_dtype`); emulated bfloat16 (no bfloat16
+    instructions) ran 8x slower. Asked for by name, bfloat16 runs on any CPU, with one log line where
+    it is emulated. :func:`auto_dtype_reason` says why, in words.
     """
     device = torch.device(device)
     if isinstance(dtype, torch.dtype):

@@ -40,7 +40,8 @@ class AmpConfig:
     """amp: the step's precision and how a batch is cut (create_amp_trainer's arguments)."""
 
     dtype: str = setting("auto", Choice("auto", "float16", "bfloat16", "float32", "float8"),
-                         "auto: bfloat16 where supported, float16 on older GPUs, float32 on a CPU without bf16; "
+                         "auto: bfloat16 on recent GPUs and AMX CPUs, float16 on older GPUs; on another CPU float32, "
+                         "or bfloat16 where a config run's timed probe finds it faster; "
                          "float8: eligible Linear layers in float8 (torchao), the rest in bfloat16 autocast")
     float8_recipe: str = setting(DEFAULT_RECIPE, Choice(*RECIPES), "dtype float8: torchao's scaling recipe")
     accumulation_steps: int = setting(1, POSITIVE_INT, "batches whose gradients add up to one optimizer step", FIXED)

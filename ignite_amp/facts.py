@@ -131,9 +131,10 @@ def format_facts(facts: Dict[str, Any]) -> str:
     return f"**{summary_line(facts)}**\n\n| fact | value |\n|---|---|\n{rows}\n"
 
 
-def start_words(step: Any, auto: bool) -> tuple:
+def start_words(step: Any, auto: bool, why: str = "") -> tuple:
     """``(where, precision)`` of a run's start line: the processes or device, and the precision that runs
-    (``auto``: the dtype was chosen by ``dtype: auto``, and the line says why)."""
+    (``auto``: the dtype was chosen by ``dtype: auto``, and the line says why: ``why``, else the static rule's
+    reason)."""
     world, sharded = idist.get_world_size(), step.fsdp is not None
     shards = f", FSDP2: the model in {world} shards" if sharded else ""
     where = (f"{world} processes ({idist.backend()}{shards}), {step.device.type}" if world > 1
@@ -144,4 +145,5 @@ def start_words(step: Any, auto: bool) -> tuple:
     if step.float8 is not None:
         precision = (f"float8 {step.float8.recipe} Linear layers in {precision}" if step.float8.converted
                      else f"{precision} (float8: no Linear layer converted)")
-    return where, precision + (auto_dtype_reason(step.device) if auto else "")
+    reason = (f" (dtype auto: {why})" if why else auto_dtype_reason(step.device)) if auto else ""
+    return where, precision + reason

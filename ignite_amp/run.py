@@ -21,6 +21,7 @@ from ignite_amp.config_plan import plan_run
 from ignite_amp.config_search import search_built
 from ignite_amp.console import drop_unfinished_bar, safe_print, silent
 from ignite_amp.data import build_loaders
+from ignite_amp.dtype_probe import config_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.facts import config_facts, start_words
 from ignite_amp.float8 import convert_to_float8
@@ -63,6 +64,7 @@ class Run:
         self.command = "ignite-amp train CONFIG"
         self.batch_search = None  # the batch-size search's result when data.batch_size was auto
         self.facts: dict = {}  # what the config resolved to, for TensorBoard's run facts
+        self.dtype_why = ""  # why dtype auto chose the dtype (a config run on a CPU: the probe's evidence)
 
     def print(self, line: str) -> None:
         self._print(line)
@@ -102,7 +104,7 @@ class Run:
                 step = self.trainer.amp_step
                 if step.float8 is not None:
                     self.print(step.float8.line())
-                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto")
+                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", self.dtype_why)
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
                            f"output in {self.output_dir}")
                 try:
@@ -214,7 +216,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
                                                         cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg),
                                                         micro_batches=cfg["amp"]["micro_batches"])
     check_classes(cfg, n_classes)
-    trainer, evaluator, optimizer = _engines(cfg, model, optimizer, device, files)
+    trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files)
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
     scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
     train_data = training_data(trainer, train_loader, cfg["train"]["epoch_length"])  # each pass's order: its number
@@ -224,8 +226,9 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         to_save["scheduler"] = scheduler
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
               files)
-    run.command, run.batch_search, run.train_data = command, batch_search, train_data
-    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned}
+    run.command, run.batch_search, run.train_data, run.dtype_why = command, batch_search, train_data, dtype_why
+    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned,
+                 **({"dtype_auto": dtype_why} if dtype_why else {})}
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     if progress:
         from ignite.handlers import ProgressBar
@@ -264,8 +267,9 @@ def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim
 def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
              files: RunFiles):
     """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
-    optimizer over the shards); checks the model runs once."""
+    optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked)."""
     amp = dict(cfg["amp"])
+    amp["dtype"], dtype_why = config_dtype(cfg, model, device)  # auto on a CPU: a timed probe's choice (dtype_probe)
     accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
     cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
     check_split = amp.pop("check_split")  # the trainer's only
@@ -294,7 +298,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         previous = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
         files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
-    return trainer, evaluator, optimizer
+    return trainer, evaluator, optimizer, dtype_why
 
 
 def _sharded(cfg: dict) -> bool:

@@ -10,6 +10,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dtype_auto_without_timing():
+    """``dtype: auto`` on a CPU with AVX512-BF16 and no AMX is a timed probe's choice: fixed to float32 for the
+    whole session (in-process runs and CLI subprocesses, which inherit the environment), so no test's outcome
+    depends on the machine's load. tests/test_dtype_probe.py drives the probe itself with a fake clock."""
+    from ignite_amp.dtype_probe import PROBE_ENV
+
+    before = os.environ.get(PROBE_ENV)
+    os.environ[PROBE_ENV] = "float32"
+    yield
+    if before is None:
+        del os.environ[PROBE_ENV]
+    else:
+        os.environ[PROBE_ENV] = before
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
     """A test that starts a process group must end it: Ignite caches the group it saw, and every later
@@ -232,3 +248,37 @@ def image_mlp(num_classes: int = 10, width: int = 64) -> nn.Module:
     """An MLP on 3x16x16 images whose middle Linear layers float8 converts (multiples of 16, not first or last)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes))
+
+
+class FakeClock:
+    """A clock that moves only when told: what a timed probe reads in tests (no wall time)."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CLOCK = FakeClock()
+
+
+class ClockedCNN(nn.Module):
+    """A tiny image CNN whose forward advances :data:`CLOCK` by ``costs[dtype]``: under bfloat16 autocast or
+    not. It records the shapes it ran on."""
+
+    def __init__(self, num_classes: int = 10, float32: float = 1.0, bfloat16: float = 0.5):
+        super().__init__()
+        self.costs = {torch.float32: float32, torch.bfloat16: bfloat16}
+        self.ran = []
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+
+    def forward(self, x):
+        dtype = torch.bfloat16 if torch.is_autocast_enabled("cpu") else torch.float32
+        CLOCK.now += self.costs[dtype]
+        self.ran.append((dtype, tuple(x.shape)))
+        return self.body(x)
+
+
+def clocked_cnn(num_classes: int = 10, float32: float = 1.0, bfloat16: float = 0.5) -> nn.Module:
+    return ClockedCNN(num_classes, float32, bfloat16)

@@ -17,7 +17,7 @@ def test_resolve_dtype(monkeypatch):
     import ignite_amp.device
 
     flags = {"": torch.float32,  # emulated bfloat16 ran 8x slower than float32 (benchmarks/RESULTS.md)
-             "avx512f avx512_bf16": torch.float32,  # the quickstart ran 0.78-0.81x float32's speed in bfloat16
+             "avx512f avx512_bf16": torch.float32,  # the torch build decides: a config run probes (test_dtype_probe)
              "avx512_bf16 amx_bf16 amx_tile": torch.bfloat16}  # AMX: bfloat16 matrix tiles
     for cpu, expected in flags.items():
         monkeypatch.setattr(ignite_amp.device, "_cpu_flags", lambda cpu=cpu: cpu)
