@@ -93,7 +93,8 @@ def _warn_slow_cpu_bf16() -> None:
 
 def auto_dtype_reason(device: Union[str, torch.device]) -> str:
     """Why :func:`resolve_dtype`'s ``auto`` chose what it did on ``device``, for a start line
-    (`` (dtype auto: ...)``); "" off a CPU. A config run words its own (:func:`ignite_amp.dtype_probe.config_dtype`)."""
+    (`` (dtype auto: ...)``); "" off a CPU. A config run words its own
+    (:func:`ignite_amp.dtype_probe.config_dtype`)."""
     if torch.device(device).type != "cpu":
         return ""
     if cpu_has_amx():

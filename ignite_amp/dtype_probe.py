@@ -2,10 +2,10 @@
 
 Whether bfloat16 autocast is faster than float32 on a CPU with AVX512-BF16 but no AMX depends on the
 torch build (the quickstart ran at 0.78-0.81x float32's speed on torch 2.15.0 and 1.24x on 2.14.1 on the
-same 2-core AMD EPYC, benchmarks/RESULTS.md), so no fixed rule is right there. :func:`probe_cpu_dtype`
-times both on the model; :func:`config_dtype` is what a config run (the CLI, ``train_from_config``)
-asks before it builds its trainer. Elsewhere the choice is fixed without a probe:
-:func:`ignite_amp.device.resolve_dtype`'s rule.
+same 2-core AMD EPYC, benchmarks/RESULTS.md), so no fixed rule is right there.
+:func:`~ignite_amp.probe_cpu_dtype` times both on the model; :func:`~ignite_amp.dtype_probe.config_dtype`
+is what a config run (the CLI, ``train_from_config``) asks before it builds its trainer. Elsewhere the
+choice is fixed without a probe: ``ignite_amp.device.resolve_dtype``'s rule.
 """
 import dataclasses
 import os
@@ -35,7 +35,7 @@ FASTER = 0.9
 
 @dataclasses.dataclass(frozen=True)
 class DtypeProbe:
-    """What :func:`probe_cpu_dtype` measured and chose."""
+    """What :func:`~ignite_amp.probe_cpu_dtype` measured and chose."""
 
     #: the faster dtype: ``torch.bfloat16`` (autocast) or ``torch.float32``
     dtype: torch.dtype
@@ -65,12 +65,13 @@ def probe_cpu_dtype(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor], 
                     clock: Callable[[], float] = time.perf_counter) -> DtypeProbe:
     """Time ``model``'s training step (forward, ``loss_fn(model(x), y)``, backward by ``torch.autograd.grad``) on
     ``batch = (x, y)`` in float32 and under bfloat16 autocast on the CPU, and return the faster
-    (:class:`DtypeProbe`).
+    (:class:`~ignite_amp.dtype_probe.DtypeProbe`).
 
     The two run interleaved: one warm-up step each, then timed (float32, bfloat16) pairs, the order
     alternating, until ``max_pairs`` pairs or ``budget_s`` seconds since the start (at least one pair).
-    bfloat16 is chosen when its median step time is at most :data:`FASTER` (0.9) times float32's.
-    The step runs under :func:`ignite_amp.randomness.still`: no random generator is drawn from and no
+    bfloat16 is chosen when its median step time is at most :data:`~ignite_amp.dtype_probe.FASTER` (0.9)
+    times float32's.
+    The step runs under ``ignite_amp.randomness.still``: no random generator is drawn from and no
     BatchNorm statistic changes; the parameters, their ``.grad``, the buffers and the training flag are
     as they were. ``clock`` is the timer (a fake one makes the decision deterministic in tests).
 
@@ -111,10 +112,11 @@ def config_dtype(cfg: dict, model: nn.Module, device: torch.device) -> Tuple[str
     """``(the dtype for the engines, why)`` of a config run: ``amp.dtype`` as it is, with ``""`` for why, unless
     it is ``auto`` on a CPU; then the dtype chosen, and why in words.
 
-    The probe (:func:`probe_cpu_dtype`, on ``model`` as built, before the trainer) runs only where the choice
-    is open: a CPU with native bfloat16 (AVX512-BF16) and no AMX, in one process. With AMX it is bfloat16,
-    without bfloat16 instructions float32 (emulated bfloat16 ran 8x slower), across several processes
-    float32 (every rank must run the same). :data:`PROBE_ENV` fixes the outcome without a probe.
+    The probe (:func:`~ignite_amp.probe_cpu_dtype`, on ``model`` as built, before the trainer) runs only
+    where the choice is open: a CPU with native bfloat16 (AVX512-BF16) and no AMX, in one process. With
+    AMX it is bfloat16, without bfloat16 instructions float32 (emulated bfloat16 ran 8x slower), across
+    several processes float32 (every rank must run the same). :data:`~ignite_amp.dtype_probe.PROBE_ENV` fixes the outcome
+    without a probe.
     """
     asked = cfg["amp"]["dtype"]
     if asked != "auto" or device.type != "cpu":
@@ -129,7 +131,8 @@ def config_dtype(cfg: dict, model: nn.Module, device: torch.device) -> Tuple[str
     fixed: Optional[str] = os.environ.get(PROBE_ENV)
     if fixed:
         if fixed not in ("float32", "bfloat16"):
-            raise ConfigError(f"{PROBE_ENV} should be float32 or bfloat16; got {fixed!r}")
+            raise ConfigError(f"{PROBE_ENV} should be float32 or bfloat16; got {fixed!r} (unset it to let the probe "
+                              f"decide)")
         return fixed, f"fixed by {PROBE_ENV}, no probe"
     try:
         probe = probe_cpu_dtype(model, _batch(cfg, device))
