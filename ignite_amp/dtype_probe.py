@@ -49,7 +49,8 @@ class DtypeProbe:
     def words(self) -> str:
         """The evidence in words, for a start line: ``a bfloat16 step took 0.80x float32's time in a 0.3 s probe
         on this CPU``."""
-        return f"a bfloat16 step took {self.ratio:.2f}x float32's time in a {self.seconds:.1f} s probe on this CPU"
+        seconds = f"{self.seconds:.1f}" if self.seconds >= 0.1 else f"{self.seconds:.2f}"
+        return f"a bfloat16 step took {self.ratio:.2f}x float32's time in a {seconds} s probe on this CPU"
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, dtype: torch.dtype) -> None:

@@ -41,6 +41,7 @@ def test_the_two_run_interleaved_after_a_warm_up_each_within_the_budget():
     probe = probe_cpu_dtype(ClockedCNN(10, 10.0, 1.0), batch(), clock=CLOCK)  # over budget: still one pair
     assert probe.pairs == 1 and probe.words() == ("a bfloat16 step took 0.10x float32's time in a 22.0 s probe "
                                                   "on this CPU")
+    assert dtype_probe.DtypeProbe(F32, 1.5, 0.04, 3).words().endswith("1.50x float32's time in a 0.04 s probe on this CPU")
     with pytest.raises(ValueError, match="max_pairs"):
         probe_cpu_dtype(model, batch(), max_pairs=0)
 
@@ -103,6 +104,9 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
     for fixed in ("float32", "bfloat16"):
         monkeypatch.setenv(PROBE_ENV, fixed)
         assert config_dtype(cfg, model, torch.device("cpu")) == (fixed, f"fixed by {PROBE_ENV}, no probe")
+    monkeypatch.delenv(PROBE_ENV)  # a model the probe's batch does not fit: float32, and check_model_runs says why
+    assert config_dtype(cfg, torch.nn.Linear(5, 10), torch.device("cpu")) == (
+        "float32", "the probe could not run the model (RuntimeError)")
     monkeypatch.setenv(PROBE_ENV, "fp16")
     with pytest.raises(ConfigError, match=f"{PROBE_ENV} should be float32 or bfloat16; got 'fp16'"):
         config_dtype(cfg, model, torch.device("cpu"))
