@@ -31,6 +31,26 @@ def test_the_faster_dtype_wins_by_the_margin(float32, bfloat16, chosen):
     assert probe.pairs == 3 and probe.seconds == 4 * (float32 + bfloat16)  # one warm-up and three pairs
 
 
+class Spiked(ClockedCNN):
+    """bfloat16 is really 0.8x float32's time, but other work on the machine slows some bfloat16 steps 3x."""
+
+    def __init__(self, slowed: set):
+        super().__init__(10, 1.0, 0.8)
+        self.slowed, self.calls = slowed, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls in self.slowed:
+            CLOCK.now += 1.6  # 0.8 + 1.6: this step took 2.4 s
+        return super().forward(x)
+
+
+def test_load_on_some_steps_does_not_decide_each_dtypes_fastest_step_does():
+    # Forward calls: 1-2 warm-up (float32, bfloat16), then pairs F B | B F | F B: bfloat16 is calls 4, 5 and 8.
+    probe = probe_cpu_dtype(Spiked({4, 8}), batch(), budget_s=100, clock=CLOCK)
+    assert probe.dtype == BF16 and probe.ratio == pytest.approx(0.8)  # a median would say 2.4x: float32
+
+
 def test_the_two_run_interleaved_after_a_warm_up_each_within_the_budget():
     model = ClockedCNN(10, 0.125, 0.0625)
     probe_cpu_dtype(model, batch(), clock=CLOCK)
