@@ -148,3 +148,20 @@ def test_loss_code_reads_a_count_on_the_host_and_a_counted_tensor_on_the_device(
     assert [int(loss_code(loss, items)) for loss in (finite, nan) for items in (8, 0)] == [0, 0, 1, 2]
     assert [int(loss_code(nan, torch.tensor(n))) for n in (8, 0)] == [1, 2]
     assert loss_code(finite, torch.tensor(0)).device == finite.device
+
+
+def test_rss_mb_reads_the_current_resident_memory_from_one_open_file():
+    import statistics
+
+    from ignite_amp.handlers import tensorboard_scalars
+    from ignite_amp.handlers.tensorboard_scalars import _median, rss_mb
+
+    before = rss_mb()
+    fd = tensorboard_scalars._statm[1]
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
+    assert rss_mb() - before > 48 and tensorboard_scalars._statm[1] == fd  # read again, not opened again
+    del block
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 6):
+        speeds = sorted(torch.rand(n, generator=g).tolist())
+        assert _median(speeds) == statistics.median(speeds)
