@@ -165,3 +165,27 @@ def test_rss_mb_reads_the_current_resident_memory_from_one_open_file():
     for n in (1, 2, 5, 6):
         speeds = sorted(torch.rand(n, generator=g).tolist())
         assert _median(speeds) == statistics.median(speeds)
+
+
+def test_a_log_writes_its_scalars_as_one_event(tmp_path):
+    """Not one event per scalar (SummaryWriter.add_scalar's): the log's values in one summary, at the log's step."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), cross_entropy, device="cpu",
+                                 dtype="float32")
+    tb = TensorBoardMetrics(str(tmp_path), log_every=LOG_EVERY)
+    tb.attach(trainer)
+    trainer.run(id_batches(48, 8), max_epochs=1)  # 6 iterations: logs at 3 and 6
+    tb.close()
+    events = [e for f in glob.glob(str(tmp_path / "train" / "*tfevents*")) for e in EventFileLoader(f).Load()
+              if e.summary.value]
+    assert [e.step for e in events] == [3, 6]
+    tags = {v.tag for v in events[0].summary.value}
+    assert {"loss", "optimizer/grad_norm", "optimizer/lr/group_0", "memory/rss_mb", "throughput/samples_per_sec"} <= tags
+    from tensorboard.util.tensor_util import make_ndarray  # the loader gives simple values as tensors
+
+    assert [float(make_ndarray(v.tensor)) for v in events[0].summary.value if v.tag == "optimizer/lr/group_0"] == [
+        torch.tensor(0.01).item()]  # float32, as add_scalar stores it
