@@ -19,20 +19,19 @@ class ScalarEvent:
     its ``writer.add_scalar`` gathers; :meth:`write` writes them as one event to a real writer."""
 
     def __init__(self):
+        from tensorboard.compat.proto.summary_pb2 import Summary  # imported on use, as the package's others
+
         self.writer = self  # handlers call logger.writer.add_scalar
         self.values: List[Any] = []
+        self._summary = Summary
 
     def add_scalar(self, tag: str, value: float, global_step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        self.values.append(Summary.Value(tag=tag, simple_value=float(value)))  # add_scalar's float32 too
+        self.values.append(self._summary.Value(tag=tag, simple_value=float(value)))  # add_scalar's float32 too
 
     def write(self, writer: Any, step: int) -> None:
         """The gathered scalars as one event of ``writer`` (a ``SummaryWriter``) at ``step``."""
         if self.values:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            writer.file_writer.add_summary(Summary(value=self.values), step, time.time())
+            writer.file_writer.add_summary(self._summary(value=self.values), step, time.time())
             self.values = []
 
 
