@@ -4,7 +4,7 @@
 device and dtype in Python and check foreach support on every call: on a small model that host time is
 as long as their kernels take. Where the gradients share one device and dtype on a CPU or CUDA device
 (one group: nearly every model), :func:`total_norm` and :func:`clip_to_norm_` run torch's foreach kernels
-in torch's order, so the values are the same to the bit (``tests/test_grad_norm.py``); other gradients
+in torch's order, so the values are the same to the bit (``tests/test_handler_cost.py``); other gradients
 go through torch's functions. Gradients of an ordinary backward do not require grad, so no ``no_grad``
 is needed around them. :class:`GradNorm` is the step's: the norm once per step, and clipping to it
 without listing and grouping the gradients again.

@@ -189,3 +189,31 @@ def test_a_log_writes_its_scalars_as_one_event(tmp_path):
 
     assert [float(make_ndarray(v.tensor)) for v in events[0].summary.value if v.tag == "optimizer/lr/group_0"] == [
         torch.tensor(0.01).item()]  # float32, as add_scalar stores it
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.bfloat16] * 2, [torch.float32, torch.bfloat16]])
+def test_the_steps_grad_norm_and_its_clipping_are_torchs_to_the_bit(dtypes):
+    """GradNorm (the step's): the norm once, clipping with its grouping; torch's own path where the gradients are not
+    one group, or where a handler took a gradient away between the norm and the clipping."""
+    from ignite_amp.grad_norm import GradNorm
+
+    g = torch.Generator().manual_seed(1)
+    for drop in (False, True):
+        grads = grads_of(dtypes, g)
+        ours, theirs = ([torch.nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
+        for a, b, t in zip(ours, theirs, grads):
+            a.grad, b.grad = t.clone(), t.clone()
+        norm = GradNorm(ours)
+        norm.compute()
+        assert norm.value is None  # not tracked
+        norm.tracked = True
+        norm.compute()
+        expected = get_total_norm([p.grad for p in theirs], 2.0, foreach=True)
+        assert norm.value.dtype == expected.dtype and torch.equal(norm.value, expected)
+        if drop:
+            ours[0].grad = theirs[0].grad = None
+        norm.clip_(0.5)
+        clip_grads_with_norm_(theirs, 0.5, expected, foreach=True)
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+        norm.clear()
+        assert norm.value is None
