@@ -22,6 +22,7 @@ hand loops' twins give the norm's in-loop cost the same way).
   compares Ignite's ``amp_mode="amp"`` too), timed in wall clock, device-synchronized after each epoch.
 
     python benchmarks/overhead.py                        # the host table (markdown)
+    python benchmarks/overhead.py --case tax             # the hand loop's phases with and without a norm, clipping
     python benchmarks/overhead.py --case model --device cuda --dtype float16 --model resnet50 --batch-size 32 \
         --image-size 224
 """
@@ -323,6 +324,62 @@ def host_case(args) -> None:
     print("\n".join(markdown(overhead_table(times, args.iters))))
 
 
+PHASES = ("zero_grad", "forward", "backward", "the call", "optimizer.step")
+
+
+def phase_loop(model, optimizer, batches, call: Optional[Callable], out: Dict[str, list]) -> None:
+    """The hand loop on CPU, each phase timed (thread CPU ns), ``call(params)`` between backward and step."""
+    clock, params = time.thread_time_ns, list(model.parameters())
+    for x, y in batches:
+        t0 = clock()
+        optimizer.zero_grad(set_to_none=True)
+        t1 = clock()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        t2 = clock()
+        loss.backward()
+        t3 = clock()
+        if call is not None:
+            call(params)
+        t4 = clock()
+        optimizer.step()
+        t5 = clock()
+        for phase, span in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            out[phase].append(span / 1e3)
+
+
+def tax_case(args) -> None:
+    """Why a torch call costs more inside a step than alone: the hand loop's phases with and without it. The
+    call's own span is near its cost alone; the phases around it slow down (their code and data evicted)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen))
+               for _ in range(args.iters)]
+    calls = {"nothing": None,
+             "get_total_norm": lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None],
+                                                                        foreach=True),
+             "clip_grad_norm_": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)}
+    runs = {}
+    for name in calls:
+        model = copy.deepcopy(base)
+        runs[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01), {p: [] for p in PHASES})
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            model, optimizer, out = runs[name]
+            phase_loop(model, optimizer, batches, call, out)
+    print(f"The hand loop's phases (tiny MLP 32-64-10, batch 32, float32, CPU, 1 thread), {args.iters} iterations x "
+          f"{args.repeats} interleaved repeats, median us of thread CPU time per iteration:\n")
+    print("| the call between backward and step | " + " | ".join(PHASES) + " | all | the others' increase |")
+    print("|---" * (len(PHASES) + 3) + "|")
+    ref = {p: statistics.median(v) for p, v in runs["nothing"][2].items()}
+    for name, (_, _, out) in runs.items():
+        med = {p: statistics.median(v) for p, v in out.items()}
+        others = sum(med[p] - ref[p] for p in PHASES if p != "the call")
+        print(f"| {name} | " + " | ".join(f"{med[p]:.1f}" for p in PHASES) + f" | {sum(med.values()):.1f} | "
+              f"{others:+.1f} |")
+
+
 def model_case(args) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -342,7 +399,7 @@ def model_case(args) -> None:
 
 def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["host", "model"], default="host")
+    parser.add_argument("--case", choices=["host", "model", "tax"], default="host")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="ignite_amp.models:small_cnn")
     parser.add_argument("--dtype", default="auto")
@@ -351,9 +408,9 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--iters", type=int, default=None, help="iterations per repeat (host 256, model 60)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (host 15, model 7)")
     args = parser.parse_args(argv)
-    if args.case == "host":
+    if args.case in ("host", "tax"):
         args.iters, args.repeats = args.iters or 256, args.repeats or 15
-        host_case(args)
+        (host_case if args.case == "host" else tax_case)(args)
     else:
         args.iters, args.repeats = args.iters or 60, args.repeats or 7
         model_case(args)

@@ -75,10 +75,15 @@ class GradientClipping:
         if self.clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.clip_value)
             return
-        norm = self.step.grad_norm if self._shares_norm else None
-        if norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], self.norm_type,
-                                                 foreach=True)
+        if self._shares_norm:  # the step's norm, and its list and grouping of the same gradients
+            step = self.step
+            norm = step.grad_norm
+            if norm is not None:
+                self.last_norm = norm
+                step.clip_grad_norm_(self.max_norm)
+                return
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], self.norm_type,
+                                             foreach=True)
         self.last_norm = norm
         clip_to_norm_(params, self.max_norm, norm)
 

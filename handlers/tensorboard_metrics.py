@@ -19,7 +19,6 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
-from ignite.handlers.tensorboard_logger import OptimizerParamsHandler
 
 from ignite_amp.device import dtype_name
 from ignite_amp.engine import amp_step_of
@@ -27,6 +26,7 @@ from ignite_amp.facts import format_facts, step_facts
 from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.run_health import Health, health_lines
+from ignite_amp.handlers.tensorboard_event import LearningRates, ScalarEvent
 from ignite_amp.handlers.tensorboard_scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
                                                      TrainWindow, Validation, layout)
 from ignite_amp.metric_modes import metric_mode
@@ -58,7 +58,7 @@ TAGS = {
     "memory/max_rank_rss_mb": "the largest rank's resident memory (CPU runs; ranks_memory)",
     "optimizer/grad_norm": "mean pre-clip total gradient norm (L2) over the optimizer steps of the window",
     "optimizer/clip_share": "share of the window's optimizer steps whose pre-clip norm was above max_norm",
-    "optimizer/lr/group_<N>": "learning rate of each param group (Ignite's OptimizerParamsHandler)",
+    "optimizer/lr/group_<N>": "learning rate of each param group (as Ignite's OptimizerParamsHandler logs it)",
     "precision/loss_scale": "GradScaler scale (float16 only)",
     "precision/skipped_steps": "optimizer steps skipped for inf/NaN gradients since the start (float16 only)",
     "step/batch_size": "global batch size, logged only when it differs from the run facts (OOM backoff, batch mode)",
@@ -150,8 +150,8 @@ class TensorBoardMetrics:
 
     One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) and small
     handlers (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
-    ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; Ignite's
-    ``OptimizerParamsHandler`` for the learning rate; ``RunFacts`` for what ran). At the start
+    ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; ``tensorboard_event.LearningRates``
+    for the learning rate; ``RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
     and best validation metrics and the median samples/s as metric columns). Every ``log_every``
     iterations it writes the window's means, kept on the device until then and read with one host
@@ -286,11 +286,9 @@ class TensorBoardMetrics:
         tb.attach(trainer, self._completed, Events.COMPLETED)
         shape = BatchShape(step, self.window, lambda: self.facts_written)
         shape.attach(trainer)
-        # shape reads the window before it starts the next; _logged writes the layout once and flushes:
-        # a crashed run keeps what it logged. (No EXCEPTION_RAISED handler: Ignite does not re-raise
-        # when one exists.) close() is safe to call twice.
-        self._log_handlers = [shape, self.window, OptimizerParamsHandler(optimizer, "lr", tag="optimizer"),
-                              self.memory, _flush]
+        # shape reads the window before it starts the next; _log flushes: a crashed run keeps what it logged.
+        # (No EXCEPTION_RAISED handler: Ignite does not re-raise when one exists.) close() is safe to call twice.
+        self._log_handlers = [shape, self.window, LearningRates(optimizer), self.memory]
         self._lr_groups = len(optimizer.param_groups)
         self.trainer_metrics = TrainerMetrics(train)
         self.trainer_metrics.attach(trainer)
@@ -300,9 +298,12 @@ class TensorBoardMetrics:
             self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
 
     def _log(self, engine: Engine) -> None:
-        """Every ``log_every`` iterations (called by the window) and at the end: the log's handlers, in order."""
+        """Every ``log_every`` iterations and at the end: the log's handlers in order, their scalars one event."""
+        scalars, writer = ScalarEvent(), self.splits["train"].writer
         for handler in self._log_handlers:
-            handler(engine, self.splits["train"], Events.ITERATION_COMPLETED)
+            handler(engine, scalars, Events.ITERATION_COMPLETED)
+        scalars.write(writer, engine.state.iteration)
+        writer.flush()
         self._logged_once(engine, self.tb, Events.ITERATION_COMPLETED)
 
     def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
@@ -372,7 +373,6 @@ class TensorBoardMetrics:
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
     logger.writer.flush()
-
 
 
 class RunFacts:

@@ -6,8 +6,8 @@ each log (or ``logger.attach(trainer, handler, event)`` attaches); those that ne
 it logged in ``history`` for the end-of-run health summary (:mod:`.run_health`). :func:`layout`
 is the Custom Scalars layout of the charts they fill.
 """
+import bisect
 import os
-import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -28,16 +28,24 @@ __all__ = ["TrainWindow", "DeviceMemory", "RanksMemory", "BatchShape", "Validati
            "layout", "SPLITS"]
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_statm = (-1, -1)  # (pid, fd of its /proc/<pid>/statm): kept open, read again at offset 0 by each rss_mb()
+
+
 def rss_mb() -> float:
-    """Resident memory of this process in MiB."""
+    """Resident memory of this process in MiB (``/proc/self/statm``, opened once per process: opening it
+    costs ten times the read)."""
+    global _statm
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
+        pid, fd = _statm
+        if pid != os.getpid():  # the first read, or a forked child (its fd would read the parent's)
+            fd = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
+            _statm = (os.getpid(), fd)
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 
 
 SPLITS = TENSORBOARD_SPLITS  # one TensorBoard run per split, in the run's log directory
@@ -84,6 +92,12 @@ def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping
     return {"AMP health": health, "AMP details": details}
 
 
+def _median(ordered: Sequence[float]) -> float:
+    """``statistics.median`` of an already sorted sequence."""
+    i = len(ordered) // 2
+    return ordered[i] if len(ordered) % 2 else (ordered[i - 1] + ordered[i]) / 2
+
+
 class TrainWindow:
     """The window's training scalars (loss, grad norm, clip share, loss scale, skipped steps, speed,
     achieved TFLOP/s and MFU) with one host sync per log: the values stay on the device as the step
@@ -101,6 +115,7 @@ class TrainWindow:
         # dtype float8: MFU against the float8 dense peak too (both labelled: neither alone is the truth)
         self.peak_float8 = peak_tflops(step.device, step.dtype, float8=True) if step.float8 is not None else None
         self._last_clip_norm: Optional[torch.Tensor] = None
+        self._speeds: List[float] = []  # every window's samples/s, sorted
         self.reset()
 
     def reset(self) -> None:
@@ -154,8 +169,10 @@ class TrainWindow:
                 self._last_clip_norm = clip_norm
         self.losses.append(step.loss)
         self.empty.append(step.items == 0)  # num_items counted nothing (padding only): no loss to average
-        self.samples += step.batch_size
-        self.largest_batch = max(self.largest_batch, step.batch_size)
+        n = step.batch_size
+        self.samples += n
+        if n > self.largest_batch:
+            self.largest_batch = n
         # From the batch's fetch to now: evaluation, checkpoints and other epoch-end work are not training time.
         self.busy += time.perf_counter() - self._fetch_start
         if self._log is not None and not engine.state.iteration % self._every:
@@ -186,8 +203,8 @@ class TrainWindow:
             values["precision/skipped_steps"] = self.skipped
         elapsed = max(self.busy, 1e-9)
         values["throughput/samples_per_sec"] = self.samples / elapsed
-        speeds = [w["throughput/samples_per_sec"] for w in self.history] + [values["throughput/samples_per_sec"]]
-        values["throughput/median_samples_per_sec"] = statistics.median(speeds)  # the run's, so far
+        bisect.insort(self._speeds, values["throughput/samples_per_sec"])  # sorted: no walk of the history per log
+        values["throughput/median_samples_per_sec"] = _median(self._speeds)  # the run's, so far
         values["throughput/step_time_ms"] = elapsed / len(self.losses) * 1e3
         values["throughput/data_wait_share"] = min(self.data_wait / elapsed, 1.0)
         if amp.flops_per_sample:  # per process: this rank's samples on this rank's device

@@ -50,7 +50,7 @@ from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.events import AmpEvents
 from ignite_amp.fields import POSITIVE_INT
 from ignite_amp.float8 import float8_change
-from ignite_amp.grad_norm import total_norm
+from ignite_amp.grad_norm import GradNorm
 from ignite_amp.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.scaler import agree_found_inf, build_scaler, found_inf
 from ignite_amp.split_check import SplitCheck
@@ -104,8 +104,8 @@ class AmpStep(StepBase, Serializable):
             cut or combined (``ignite_amp.split_check``); False accepts a loss that fails it knowingly.
 
     Besides the properties of every step, handlers may read ``optimizer``, ``scaler``,
-    ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`)
-    and set ``oom_agreement``.
+    ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`), call
+    :meth:`clip_grad_norm_` and set ``oom_agreement``.
     """
 
     _state_dict_all_req_keys = ("scaler", "micro_batches")
@@ -155,8 +155,7 @@ class AmpStep(StepBase, Serializable):
             no_buffer_sync_in_forward(self.ddp)
         self._scaler = build_scaler(scaler, self._device, self._dtype == torch.float16, scaler_kwargs)
         self.oom_agreement = False
-        self._track_norm = False
-        self._grad_norm: Optional[torch.Tensor] = None
+        self._norm = GradNorm(self._params)  # the pre-clip norm, once per step, and clipping to it
         self._loss: Optional[torch.Tensor] = None
         self._items: Any = 0
         self._cycle_items: Any = 0  # items of the cycle so far (num_items), summed on this rank
@@ -197,11 +196,16 @@ class AmpStep(StepBase, Serializable):
         """Pre-clip total L2 norm of the unscaled gradients at this iteration's ``GRADS_READY``
         (a device tensor, no host sync); None before it, on iterations that do not step, and
         unless :meth:`track_grad_norm` was called."""
-        return self._grad_norm
+        return self._norm.value
 
     def track_grad_norm(self) -> None:
         """Compute :attr:`grad_norm` at each ``GRADS_READY``, before any handler changes the gradients."""
-        self._track_norm = True
+        self._norm.tracked = True
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """In a ``GRADS_READY`` handler: the model's gradients times ``min(max_norm / (grad_norm + 1e-6), 1)``,
+        as ``clip_grads_with_norm_`` scales them, without listing and grouping them again; nothing without a norm."""
+        self._norm.clip_(max_norm)
 
     def _agrees_on_oom(self) -> bool:
         # Only a DDP model communicates inside the step, and only when a handler asked for
@@ -236,7 +240,7 @@ class AmpStep(StepBase, Serializable):
         if len(parts) > 1 and not self._batch_norm_named:
             self._batch_norm_named = True
             warn_batch_norm(self._module)
-        self._grad_norm = None
+        self._norm.clear()
         label = phase_label()
         # With num_items, every chunk weighs its items against a reference; the optimizer step divides
         # by the cycle's items on all ranks. A lone chunk of a lone iteration needs neither.
@@ -349,8 +353,7 @@ class AmpStep(StepBase, Serializable):
             # (after the clipping kernels, and once more); here it is made once, before them.
             skip = bool(found_inf(scaler, self._optimizer).item())
         if not skip:
-            if self._track_norm:  # get_total_norm's value at its kernels' host cost
-                self._grad_norm = total_norm([p.grad for p in self._params if p.grad is not None])
+            self._norm.compute()  # when tracked: get_total_norm's value at its kernels' host cost
             _fire(engine, AmpEvents.GRADS_READY)
             try:
                 self._optimizer.step()
@@ -372,7 +375,7 @@ class AmpStep(StepBase, Serializable):
             )
             self._cycle_items = 0
         self._optimizer.zero_grad(set_to_none=True)
-        self._grad_norm = None
+        self._norm.clear()
         if self._scaler.is_enabled():
             # Forget a half-done unscale_ so the retry starts clean: update() with the current
             # scale (read on the device, no sync) resets the per-optimizer state, scale unchanged.

@@ -18,7 +18,7 @@ def test_handlers_need_an_amp_trainer():
 
 
 def test_amp_events_nobody_listens_to_are_not_dispatched_and_late_handlers_still_fire(monkeypatch):
-    from ignite.engine import Engine
+    from ignite_amp.engine import AmpEngine as Engine  # its own _fire_event (Ignite's without the debug line)
 
     calls = []
     real = Engine._fire_event
@@ -38,6 +38,38 @@ def test_amp_events_nobody_listens_to_are_not_dispatched_and_late_handlers_still
         AmpEvents.GRADS_READY(every=2), lambda e2: seen.append(e2.state.iteration)))
     trainer.run(id_batches(64, 8), max_epochs=1)
     assert seen == [4, 6, 8]  # added during the run, with a filter: fires from the next step on
+
+
+def test_events_reach_handlers_as_ignites_fire_event_passes_them(caplog):
+    """AmpEngine's _fire_event (Ignite's loop less its debug line): the engine first where the handler takes it,
+    the event's arguments, then the handler's own; keyword arguments; none for a handler without the engine."""
+    import logging
+
+    from ignite.engine import Engine
+
+    def record(engines):
+        model = mlp()
+        engine = engines(model)
+        got = []
+        engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e, a, k=0: got.append((e.state.iteration, a, k)),
+                                 "a", k=2)
+        engine.add_event_handler(Events.ITERATION_COMPLETED(every=2), lambda: got.append("filtered, no engine"))
+        engine.add_event_handler(Events.TERMINATE_SINGLE_EPOCH, lambda e, iter_counter: got.append(("single", iter_counter)))
+        engine.add_event_handler(Events.ITERATION_COMPLETED(once=3), lambda e: e.terminate_epoch())
+        engine.run(id_batches(32, 8), max_epochs=1)
+        return got, engine.last_event_name
+
+    def ours(model):
+        return create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu")
+
+    def ignites(model):
+        return Engine(lambda e, b: None)
+
+    expected = record(ignites)
+    assert record(ours) == expected and ("single", 3) in expected[0]
+    with caplog.at_level(logging.DEBUG):  # with debug logging on, Ignite's own (its "Firing handlers" lines)
+        assert record(ours) == expected
+    assert any("Firing handlers for event" in r.getMessage() for r in caplog.records)
 
 
 def test_docstring_examples_run():

@@ -148,3 +148,72 @@ def test_loss_code_reads_a_count_on_the_host_and_a_counted_tensor_on_the_device(
     assert [int(loss_code(loss, items)) for loss in (finite, nan) for items in (8, 0)] == [0, 0, 1, 2]
     assert [int(loss_code(nan, torch.tensor(n))) for n in (8, 0)] == [1, 2]
     assert loss_code(finite, torch.tensor(0)).device == finite.device
+
+
+def test_rss_mb_reads_the_current_resident_memory_from_one_open_file():
+    import statistics
+
+    from ignite_amp.handlers import tensorboard_scalars
+    from ignite_amp.handlers.tensorboard_scalars import _median, rss_mb
+
+    before = rss_mb()
+    fd = tensorboard_scalars._statm[1]
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
+    assert rss_mb() - before > 48 and tensorboard_scalars._statm[1] == fd  # read again, not opened again
+    del block
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 6):
+        speeds = sorted(torch.rand(n, generator=g).tolist())
+        assert _median(speeds) == statistics.median(speeds)
+
+
+def test_a_log_writes_its_scalars_as_one_event(tmp_path):
+    """Not one event per scalar (SummaryWriter.add_scalar's): the log's values in one summary, at the log's step."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), cross_entropy, device="cpu",
+                                 dtype="float32")
+    tb = TensorBoardMetrics(str(tmp_path), log_every=LOG_EVERY)
+    tb.attach(trainer)
+    trainer.run(id_batches(48, 8), max_epochs=1)  # 6 iterations: logs at 3 and 6
+    tb.close()
+    events = [e for f in glob.glob(str(tmp_path / "train" / "*tfevents*")) for e in EventFileLoader(f).Load()
+              if e.summary.value]
+    assert [e.step for e in events] == [3, 6]
+    tags = {v.tag for v in events[0].summary.value}
+    assert {"loss", "optimizer/grad_norm", "optimizer/lr/group_0", "memory/rss_mb", "throughput/samples_per_sec"} <= tags
+    from tensorboard.util.tensor_util import make_ndarray  # the loader gives simple values as tensors
+
+    assert [float(make_ndarray(v.tensor)) for v in events[0].summary.value if v.tag == "optimizer/lr/group_0"] == [
+        torch.tensor(0.01).item()]  # float32, as add_scalar stores it
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.bfloat16] * 2, [torch.float32, torch.bfloat16]])
+def test_the_steps_grad_norm_and_its_clipping_are_torchs_to_the_bit(dtypes):
+    """GradNorm (the step's): the norm once, clipping with its grouping; torch's own path where the gradients are not
+    one group, or where a handler took a gradient away between the norm and the clipping."""
+    from ignite_amp.grad_norm import GradNorm
+
+    g = torch.Generator().manual_seed(1)
+    for drop in (False, True):
+        grads = grads_of(dtypes, g)
+        ours, theirs = ([torch.nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
+        for a, b, t in zip(ours, theirs, grads):
+            a.grad, b.grad = t.clone(), t.clone()
+        norm = GradNorm(ours)
+        norm.compute()
+        assert norm.value is None  # not tracked
+        norm.tracked = True
+        norm.compute()
+        expected = get_total_norm([p.grad for p in theirs], 2.0, foreach=True)
+        assert norm.value.dtype == expected.dtype and torch.equal(norm.value, expected)
+        if drop:
+            ours[0].grad = theirs[0].grad = None
+        norm.clip_(0.5)
+        clip_grads_with_norm_(theirs, 0.5, expected, foreach=True)
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+        norm.clear()
+        assert norm.value is None
