@@ -35,7 +35,7 @@ from torch.nn.functional import cross_entropy
 from overhead import attach_default_handlers, hand_written_loop
 
 from ignite_amp import create_amp_trainer
-from ignite_amp.device import free_memory, resolve_device
+from ignite_amp.core.device import free_memory, resolve_device
 
 
 def small_vit(num_classes: int = 10):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ignite_amp import create_amp_trainer
-from ignite_amp.float8 import RECIPES
+from ignite_amp.transforms.float8 import RECIPES
 
 __all__ = ["GPT", "float8_section"]
 

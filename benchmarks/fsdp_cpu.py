@@ -1,7 +1,7 @@
 """FSDP2 against DDP on N CPU gloo processes: bytes per rank, time per step, and the weights they reach.
 
 A stack of ``--blocks`` Linear(``--width``) blocks trains ``--steps`` AdamW steps through
-``create_amp_trainer`` twice per repeat, sharded (:func:`ignite_amp.sharding.shard_model`) and
+``create_amp_trainer`` twice per repeat, sharded (:func:`ignite_amp.transforms.sharding.shard_model`) and
 DDP-wrapped, interleaved, from the same initial weights on the same batches. Per rank it reports
 the parameter and optimizer-state bytes each process holds (of the local tensors: a DTensor's
 shard), the median time per optimizer step, and the largest relative difference of the final
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ignite_amp import AmpEvents, create_amp_trainer  # noqa: E402
-from ignite_amp.sharding import shard_model  # noqa: E402
+from ignite_amp.transforms.sharding import shard_model  # noqa: E402
 
 
 def build(width: int, blocks: int) -> torch.nn.Module:

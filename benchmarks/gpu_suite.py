@@ -71,14 +71,14 @@ from overhead import attach_default_handlers, hand_written_loop, timed
 
 import ignite_amp
 from ignite_amp import create_amp_trainer
-from ignite_amp.config import load_config
-from ignite_amp.data import EpochShuffleSampler, build_datasets
-from ignite_amp.events import AmpEvents
+from ignite_amp.config.tree import load_config
+from ignite_amp.data.datasets import EpochShuffleSampler, build_datasets
+from ignite_amp.step.events import AmpEvents
 from ignite_amp.handlers import OOMBackoff
-from ignite_amp.checkpointing import checkpointed_blocks
+from ignite_amp.transforms.activation_checkpointing import checkpointed_blocks
 from ignite_amp.models import build_model, small_cnn
-from ignite_amp.run import build_run, train_from_config
-from ignite_amp.device import free_memory
+from ignite_amp.run.compose import build_run, train_from_config
+from ignite_amp.core.device import free_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_BUDGET_S = 540          # the whole suite on one H100: 9 minutes

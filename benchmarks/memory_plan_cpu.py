@@ -2,7 +2,7 @@
 
 For each case the plan (``ignite_amp.estimate_memory``: the step on fake tensors under ``MemTracker``) and the
 real step of the same model, optimizer state and batch, tracked with the same ``MemTracker``
-(``ignite_amp.fake_step.step_tracker``), from a fresh ``create_amp_trainer`` with the optimizer's state as after a
+(``ignite_amp.memory_plan.fake_step.step_tracker``), from a fresh ``create_amp_trainer`` with the optimizer's state as after a
 first step. Then the plan's wall time against one real step (the step alone, not the tracker's cost) for the
 quickstart config's model and batch and for a ~110M-parameter GPT-style decoder.
 
@@ -20,7 +20,7 @@ from torch.nn.functional import cross_entropy
 from float8_gpt import GPT, next_token_loss
 
 from ignite_amp import create_amp_trainer, estimate_memory
-from ignite_amp.fake_step import step_tracker, warm_optimizer
+from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer
 from ignite_amp.models import build_model, small_cnn
 
 

@@ -18,8 +18,8 @@ from torch.nn.functional import cross_entropy
 from float8_gpt import GPT, next_token_loss
 
 from ignite_amp import create_amp_trainer, estimate_memory, find_batch_size
-from ignite_amp.device import free_memory
-from ignite_amp.fake_step import warm_optimizer
+from ignite_amp.core.device import free_memory
+from ignite_amp.memory_plan.fake_step import warm_optimizer
 from ignite_amp.models import build_model
 
 

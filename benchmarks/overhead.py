@@ -37,7 +37,7 @@ import torch
 from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
-from ignite_amp.device import resolve_device, resolve_dtype
+from ignite_amp.core.device import resolve_device, resolve_dtype
 from ignite_amp.models import build_model
 
 HAND, HAND_CLIP, HAND_NORM = ("hand-written loop", "hand-written loop + clip_grad_norm_",

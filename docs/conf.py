@@ -31,7 +31,7 @@ nitpick_ignore_regex = [(r"py:.*", r"(torch|ignite|typing|collections|pathlib|os
                                    r"List|Path|PathLike|Module|Tensor|Engine|Events|Metric|EventEnum|"
                                    r"Serializable|Exception|ValueError|TypeError|RuntimeError)"),
                         # the internal base of AmpStep and EvalStep: its members are shown on them
-                        (r"py:class", r"ignite_amp\.step_base\.StepBase")]
+                        (r"py:class", r"ignite_amp\.step\.base\.StepBase")]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"

@@ -5,7 +5,7 @@ Written as Ignite's MNIST examples are (``create_supervised_trainer`` / ``create
 ``ModelCheckpoint`` of the best accuracy, ``EarlyStopping``, a ``Checkpoint`` of the trainer to resume
 from), on built-in synthetic digits (nothing downloads). The line marked "the port" is the only one
 that differs from the Ignite version: put ``ignite.engine`` back in it and the script runs on
-Ignite's own factories (``tests/test_ignite_parity.py`` runs both).
+Ignite's own factories (``tests/step/test_ignite_parity.py`` runs both).
 
     python examples/ignite_mnist.py                    # 4 epochs of 8192 images, val accuracy 1.00 by the 3rd
     python examples/ignite_mnist.py --tiny             # a few seconds (what the tests run)

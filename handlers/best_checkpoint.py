@@ -12,16 +12,16 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.checkpoint_io import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, dcp_cause,
+from ignite_amp.files.checkpoints import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, dcp_cause,
                                       load_checkpoint, remove_path, type_error)
-from ignite_amp.collectives import any_rank, broadcast_text, is_distributed
+from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.errors import (CheckpointError, CheckpointTypeError, NonFiniteError, UnreadableCheckpointError,
                                first_line)
-from ignite_amp.fields import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
-from ignite_amp.metric_modes import metric_mode, require_metric
-from ignite_amp.rng import RNGState
-from ignite_amp.rundir import move_files_aside
-from ignite_amp.sharding import is_sharded, load_sharded, sharded_objects, unreadable_shards
+from ignite_amp.core.config_keys import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
+from ignite_amp.core.metric_modes import metric_mode, require_metric
+from ignite_amp.core.rng import RNGState
+from ignite_amp.files.run_directory import move_files_aside
+from ignite_amp.transforms.sharding import is_sharded, load_sharded, sharded_objects, unreadable_shards
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
@@ -84,7 +84,7 @@ class BestCheckpoint:
         metric: the evaluator metric to rank by.
         n_saved: how many best checkpoints to keep.
         mode: ``"max"`` or ``"min"``: whether a larger or a smaller value is better. Default
-            (``ignite_amp.metric_modes.metric_mode``): ``"min"`` for names containing loss,
+            (``ignite_amp.core.metric_modes.metric_mode``): ``"min"`` for names containing loss,
             perplexity, error, nll, mse, mae, rmse, wer or cer, else ``"max"``. Pass it for any other
             lower-is-better metric, and give ``TensorBoardMetrics`` the same (``modes=``).
         config: the resolved config, stored in every checkpoint.

@@ -10,10 +10,10 @@ import torch
 from ignite.engine import Engine, Events
 
 from ignite_amp.errors import NonFiniteError
-from ignite_amp.events import AmpEvents
-from ignite_amp.device import dtype_name
+from ignite_amp.step.events import AmpEvents
+from ignite_amp.core.device import dtype_name
 from ignite_amp.engine import amp_step_of
-from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 
 __all__ = ["NonFiniteConfig", "NonFiniteGuard", "NonFiniteError"]
 

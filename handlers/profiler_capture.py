@@ -9,8 +9,8 @@ import torch
 from torch.autograd import DeviceType
 from ignite.engine import Engine, Events
 
-from ignite_amp.fields import Boolean, Integer, argument, setting
-from ignite_amp.phases import PHASES as STEP_PHASES
+from ignite_amp.core.config_keys import Boolean, Integer, argument, setting
+from ignite_amp.core.phases import PHASES as STEP_PHASES
 
 logger = logging.getLogger("ignite_amp")
 
@@ -29,7 +29,7 @@ class ProfilerConfig:
     row_limit: int = setting(25, Integer(1), "rows of the operator table written beside each trace")
 
 # Ranges a profiled iteration is split into: torch labels the DataLoader's __next__, the AMP
-# step labels its phases (ignite_amp.phases) while a profiler records.
+# step labels its phases (ignite_amp.core.phases) while a profiler records.
 PHASES = (("data wait", "enumerate(DataLoader)"), *STEP_PHASES.items())
 
 

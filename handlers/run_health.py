@@ -28,7 +28,7 @@ class Health(NamedTuple):
     peak_memory_mb: Optional[float] = None
     memory_kind: str = "allocated"  # "allocated" (CUDA) or "RSS" (CPU)
     max_rank_memory_mb: Optional[float] = None  # the largest rank's peak, when the ranks were asked
-    planned_memory_mb: Optional[float] = None  # the memory plan's peak (fake tensors, ignite_amp.memory_plan)
+    planned_memory_mb: Optional[float] = None  # the memory plan's peak (fake tensors, ignite_amp.memory_plan.plan)
     oom_retries: int = 0
     micro_batches: int = 1
     micro_batch_size: Optional[int] = None

@@ -5,7 +5,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers.param_scheduler import ParamGroupScheduler, ParamScheduler, ReduceLROnPlateauScheduler
 
-from ignite_amp.events import AmpEvents
+from ignite_amp.step.events import AmpEvents
 from ignite_amp.handlers.oom_backoff import OOMBackoff
 
 __all__ = ["StepSchedule"]

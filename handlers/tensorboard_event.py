@@ -3,7 +3,7 @@ gathered into one ``Summary`` of many values.
 
 ``SummaryWriter.add_scalar`` builds a summary and an event and queues it for each value (about 15 us each on a
 small CPU); a log writes ten and more. TensorBoard reads every value of an event's summary, at the event's step,
-as ``add_scalar``'s own events: the same tags, steps and float32 values (``tests/test_handler_cost.py``).
+as ``add_scalar``'s own events: the same tags, steps and float32 values (``tests/handlers/test_handler_cost.py``).
 """
 import time
 from typing import Any, List

@@ -20,16 +20,16 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
-from ignite_amp.device import dtype_name
+from ignite_amp.core.device import dtype_name
 from ignite_amp.engine import amp_step_of
-from ignite_amp.facts import format_facts, step_facts
-from ignite_amp.fields import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.step.facts import format_facts, step_facts
+from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.run_health import Health, health_lines
 from ignite_amp.handlers.tensorboard_event import LearningRates, ScalarEvent
 from ignite_amp.handlers.tensorboard_scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
                                                      TrainWindow, Validation, layout)
-from ignite_amp.metric_modes import metric_mode
+from ignite_amp.core.metric_modes import metric_mode
 
 __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG", "HEALTH_TAG", "layout",
            "hparams_summaries", "HPARAMS"]
@@ -164,17 +164,17 @@ class TensorBoardMetrics:
         logdir: directory of the event files: the run, with its ``train`` and ``val`` runs in
             subdirectories (``tensorboard --logdir`` it, or its parent to compare runs).
         log_every: iterations between two logs.
-        facts: what the step cannot tell, e.g. ``ignite_amp.facts.config_facts(cfg, loader)``
+        facts: what the step cannot tell, e.g. ``ignite_amp.step.facts.config_facts(cfg, loader)``
             (batch size, model, optimizer...): a flat mapping to bool, int, float, str or None,
             added to the step's own facts (dtype, scaler, device, processes, micro-batches,
-            accumulation, versions; ``ignite_amp.facts.step_facts``), over which it wins.
+            accumulation, versions; ``ignite_amp.step.facts.step_facts``), over which it wins.
         clipping: the run's ``GradientClipping`` by norm, for the share of optimizer steps where
             clipping bound (its ``last_norm`` above ``max_norm``, counted at the log).
         hparam_metrics: validation metrics shown as HParams columns (final and best) and charts.
         texts: more text entries written at the start, tag -> text shown as preformatted (e.g. the
             batch-size search's trial table, which ``train_from_config`` logs as ``run/batch_size_search``).
         modes: metric name -> ``"min"`` or ``"max"`` for ``<metric>/best``, as given to ``BestCheckpoint``;
-            other metrics follow ``ignite_amp.metric_modes.metric_mode`` (the checkpoint's default).
+            other metrics follow ``ignite_amp.core.metric_modes.metric_mode`` (the checkpoint's default).
         ranks_memory: in a process group, also log the largest rank's memory (``memory/max_rank_*``,
             one all-reduce per log): then attach on every rank, not on rank 0 only.
         from_config: the health advice names config keys, not Python arguments (``train_from_config`` sets it).

@@ -16,13 +16,13 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
-from ignite_amp.collectives import max_across_ranks
-from ignite_amp.device import peak_tflops
-from ignite_amp.events import AmpEvents
-from ignite_amp.metric_modes import better, metric_mode
-from ignite_amp.rundir import TENSORBOARD_SPLITS
-from ignite_amp.scaler import scale_tensor
-from ignite_amp.step import AmpStep
+from ignite_amp.core.collectives import max_across_ranks
+from ignite_amp.core.device import peak_tflops
+from ignite_amp.step.events import AmpEvents
+from ignite_amp.core.metric_modes import better, metric_mode
+from ignite_amp.files.run_directory import TENSORBOARD_SPLITS
+from ignite_amp.step.scaler import scale_tensor
+from ignite_amp.step.train import AmpStep
 
 __all__ = ["TrainWindow", "DeviceMemory", "RanksMemory", "BatchShape", "Validation", "TrainerMetrics", "rss_mb",
            "layout", "SPLITS"]

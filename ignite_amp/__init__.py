@@ -12,25 +12,23 @@ from ignite_amp.version import __version__
 _EXPORTS = {
     "create_amp_trainer": "ignite_amp.engine",
     "create_amp_evaluator": "ignite_amp.engine",
-    "AmpEvents": "ignite_amp.events",
-    "AmpStep": "ignite_amp.step",
-    "EvalStep": "ignite_amp.eval_step",
+    "AmpEvents": "ignite_amp.step.events",
+    "AmpStep": "ignite_amp.step.train",
+    "EvalStep": "ignite_amp.step.evaluate",
     "ConfigError": "ignite_amp.errors",
-    "load_config": "ignite_amp.config",
-    "train_from_config": "ignite_amp.run",
+    "load_config": "ignite_amp.config.tree",
+    "train_from_config": "ignite_amp.run.compose",
     "find_batch_size": "ignite_amp.batch_search",
-    "shard_model": "ignite_amp.sharding",
-    "checkpoint_blocks": "ignite_amp.checkpointing",
-    "estimate_memory": "ignite_amp.memory_plan",
-    "probe_cpu_dtype": "ignite_amp.dtype_probe",
+    "shard_model": "ignite_amp.transforms.sharding",
+    "checkpoint_blocks": "ignite_amp.transforms.activation_checkpointing",
+    "estimate_memory": "ignite_amp.memory_plan.plan",
+    "probe_cpu_dtype": "ignite_amp.run.dtype_probe",
 }
 
 # Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
-_SUBMODULES = ("batch_search", "batching", "blocks", "builders", "checkpointing", "checkpoint_io", "cli",
-               "collectives", "compare", "config", "config_search", "contracts", "data", "device", "dtype_probe",
-               "engine", "epochs", "errors", "eval_step", "events", "facts", "fake_step", "ignite_args", "launcher",
-               "memory_plan", "metric_modes", "models", "nested", "phases", "rng", "run", "scaler", "sharding", "step",
-               "step_base", "trees", "yaml12")
+_SUBMODULES = ("batch_search", "batching", "cli", "config", "core", "data", "engine", "errors", "files",
+               "launcher", "memory_plan", "models", "run", "split_check", "step", "transforms",
+               "version")
 
 __all__ = list(_EXPORTS)
 

@@ -1,5 +1,5 @@
 import sys
 
-from ignite_amp.cli import entry
+from ignite_amp.cli.main import entry
 
 sys.exit(entry())

@@ -2,7 +2,7 @@
 
 :func:`create_amp_trainer` and :func:`create_amp_evaluator` take Ignite's
 ``create_supervised_trainer`` / ``create_supervised_evaluator`` arguments, in Ignite's order and with
-Ignite's meaning (``ignite_amp.ignite_args``), and ignite_amp's own by keyword; this module also answers
+Ignite's meaning (``ignite_amp.step.factory_args``), and ignite_amp's own by keyword; this module also answers
 to Ignite's names, so ``from ignite_amp.engine import Events, create_supervised_trainer,
 create_supervised_evaluator`` ports an Ignite script (the "Coming from Ignite" guide). Handlers find
 the step of an engine with :func:`amp_step_of`.
@@ -19,16 +19,16 @@ from ignite.engine.deterministic import DeterministicEngine
 from torch import nn
 
 from ignite_amp.batching import prepare_batch as default_prepare_batch
-from ignite_amp.checkpointing import checkpoint_blocks, checkpointed_blocks
-from ignite_amp.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
-from ignite_amp.device import resolve_device
-from ignite_amp.eval_step import EvalStep
-from ignite_amp.events import AmpEvents
-from ignite_amp.fields import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
-from ignite_amp.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
-from ignite_amp.ignite_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
-from ignite_amp.step import AmpStep
-from ignite_amp.step_base import StepBase, call_model, identity
+from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
+from ignite_amp.core.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
+from ignite_amp.core.device import resolve_device
+from ignite_amp.step.evaluate import EvalStep
+from ignite_amp.step.events import AmpEvents
+from ignite_amp.core.config_keys import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
+from ignite_amp.transforms.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
+from ignite_amp.step.factory_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
+from ignite_amp.step.train import AmpStep
+from ignite_amp.step.base import StepBase, call_model, identity
 
 __all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "create_amp_trainer",
            "create_amp_evaluator"]
@@ -142,7 +142,7 @@ def amp_step_of(engine: Engine) -> StepBase:
 
 def _float8(model: nn.Module, device: Any, dtype: Any, kwargs: dict, say: bool = True) -> tuple:
     """``dtype="float8"``: the model's eligible Linear layers converted (the first transform, see
-    ``ignite_amp.float8``), and the autocast dtype (bfloat16) and report the step keeps.
+    ``ignite_amp.transforms.float8``), and the autocast dtype (bfloat16) and report the step keeps.
 
     On a GPU it turns ``compile`` on unless the caller set it: torchao's float8 casts and scales are
     separate kernels that only torch.compile fuses; without it float8 runs slower than bfloat16.
@@ -199,7 +199,7 @@ def create_amp_trainer(
     ``model_fn(model, x)``, ``model_transform(output)`` and ``output_transform(x, y, y_pred, loss)``
     are Ignite's hooks with Ignite's names; ``num_items(x, y)`` counts what a mean loss averages
     over. ``activation_checkpointing=True`` checkpoints the model's repeated blocks in place before the
-    step compiles it (:func:`ignite_amp.checkpointing.checkpoint_blocks`; a model sharded with FSDP2
+    step compiles it (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`; a model sharded with FSDP2
     has them checkpointed by ``shard_model(..., activation_checkpointing=True)``). Other keyword
     arguments go to :class:`AmpStep` (``micro_batches``, ``channels_last``, ``compile``, ``fp32_modules``,
     ``scaler_kwargs``, ``batch_size``, ``split_batch``); an unknown one is a TypeError naming the closest
@@ -209,7 +209,7 @@ def create_amp_trainer(
     ``dtype="float8"`` converts the model's eligible ``nn.Linear`` layers to torchao's float8 training
     (``float8_recipe``: tensorwise | rowwise | rowwise_with_gw_hp; ``float8_filter(module, name) -> bool``
     replaces the default choice) and runs the rest in bfloat16 autocast, with no GradScaler; the step's
-    ``float8`` says which layers were converted and why the others were not (``ignite_amp.float8``; see the precision guide).
+    ``float8`` says which layers were converted and why the others were not (``ignite_amp.transforms.float8``; see the precision guide).
 
     Example:
         >>> import torch
@@ -313,7 +313,7 @@ def create_amp_evaluator(
 
 # Ignite's names, so that ``from ignite.engine import Engine, Events, create_supervised_trainer,
 # create_supervised_evaluator`` ports by changing ``ignite.engine`` to ``ignite_amp.engine`` (Engine and
-# Events are Ignite's own, imported above; tests/test_ignite_parity.py runs such a script).
+# Events are Ignite's own, imported above; tests/step/test_ignite_parity.py runs such a script).
 #: Ignite's name of :func:`create_amp_trainer` (see the "Coming from Ignite" guide).
 create_supervised_trainer = create_amp_trainer
 #: Ignite's name of :func:`create_amp_evaluator` (see ``create_supervised_trainer``).

@@ -28,12 +28,12 @@ import ignite.distributed as idist
 import torch
 from torch.multiprocessing.spawn import ProcessException
 
-from ignite_amp.builders import config_device
-from ignite_amp.collectives import adopt_ignite_loggers
-from ignite_amp.device import is_oom_error
+from ignite_amp.run.builders import config_device
+from ignite_amp.core.collectives import adopt_ignite_loggers
+from ignite_amp.core.device import is_oom_error
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
-from ignite_amp.fields import FIXED, Boolean, Choice, Integer, Names, setting
-from ignite_amp.rundir import COMMAND_PID, terminal_log_handler
+from ignite_amp.core.config_keys import FIXED, Boolean, Choice, Integer, Names, setting
+from ignite_amp.files.run_directory import COMMAND_PID, terminal_log_handler
 
 __all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
 

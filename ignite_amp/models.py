@@ -11,7 +11,7 @@ import importlib
 from torch import nn
 
 from ignite_amp.errors import ConfigError
-from ignite_amp.fields import FIXED, Integer, Mapping, Text, setting
+from ignite_amp.core.config_keys import FIXED, Integer, Mapping, Text, setting
 
 __all__ = ["ModelConfig", "build_model", "small_cnn", "cifar_resnet18"]
 

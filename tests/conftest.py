@@ -14,8 +14,8 @@ CONFIGS = os.path.join(ROOT, "configs")
 def dtype_auto_without_timing():
     """``dtype: auto`` on a CPU with AVX512-BF16 and no AMX is a timed probe's choice: fixed to float32 for the
     whole session (in-process runs and CLI subprocesses, which inherit the environment), so no test's outcome
-    depends on the machine's load. tests/test_dtype_probe.py drives the probe itself with a fake clock."""
-    from ignite_amp.dtype_probe import PROBE_ENV
+    depends on the machine's load. tests/run/test_dtype_probe.py drives the probe itself with a fake clock."""
+    from ignite_amp.run.dtype_probe import PROBE_ENV
 
     before = os.environ.get(PROBE_ENV)
     os.environ[PROBE_ENV] = "float32"

@@ -82,7 +82,7 @@ def find_cycle(graph: dict):
 
 def test_the_import_graph_has_no_circles():
     graph = import_graph()
-    assert len(graph) >= 20 and graph["ignite_amp.run"] >= {"ignite_amp.handlers", "ignite_amp.engine"}
+    assert len(graph) >= 20 and graph["ignite_amp.run.compose"] >= {"ignite_amp.handlers", "ignite_amp.engine"}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -98,23 +98,23 @@ def test_layers():
                                                                                  for d in deps)}
     # The run layer: the config tree gathers each handler's own declaration, resume finds its checkpoint,
     # the composition root attaches the handlers. Nothing below it imports a handler.
-    assert importers_of_handlers == {"ignite_amp.run", "ignite_amp.config", "ignite_amp.resume", "ignite_amp.compare"}
-    high = {"ignite_amp.cli", "ignite_amp.config", "ignite_amp.run", "ignite_amp.launcher", "ignite_amp.compare",
-            "ignite_amp.resume"}
+    assert importers_of_handlers == {"ignite_amp.run.compose", "ignite_amp.config.tree", "ignite_amp.run.resume", "ignite_amp.cli.compare"}
+    high = {"ignite_amp.cli.main", "ignite_amp.config.tree", "ignite_amp.run.compose", "ignite_amp.launcher", "ignite_amp.cli.compare",
+            "ignite_amp.run.resume"}
     for module, deps in graph.items():
         if module.startswith("ignite_amp.handlers"):
             assert not deps & high, (module, deps & high)
-    for leaf in ("ignite_amp.errors", "ignite_amp.events"):
+    for leaf in ("ignite_amp.errors", "ignite_amp.step.events"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
-    assert graph["ignite_amp.fields"] == {"ignite_amp.errors"}  # declarations sit below every component
-    assert graph["ignite_amp.collectives"] == set()
-    assert "ignite_amp.launcher" not in graph["ignite_amp.step"] | graph["ignite_amp.collectives"]
+    assert graph["ignite_amp.core.config_keys"] == {"ignite_amp.errors"}  # declarations sit below every component
+    assert graph["ignite_amp.core.collectives"] == set()
+    assert "ignite_amp.launcher" not in graph["ignite_amp.step.train"] | graph["ignite_amp.core.collectives"]
     # The step's parts, bottom-up: what a batch is and where it runs know nothing of steps.
-    steps = {"ignite_amp.step_base", "ignite_amp.step", "ignite_amp.eval_step", "ignite_amp.engine"}
-    for low in ("ignite_amp.device", "ignite_amp.batching", "ignite_amp.phases", "ignite_amp.scaler",
-                "ignite_amp.contracts"):
+    steps = {"ignite_amp.step.base", "ignite_amp.step.train", "ignite_amp.step.evaluate", "ignite_amp.engine"}
+    for low in ("ignite_amp.core.device", "ignite_amp.batching", "ignite_amp.core.phases", "ignite_amp.step.scaler",
+                "ignite_amp.step.contracts"):
         assert not graph[low] & steps, (low, graph[low] & steps)
-    assert "ignite_amp.engine" not in graph["ignite_amp.step"] | graph["ignite_amp.step_base"]
+    assert "ignite_amp.engine" not in graph["ignite_amp.step.train"] | graph["ignite_amp.step.base"]
 
 
 def test_no_module_is_a_hall():
@@ -143,7 +143,7 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
 def test_importing_the_package_leaves_logging_alone():
     code = ("import logging; before = {n: logging.getLogger(n).level for n in logging.root.manager.loggerDict}; "
             "root = logging.getLogger().level; handlers = list(logging.getLogger().handlers); "
-            "import ignite_amp, ignite_amp.run, ignite_amp.cli, ignite_amp.launcher, ignite_amp.compare; "
+            "import ignite_amp, ignite_amp.run.compose, ignite_amp.cli.main, ignite_amp.launcher, ignite_amp.cli.compare; "
             "changed = {n: l for n, l in before.items() if logging.getLogger(n).level != l}; "
             "new = [n for n in logging.root.manager.loggerDict if logging.getLogger(n).level != logging.NOTSET "
             "and n not in before]; "

@@ -77,7 +77,7 @@ def _default(value) -> str:
 
 class ConfigReference(_Generated):
     def lines(self) -> list:
-        from ignite_amp.config import Config, default_config
+        from ignite_amp.config.tree import Config, default_config
 
         out = []
         self._section(Config, "", out)
@@ -88,7 +88,7 @@ class ConfigReference(_Generated):
         return out
 
     def _section(self, cls, prefix: str, out: list) -> None:
-        from ignite_amp.fields import defaults_of
+        from ignite_amp.core.config_keys import defaults_of
 
         fields = dataclasses.fields(cls)
         settings = [f for f in fields if "section" not in f.metadata]
@@ -110,7 +110,7 @@ class ConfigReference(_Generated):
 
 class CliReference(_Generated):
     def lines(self) -> list:
-        from ignite_amp.cli import build_parser
+        from ignite_amp.cli.main import build_parser
 
         parser = build_parser()
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

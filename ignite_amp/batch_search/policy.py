@@ -6,7 +6,7 @@ benchmarked without a device. :func:`ignite_amp.batch_search.runner.find_batch_s
 
 Three strategies:
 
-- ``"plan"`` (when a memory plan is given, :mod:`ignite_amp.memory_plan`): the plan's peak per batch size,
+- ``"plan"`` (when a memory plan is given, :mod:`ignite_amp.memory_plan.plan`): the plan's peak per batch size,
   traced under fake tensors, misses only the allocator's overhead (``max_overhead``: at most 25% more). The
   first trial is the largest batch the plan puts under the budget with that overhead; its reading gives the
   overhead on this device, and the second trial is the largest batch under the budget with it (a third,
@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ignite_amp.batch_search.results import GIB, BatchSizeResult, Trial
-from ignite_amp.fields import POSITIVE_INT
+from ignite_amp.core.config_keys import POSITIVE_INT
 
 __all__ = ["search_batch_size", "fit_line", "STRATEGIES", "OBJECTIVES", "VERIFY_STAGES"]
 
@@ -157,7 +157,7 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
         noise: how far (a share) a peak reading may stray from the line; bounds the first jumps.
         fit_tolerance: a peak further than this share from the best line means "not a line".
         max_jumps: jumps before the memory model gives way to bisection.
-        planned: ``planned(size) -> bytes``, the memory plan's peak (:meth:`ignite_amp.memory_plan.MemoryPlan.peak_at`).
+        planned: ``planned(size) -> bytes``, the memory plan's peak (:meth:`ignite_amp.memory_plan.plan.MemoryPlan.peak_at`).
         max_overhead: the most the device's peak exceeds the plan by (the allocator's rounding, workspaces).
 
     Example (a 16 GiB device; 2 GiB for the model, 40 MiB per sample):

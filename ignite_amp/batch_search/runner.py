@@ -19,10 +19,10 @@ from ignite.utils import apply_to_type
 
 from ignite_amp.batch_search.policy import VERIFY_STAGES, search_batch_size
 from ignite_amp.batch_search.results import GIB, TABLE_HEADER, BatchSizeResult, Trial, format_trial
-from ignite_amp.collectives import is_distributed, min_across_ranks, unwrap
+from ignite_amp.core.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.errors import OptimizerOutOfMemoryError
-from ignite_amp.rng import get_rng_state, set_rng_state
-from ignite_amp.device import free_memory, is_oom_error, resolve_device
+from ignite_amp.core.rng import get_rng_state, set_rng_state
+from ignite_amp.core.device import free_memory, is_oom_error, resolve_device
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 
 __all__ = ["MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner", "find_batch_size",
@@ -261,7 +261,7 @@ def find_batch_size(
         progress: called with a header, the table's header, then each trial's row as it finishes.
         plan: whether strategy ``"plan"`` traces the memory plan (None: with CUDA's own meter only; a
             stand-in meter measures something a plan of CUDA memory does not predict).
-        step_kwargs: more :class:`~ignite_amp.step.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
+        step_kwargs: more :class:`~ignite_amp.step.train.AmpStep` arguments (``channels_last``, ``fp32_modules``...).
 
     Under data-parallel training every rank searches its own device and every rank keeps the
     smallest answer.
@@ -312,7 +312,7 @@ def _planned(runner: TrialRunner, loss_fn: Callable, start: int, margin: float,
              step_kwargs: dict) -> Optional[Callable[[int], float]]:
     """The memory plan's peak per batch size on the runner's model and settings (traced around the largest size
     it puts under the budget), or None where the step cannot be traced fake."""
-    from ignite_amp.memory_plan import estimate_memory
+    from ignite_amp.memory_plan.plan import estimate_memory
 
     step = runner.engine.amp_step
     kwargs = {k: v for k, v in step_kwargs.items() if k not in ("float8_recipe", "float8_filter")}

@@ -1,0 +1,68 @@
+"""``ignite-amp plan CONFIG``: the peak memory of one training step of a config's run, before it runs.
+
+The parser part imports no torch (``ignite-amp --help`` stays fast); :func:`plan_command` does.
+"""
+import argparse
+import sys
+import time
+
+__all__ = ["add_plan_parser", "plan_command"]
+
+
+def add_plan_parser(sub, add_config) -> None:
+    """The ``plan`` sub-command's arguments (``add_config``: CONFIG, ``--set``, ``--debug``)."""
+    plan = sub.add_parser("plan", help="the peak memory of a training step by kind, and the largest batch that fits "
+                                       "(fake tensors: nothing runs)")
+    add_config(plan)
+    plan.add_argument("--memory", metavar="SIZE",
+                      help="the memory to fit, e.g. 80GiB or 24GB (default: the GPU's free memory on a GPU)")
+    plan.add_argument("--batch-sizes", type=int, nargs="+", metavar="N",
+                      help="batch sizes to plan (default: the config's data.batch_size)")
+    plan.add_argument("--margin", type=float, default=None,
+                      help="share of the memory kept free for what the plan does not count (default 0.15)")
+    plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import json
+
+    from ignite_amp.config.tree import load_config
+    from ignite_amp.run.plan import plan_config
+    from ignite_amp.run.console import safe_print
+    from ignite_amp.errors import ConfigError
+    from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, format_bytes, parse_bytes
+
+    try:
+        memory = None if args.memory is None else parse_bytes(args.memory)
+    except ValueError as exc:
+        raise ConfigError(f"--memory: {exc}") from None
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
+    if not 0 <= margin < 1:
+        raise ConfigError(f"--margin: expected a share in [0, 1), got {margin}")
+    if args.batch_sizes and min(args.batch_sizes) < 1:
+        raise ConfigError(f"--batch-sizes: expected positive integers, got {args.batch_sizes}")
+    cfg = load_config(args.config, args.overrides)
+    started = time.perf_counter()
+
+    def progress(peak) -> None:  # one line per traced size: a large model takes seconds each
+        print(f"planned batch {peak.batch_size}: peak {format_bytes(peak.peak)} "
+              f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+
+    plan = plan_config(cfg, args.batch_sizes, memory, margin, progress)
+    dtype = cfg["amp"]["dtype"]
+    if dtype == "auto":
+        from ignite_amp.core.device import dtype_name, resolve_dtype
+
+        dtype = f"auto ({dtype_name(resolve_dtype('auto', plan.device))})"
+    safe_print(f"{cfg['name']}: {cfg['model']['name']}, dtype {dtype}, batch sizes per process")
+    for line in plan.lines():
+        safe_print(line)
+    if plan.memory is None:
+        safe_print("for the largest batch that fits: --memory SIZE (e.g. --memory 80GiB)")
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"config": cfg["name"], **plan.to_dict()}, f, indent=2)
+        except OSError as exc:
+            raise ConfigError(f"--json {args.json}: cannot write ({exc.strerror or exc})") from None
+    return 0

@@ -1,0 +1,1 @@
+"""The config tree: every component's declared keys, the YAML loader, --set, the JSON Schema."""

@@ -1,0 +1,1 @@
+"""What every layer uses: device and dtype, collectives, RNG state, config keys, nested batches."""

@@ -1,0 +1,370 @@
+"""Data sets and loaders: the built-in ``shapes`` set, CIFAR-10/100, ImageFolder and ``fake``.
+
+``shapes`` is generated from a seed (no download): ten classes of simple figures (disk,
+ring, square, frame, triangle, diamond, plus, cross, bars) at random places, sizes and
+colours, with noise. It is learnable in a few CPU epochs, so the quickstart runs anywhere.
+"""
+import dataclasses
+import logging
+import os
+import pickle
+from typing import Optional, Sequence, Tuple
+
+import ignite.distributed as idist
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ignite_amp.core.collectives import adopt_ignite_loggers
+from ignite_amp.errors import ConfigError
+from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
+from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
+
+__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+
+logger = logging.getLogger("ignite_amp")
+
+SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "plus", "cross", "hbar", "vbar")
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """data: the training and validation sets and their loaders."""
+
+    name: str = setting("shapes", Choice("shapes", "cifar10", "cifar100", "imagefolder", "fake"),
+                        "shapes (built in, no download), cifar10, cifar100, imagefolder or fake", FIXED)
+    root: str = setting("./data", Text(), "cifar: torchvision's layout; imagefolder: root/train and root/val")
+    batch_size: int = setting(64, Integer(1, 2**20, also=("auto",)),
+                              "the global batch (split over the processes of a distributed run); auto: search for "
+                              "the largest that fits", FIXED_UNDER_SCHEDULE)
+    eval_batch_size: int = setting(None, Integer(1, 2**20, nullable=True), "default: batch_size")
+    num_workers: int = setting(2, Integer(0, 256), "loader worker processes")
+    download: bool = setting(False, Boolean(), "cifar only: download when missing")
+    augment: bool = setting(False, Boolean(),
+                            "cifar: padded random crop + flip; imagefolder: random resized crop + flip")
+    image_size: int = setting(None, Integer(8, 4096, nullable=True), "default: shapes/fake 32, imagefolder 224",
+                              FIXED)
+    train_size: int = setting(None, Integer(1, 10**8, nullable=True),
+                              "default: shapes 8000, fake 1024; cifar: a prefix of the set", FIXED_UNDER_SCHEDULE)
+    val_size: int = setting(None, Integer(1, 10**8, nullable=True), "default: shapes 2000, fake 256")
+
+    @staticmethod
+    def check_values(values: dict, path: str) -> None:
+        if values["name"] == "imagefolder":
+            for key in ("train_size", "val_size"):
+                if values[key] is not None:
+                    raise ConfigError(f"{path}.{key}: imagefolder takes every image under root/train; leave it null "
+                                      f"(and {path}.val_size too)")
+
+
+class TensorImageDataset(Dataset):
+    """In-memory uint8 images (N, C, H, W) and labels; normalised floats out.
+
+    ``augment`` applies the CIFAR recipe per sample: 4-pixel padded random crop and a random
+    horizontal flip.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Sequence[float],
+                 std: Sequence[float], augment: bool = False, classes: Optional[Sequence[str]] = None):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError("images should be a uint8 tensor of shape (N, C, H, W)")
+        self.images, self.labels = images, labels.long()
+        self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
+        self.std = torch.tensor(std).view(-1, 1, 1) * 255
+        self.augment = augment
+        self.classes = list(classes) if classes is not None else sorted(set(self.labels.tolist()))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        if self.augment:
+            h, w = image.shape[-2:]
+            padded = torch.nn.functional.pad(image, (4, 4, 4, 4), mode="constant", value=0)
+            top, left = torch.randint(0, 9, (2,)).tolist()
+            image = padded[:, top:top + h, left:left + w]
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+        return (image.float() - self.mean) / self.std, self.labels[index]
+
+
+def make_shapes(n: int, image_size: int = 32, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generate ``n`` shape images (uint8, N x 3 x S x S) and their labels from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, len(SHAPE_CLASSES), (n,), generator=g)
+    grid = (torch.arange(image_size, dtype=torch.float32) + 0.5) / image_size
+    yy, xx = torch.meshgrid(grid, grid, indexing="ij")
+    centre = 0.35 + 0.3 * torch.rand(n, 2, 1, 1, generator=g)
+    radius = 0.09 + 0.17 * torch.rand(n, 1, 1, generator=g)
+    dx = (xx - centre[:, 0]) / radius
+    dy = (yy - centre[:, 1]) / radius
+    ax, ay = dx.abs(), dy.abs()
+    box, dist = torch.maximum(ax, ay), (dx**2 + dy**2).sqrt()
+    masks = torch.stack([
+        dist <= 1,                                                          # disk
+        (dist >= 0.6) & (dist <= 1),                                        # ring
+        box <= 0.85,                                                        # square
+        (box >= 0.5) & (box <= 0.85),                                       # frame
+        (dy.abs() <= 0.8) & (ax <= 0.9 * (dy + 0.8) / 1.6),                 # triangle
+        ax + ay <= 1,                                                       # diamond
+        ((ax <= 0.25) & (ay <= 0.9)) | ((ay <= 0.25) & (ax <= 0.9)),        # plus
+        (((dx - dy).abs() <= 0.3) | ((dx + dy).abs() <= 0.3)) & (box <= 0.8),  # cross
+        (ay <= 0.3) & (ax <= 0.95),                                         # hbar
+        (ax <= 0.3) & (ay <= 0.95),                                         # vbar
+    ])
+    mask = masks[labels, torch.arange(n)].unsqueeze(1).float()
+    fg = torch.rand(n, 3, 1, 1, generator=g)
+    bg = (fg + 0.35 + 0.3 * torch.rand(n, 3, 1, 1, generator=g)) % 1.0
+    image = mask * fg + (1 - mask) * bg + 0.2 * torch.randn(n, 3, image_size, image_size, generator=g)
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8), labels
+
+
+def read_cifar(root: str, train: bool, fine: bool = False) -> Tuple[torch.Tensor, torch.Tensor, list]:
+    """Read CIFAR-10 (``fine=False``) or CIFAR-100 from torchvision's on-disk pickle layout."""
+    folder = os.path.join(root, "cifar-100-python" if fine else "cifar-10-batches-py")
+    if fine:
+        files, meta, key, names = (["train"] if train else ["test"]), "meta", "fine_labels", "fine_label_names"
+    else:
+        files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        meta, key, names = "batches.meta", "labels", "label_names"
+    images, labels = [], []
+    for name in files:
+        entry = _unpickle(os.path.join(folder, name))
+        images.append(torch.as_tensor(entry["data"], dtype=torch.uint8).reshape(-1, 3, 32, 32))
+        labels.append(torch.as_tensor(entry[key], dtype=torch.long))
+    classes = [c.decode() if isinstance(c, bytes) else c for c in _unpickle(os.path.join(folder, meta))[names]]
+    return torch.cat(images), torch.cat(labels), classes
+
+
+def _unpickle(path: str) -> dict:
+    if not os.path.exists(path):
+        raise ConfigError(f"data.root: {path} is missing (set data.download: true to fetch the data set)")
+    try:
+        with open(path, "rb") as f:  # Python 2 pickles: latin1, as torchvision reads them
+            entry = pickle.load(f, encoding="latin1")
+    except Exception as exc:  # a corrupt file: one line, whatever pickle raised
+        raise ConfigError(f"data.root: {path} is not a CIFAR batch file ({exc.__class__.__name__})") from None
+    if not isinstance(entry, dict):
+        raise ConfigError(f"data.root: {path} is not a CIFAR batch file")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
+
+
+def _download_cifar(root: str, fine: bool) -> None:
+    from torchvision import datasets
+
+    name = "CIFAR-100" if fine else "CIFAR-10"
+    try:
+        (datasets.CIFAR100 if fine else datasets.CIFAR10)(root, train=True, download=True)
+    except Exception as exc:  # no network, a proxy, a full disk, a bad archive: one line with the way out
+        reason = str(getattr(exc, "reason", "") or exc).strip().splitlines()
+        raise ConfigError(f"data.download: cannot download {name} into {root} ({exc.__class__.__name__}: "
+                          f"{reason[0] if reason else 'no detail'}); put the extracted "
+                          f"{'cifar-100-python' if fine else 'cifar-10-batches-py'} folder there yourself") from None
+
+
+def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]):
+    return (images, labels) if size is None else (images[:size], labels[:size])
+
+
+def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset, Dataset, int]:
+    """The train and validation sets for ``cfg["data"]`` and the number of classes they hold."""
+    name, root, augment = data["name"], data["root"], data["augment"]
+    if name == "shapes":
+        size = data["image_size"] or 32
+        train = make_shapes(data["train_size"] or 8000, size, seed=seed)
+        val = make_shapes(data["val_size"] or 2000, size, seed=seed + 1_000_003)
+        mean, std, classes = (0.5,) * 3, (0.25,) * 3, SHAPE_CLASSES
+    elif name in ("cifar10", "cifar100"):
+        fine = name == "cifar100"
+        if data["download"]:
+            _download_cifar(root, fine)
+        *train, classes = read_cifar(root, train=True, fine=fine)
+        *val, _ = read_cifar(root, train=False, fine=fine)
+        train, val = _subset(*train, data["train_size"]), _subset(*val, data["val_size"])
+        mean, std = CIFAR_MEAN, CIFAR_STD
+    elif name == "fake":
+        size = data["image_size"] or 32
+        g = torch.Generator().manual_seed(seed)
+        n_train, n_val = data["train_size"] or 1024, data["val_size"] or 256
+        train = (torch.randint(0, 256, (n_train, 3, size, size), dtype=torch.uint8, generator=g),
+                 torch.randint(0, num_classes, (n_train,), generator=g))
+        val = (torch.randint(0, 256, (n_val, 3, size, size), dtype=torch.uint8, generator=g),
+               torch.randint(0, num_classes, (n_val,), generator=g))
+        mean, std, classes = (0.5,) * 3, (0.29,) * 3, [str(i) for i in range(num_classes)]
+    elif name == "imagefolder":
+        size = data["image_size"] or 224
+        train_set = image_folder(root, "train", size, augment, IMAGENET_MEAN, IMAGENET_STD)
+        if len(train_set.classes) < 2:
+            raise ConfigError(f"data.root: {root}/train has one class folder ({train_set.classes[0]}); a "
+                              f"classifier needs at least two")
+        val_set = image_folder(root, "val", size, False, IMAGENET_MEAN, IMAGENET_STD)
+        if val_set.classes != train_set.classes:  # labels are indices into the sorted class list
+            missing = sorted(set(train_set.classes) - set(val_set.classes))
+            extra = sorted(set(val_set.classes) - set(train_set.classes))
+            raise ConfigError(f"data.root: {root}/val has other classes than {root}/train (missing in val: "
+                              f"{', '.join(missing) or 'none'}; only in val: {', '.join(extra) or 'none'}); "
+                              f"the labels would not match")
+        check_images([p for p, _ in train_set.samples + val_set.samples], data["num_workers"])
+        return train_set, val_set, len(train_set.classes)
+    else:  # the config schema already refused other names
+        raise ConfigError(f"data.name: unknown data set {name!r}")
+    train_set = TensorImageDataset(*train, mean, std, augment=augment, classes=classes)
+    val_set = TensorImageDataset(*val, mean, std, classes=classes)
+    return train_set, val_set, len(classes)
+
+
+class EpochShuffleSampler(Sampler):
+    """Random order drawn from ``seed + epoch``: an epoch's order depends on its number alone.
+
+    So a resumed run sees the same batches as an uninterrupted one. ``set_epoch`` is called
+    at each ``EPOCH_STARTED``, like ``DistributedSampler.set_epoch``; ``start`` leaves out the
+    first samples of that order (a resume in the middle of a pass, :mod:`ignite_amp.data.passes`).
+    """
+
+    def __init__(self, length: int, seed: int = 0):
+        self.length, self.seed, self.epoch, self.start = length, seed, 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The pass's order (``seed + epoch``), less its first ``start`` samples."""
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.length, generator=generator)[self.start:].tolist())
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class ShuffleShardSampler(DistributedSampler):
+    """``DistributedSampler`` (shuffled from ``seed + epoch``) whose ``set_epoch`` also takes ``start``: the
+    first samples of this rank's shard to leave out, as :class:`EpochShuffleSampler`'s."""
+
+    #: Samples of this rank's shard left out of the next pass (set by :meth:`set_epoch`).
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The pass's order (``seed + epoch``), less its first ``start`` samples."""
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+
+class EvenShardSampler(DistributedSampler):
+    """Validation sharding without padding: rank ``r`` takes samples ``r, r + world, ...``.
+
+    ``DistributedSampler`` pads the data set to a multiple of the world size by repeating
+    samples, which would count them twice in the metrics; here each sample is evaluated once
+    and Ignite's metrics add the ranks' counts up.
+    """
+
+    def __init__(self, dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class LockstepBatches:
+    """One rank's validation batches (its :class:`EvenShardSampler` shard, in order), as many on every rank.
+
+    A sharded model's forward is a collective, so every rank must run as many of them: the shards
+    differ by one sample at most, and the last batch takes what is left (up to ``batch_size + 1``).
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: Optional[int] = None,
+                 rank: Optional[int] = None):
+        shard = EvenShardSampler(dataset, num_replicas=num_replicas, rank=rank)
+        self.indices = list(shard)
+        self.batch_size = batch_size
+        self.count = max(1, -(-(len(dataset) // shard.num_replicas) // batch_size))
+
+    def __iter__(self):
+        b, last = self.batch_size, self.count - 1
+        for i in range(last):
+            yield self.indices[i * b:(i + 1) * b]
+        yield self.indices[last * b:]
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
+                seed: int = 0, no_single_last: bool = False, lockstep: bool = False,
+                micro_batches: int = 1) -> DataLoader:
+    """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
+
+    ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
+    ``batch_size / N`` (validation: rounded down; and ``num_workers`` is shared out over the processes of a machine). The
+    training order is drawn from ``seed + epoch`` (``set_epoch``), the same permutation in one
+    process (:class:`EpochShuffleSampler`) as over N (:class:`ShuffleShardSampler`), so the global
+    batches are the same sets of samples. Validation is sharded without padding.
+    ``no_single_last``: a training epoch whose last batch would hold one sample (which BatchNorm
+    cannot train on), or cut in ``micro_batches`` a micro-batch of one, leaves it out, with a warning;
+    the order is shuffled, so not the same samples.
+    ``lockstep``: validation batches as many on every rank (:class:`LockstepBatches`), for a sharded model.
+    """
+    adopt_ignite_loggers()
+    world = idist.get_world_size()
+    if lockstep and not train and world > 1:
+        if len(dataset) < world:
+            raise ConfigError(f"data: {len(dataset)} validation samples for {world} processes; a sharded model needs "
+                              f"one per process at least")
+        workers = -(-num_workers // idist.get_nproc_per_node())
+        return DataLoader(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
+                          num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    if world > 1:
+        if train and batch_size % world:
+            raise ConfigError(f"data.batch_size: {batch_size} is the global batch and should divide evenly over "
+                              f"{world} processes")
+        sampler = ShuffleShardSampler(dataset, shuffle=True, seed=seed) if train else EvenShardSampler(dataset)
+    else:
+        sampler = EpochShuffleSampler(len(dataset), seed) if train else None
+    drop_last = False
+    last = len(sampler) % (batch_size // world) if train else 0
+    if no_single_last and 0 < last < 2 * micro_batches:
+        drop_last = True
+        held = "1 sample" if last == 1 else f"{last} samples, a micro-batch of 1 in {micro_batches} micro-batches,"
+        logger.warning(f"data: the last batch of each epoch would hold {held} which BatchNorm layers cannot train "
+                       f"on: it is left out (different samples each epoch: the order is shuffled); change "
+                       f"data.batch_size or data.train_size to keep it")
+    return idist.auto_dataloader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+    )
+
+
+def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False,
+                  lockstep: bool = False, micro_batches: int = 1):
+    """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here.
+
+    ``batch_norm``: the model has BatchNorm layers (training batches, or micro-batches of ``micro_batches``
+    (``amp.micro_batches``), of one sample are refused or left out).
+    ``lockstep``: the model is sharded (validation batches as many on every rank)."""
+    batch = data["batch_size"]
+    per_process = batch // idist.get_world_size()
+    if batch_norm and per_process == 1:
+        raise ConfigError("data.batch_size: 1 sample per batch (per process), but the model has BatchNorm layers, "
+                          "whose training statistics need at least 2")
+    if batch_norm and per_process < 2 * micro_batches:
+        raise ConfigError(f"amp.micro_batches: {micro_batches} micro-batches of a batch of {per_process} (per process) "
+                          f"hold 1 sample, but the model has BatchNorm layers, whose training statistics need at "
+                          f"least 2: use at most {per_process // 2}, or a larger data.batch_size")
+    train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
+    train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm,
+                        micro_batches=micro_batches)
+    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device, lockstep=lockstep)
+    return train, val, n_classes

@@ -1,0 +1,1 @@
+"""Files on disk: crash-safe checkpoint files and the run directory."""

@@ -1,0 +1,397 @@
+"""The composition root: build a run from a config (data, model, optimizer, engines, handlers), then train.
+
+Each component is built from its own config section (declared beside it, see
+:mod:`ignite_amp.config.tree`) and attached in a fixed order; resume is :mod:`ignite_amp.run.resume`'s,
+the run directory :mod:`ignite_amp.files.run_directory`'s.
+"""
+import warnings
+from typing import Any, Callable, Optional
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine
+from ignite.metrics import Accuracy, Loss
+
+from ignite_amp.run.resume import plan_resume, resume_run
+from ignite_amp.run.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs,
+                                 checkpoint_activations, config_device, seed_everything)
+from ignite_amp.core.collectives import is_distributed
+from ignite_amp.config.tree import load_config, save_config
+from ignite_amp.run.plan import plan_run
+from ignite_amp.run.search import search_built
+from ignite_amp.run.console import drop_unfinished_bar, safe_print, silent
+from ignite_amp.data.datasets import build_loaders
+from ignite_amp.run.dtype_probe import config_dtype
+from ignite_amp.errors import ConfigError
+from ignite_amp.step.facts import config_facts, start_words
+from ignite_amp.transforms.float8 import convert_to_float8
+from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
+                                 StepSchedule, TensorBoardMetrics)
+from ignite_amp.launcher import launch
+from ignite_amp.models import build_model
+from ignite_amp.data.passes import training_data
+from ignite_amp.transforms.sharding import check_shardable, shard_model
+from ignite_amp.files.run_directory import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
+from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
+from ignite_amp.run.epochs import EpochSummary, Validation
+
+__all__ = ["train_from_config", "build_run", "Run"]
+
+
+class Run:
+    """Everything a config builds; ``run.train()`` trains it, then ``run.close()`` ends it.
+
+    On rank 0 the run holds ``output_dir``'s lock and writes ``train.log`` from the moment it
+    is built until :meth:`close` (which :meth:`train` calls at its end).
+    """
+
+    def __init__(self, cfg: dict, trainer: Engine, evaluator: Engine, model, optimizer, scheduler,
+                 train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
+        self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.train_data: Any = train_loader  # what the trainer runs on (a PassStream with train.epoch_length)
+        self.to_save = to_save
+        self._print = print_fn
+        self.files = files
+        self.history = []
+        self.checkpoint: Optional[BestCheckpoint] = None
+        self.closers: list = []
+        self.health: Callable[[], list] = list  # the end-of-run health summary (TensorBoardMetrics.health)
+        self.health_lines: list = []
+        self.traces: list = []  # the profiler's files
+        self.resumed_from: Optional[str] = None
+        self.command = "ignite-amp train CONFIG"
+        self.batch_search = None  # the batch-size search's result when data.batch_size was auto
+        self.facts: dict = {}  # what the config resolved to, for TensorBoard's run facts
+        self.dtype_why = ""  # why dtype auto chose the dtype (a config run on a CPU: the probe's evidence)
+
+    def print(self, line: str) -> None:
+        self._print(line)
+        self.files.log.line(line)
+
+    @property
+    def output_dir(self) -> str:
+        return self.cfg["output_dir"]
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.cfg["output_dir"])
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return self.layout.tensorboard_dir
+
+    @property
+    def profiler_dir(self) -> str:
+        return self.layout.profiler_dir
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.layout.checkpoint_dir
+
+    def train(self) -> dict:
+        """Train to ``train.epochs``; returns the history and where things were written."""
+        cfg = self.cfg
+        state = self.trainer.state
+        try:
+            if self.resumed_from and state.epoch >= cfg["train"]["epochs"]:
+                fewer = (f", more than the {cfg['train']['epochs']} train.epochs asks for"
+                         if state.epoch > cfg["train"]["epochs"] else "")
+                self.print(f"already trained {state.epoch} epoch{'' if state.epoch == 1 else 's'} (checkpoint {self.resumed_from}{fewer}); nothing "
+                           f"to train; to train more: {self._more_epochs_hint(state.epoch)}")
+            else:
+                step = self.trainer.amp_step
+                if step.float8 is not None:
+                    self.print(step.float8.line())
+                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", self.dtype_why)
+                self.print(f"training {cfg['name']} on {where} with {precision}; "
+                           f"output in {self.output_dir}")
+                try:
+                    self.trainer.run(self.train_data, max_epochs=cfg["train"]["epochs"],
+                                     epoch_length=cfg["train"]["epoch_length"])
+                finally:  # also after an exception: stop the profiler, flush TensorBoard, say how it went
+                    for close in self.closers:
+                        close()
+                    self._report_health()
+        except BaseException as exc:
+            self.files.log.traceback(f"the run stopped: {exc.__class__.__name__}: {exc}")
+            raise
+        finally:
+            self.close()
+        return {"history": self.history, "final": self.history[-1] if self.history else {}, "health": self.health_lines,
+                "output_dir": self.output_dir,
+                "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None,
+                "tensorboard_dir": self.tensorboard_dir if self.writes_tensorboard else None}
+
+    def _report_health(self) -> None:
+        try:
+            self.health_lines = self.health()
+        except Exception as exc:  # after a device fault the figures may be unreadable: the run's own error wins
+            self.files.log.line(f"no health summary: {exc.__class__.__name__}: {exc}")
+            return
+        if self.health_lines:
+            self.print("health of the run:")
+            for line in self.health_lines:
+                self.print(f"  {line}")
+        for trace in (t for t in self.traces if t.endswith(".json")):
+            self.print(f"profiler trace: {trace}: open it in https://ui.perfetto.dev (Open trace file)")
+
+    def _more_epochs_hint(self, epoch: int) -> str:
+        schedule = self.cfg["scheduler"]["name"]
+        if schedule == "none":
+            return f"{self.command} --set train.epochs={epoch + self.cfg['train']['epochs']}"
+        return (f"its {schedule} schedule ended with epoch {epoch} and cannot be stretched, so start over: "
+                f"{self.command} --set train.epochs=N --set handlers.checkpoint.resume=never (this run is moved "
+                f"aside)")
+
+    def close(self) -> None:
+        """Release the run directory (lock, log file) and the global switches the run set."""
+        self.files.close()
+
+    @property
+    def writes_tensorboard(self) -> bool:
+        handlers = self.cfg["handlers"]
+        return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]
+
+
+def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
+              command: str = "ignite-amp train CONFIG") -> Run:
+    """Validate ``cfg`` (path, dict or loaded config) and build everything it describes.
+
+    Before anything trains, rank 0 locks ``output_dir`` (one run at a time), opens its
+    ``train.log``, decides what to resume (the newest checkpoint that loads; with
+    ``resume: never``, or nothing to resume, an earlier run's files are moved aside), checks the
+    checkpoint's config against this one (:mod:`ignite_amp.run.resume`), creates and test-writes
+    every directory the run writes, runs the model once on a dummy batch, and writes
+    ``config.yaml``. Every user fault is a one-line error before the first iteration.
+
+    Inside a process group of N > 1 ranks (``torchrun``, or :func:`train_from_config` with
+    ``distributed.nproc_per_node``) the model is wrapped by ``idist.auto_model`` (DDP), the
+    loaders shard the global batch, and rank 0 alone prints and writes files.
+    """
+    cfg = load_config(cfg)
+    device = config_device(cfg)
+    main = idist.get_rank() == 0
+    if not main:
+        print_fn, progress = silent, False
+    files = RunFiles(cfg["output_dir"], main)
+    # Warnings raised while building (torch's, say, about a zero-width layer) are held: shown if the
+    # run builds, kept in train.log only if it fails, so a user error stays one line.
+    with warnings.catch_warnings(record=True) as held:
+        try:
+            run = _build(cfg, device, main, files, progress, print_fn, command)
+        except BaseException as exc:
+            for w in held:
+                files.log.line(f"warning: {w.filename}:{w.lineno}: {w.category.__name__}: {w.message}")
+            files.log.traceback(f"building the run failed: {exc.__class__.__name__}: {exc}")
+            files.close()
+            raise
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return run
+
+
+def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progress: bool, print_fn: Callable,
+           command: str) -> Run:
+    """The composition root: each component built from its config section, then attached in order."""
+    def say(line: str) -> None:
+        print_fn(line)
+        files.log.line(line)
+
+    searched = cfg["data"]["batch_size"] == "auto"  # for the run facts (a resume replaces "auto")
+    resuming = plan_resume(cfg, main, say)
+    files.open_log()
+    if main:
+        check_run_directories(cfg)
+    seed_everything(cfg["seed"])
+    model = build_model(**cfg["model"])
+    checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
+    optimizer = build_optimizer(cfg["optimizer"], model)
+    planned = plan_run(cfg, model, optimizer, device, say)  # activation_checkpointing auto; the planned peak (GPU)
+    batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
+        else None
+    batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
+                                                        cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg),
+                                                        micro_batches=cfg["amp"]["micro_batches"])
+    check_classes(cfg, n_classes)
+    trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files)
+    epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
+    scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
+    train_data = training_data(trainer, train_loader, cfg["train"]["epoch_length"])  # each pass's order: its number
+
+    to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
+    if scheduler is not None:
+        to_save["scheduler"] = scheduler
+    run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
+              files)
+    run.command, run.batch_search, run.train_data, run.dtype_why = command, batch_search, train_data, dtype_why
+    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned,
+                 **({"dtype_auto": dtype_why} if dtype_why else {})}
+    run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
+    if progress:
+        from ignite.handlers import ProgressBar
+
+        # Before the epoch-end handlers: the bar ends at 100% on its own line before the validation and the
+        # epoch's line print. No loss in the bar: showing it would sync the host with the device every iteration.
+        bar = ProgressBar(persist=True, desc="Epoch")  # "Epoch" for one epoch too, not Ignite's "Iteration"
+        bar.attach(trainer)
+        run.closers.append(lambda: drop_unfinished_bar(bar))  # stopped mid-epoch: its line cleared
+    _attach_handlers(run)
+    if resuming.path is not None:
+        run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
+                                epoch_length, scheduled=scheduler is not None))
+        run.resumed_from = run.checkpoint.resumed_path  # an unreadable choice fell back to an older one
+    if main:
+        layout = RunLayout(cfg["output_dir"])
+        save_config(cfg, layout.config_path)
+        warn_if_disk_is_short(layout.checkpoint_dir, sum(t.numel() * t.element_size()
+                                                         for t in model.state_dict().values()),
+                              cfg["handlers"]["checkpoint"]["n_saved"])
+    return run
+
+
+def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                       say: Callable):
+    """``data.batch_size: auto``: the search's result becomes the config's (global) batch size."""
+    found = search_built(cfg, model, optimizer, device)
+    world = idist.get_world_size()
+    cfg["data"]["batch_size"] = found.batch_size * world
+    per_rank = f" per process x {world} processes" if world > 1 else ""
+    say(f"batch-size search: largest fit {found.largest_fit}, using {found.batch_size}{per_rank} "
+        f"({len(found.trials)} trials; {found.reason})")
+    return found
+
+
+def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+             files: RunFiles):
+    """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
+    optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked)."""
+    amp = dict(cfg["amp"])
+    amp["dtype"], dtype_why = config_dtype(cfg, model, device)  # auto on a CPU: a timed probe's choice (dtype_probe)
+    accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
+    cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
+    check_split = amp.pop("check_split")  # the trainer's only
+    loss_fn = torch.nn.functional.cross_entropy
+    trained = model
+    if _sharded(cfg) and not is_distributed():  # one process: the same checks of the blocks as on N
+        _shard(cfg, model, device, check_only=True)
+    if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format
+        model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
+        if _sharded(cfg):
+            trained = model = _shard(cfg, model, device)
+            optimizer = build_optimizer(cfg["optimizer"], model)  # sharding replaced the parameters
+        else:
+            trained = idist.auto_model(model)
+            optimizer = idist.auto_optim(optimizer)
+    try:
+        trainer = create_amp_trainer(trained, optimizer, loss_fn, device=device, accumulation_steps=accumulation_steps,
+                                     micro_batches=micro_batches, check_split=check_split, **amp)
+        # Metrics keep their sums on the run's device: no host sync per evaluation batch.
+        metrics = {"accuracy": Accuracy(device=device), "loss": Loss(loss_fn, device=device)}
+        evaluator = create_amp_evaluator(model, metrics, device=device, **amp)
+    except ValueError as exc:
+        raise ConfigError(f"amp: {exc}") from None
+    check_model_runs(cfg, trainer.amp_step)
+    if device.type == "cuda" and cudnn_benchmark:
+        previous = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
+        files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
+    return trainer, evaluator, optimizer, dtype_why
+
+
+def _sharded(cfg: dict) -> bool:
+    return cfg["distributed"]["strategy"] == "fsdp"
+
+
+def _shard(cfg: dict, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
+    """``distributed.strategy: fsdp``: the model sharded over the processes (:func:`ignite_amp.transforms.sharding.shard_model`)."""
+    dist, amp = cfg["distributed"], cfg["amp"]
+    try:
+        if check_only:
+            check_shardable(model, dist["blocks"] or None, amp["fp32_modules"])
+            return model
+        if amp["dtype"] == "float8":  # the first transform; FSDP2 then all-gathers the float8 weights in float8
+            convert_to_float8(model, amp["float8_recipe"], device, amp["fp32_modules"], fsdp_all_gather=True)
+        return shard_model(model, "bfloat16" if amp["dtype"] == "float8" else amp["dtype"], dist["blocks"] or None,
+                           dist["reshard_after_forward"], amp["fp32_modules"], device)
+    except ValueError as exc:
+        raise ConfigError(f"{'distributed' if str(exc).startswith('blocks') else 'amp'}.{exc}") from None
+
+
+def _schedule(cfg: dict, trainer: Engine, optimizer: torch.optim.Optimizer, epoch_length: int):
+    """The learning-rate schedule, stepped per optimizer step taken (a step the scaler skipped does not count)."""
+    # An accumulation cycle ends at the epoch's end: ceil(epoch_length / accumulation) steps per epoch.
+    total_steps = cfg["train"]["epochs"] * -(-epoch_length // cfg["amp"]["accumulation_steps"])
+    scheduler = build_scheduler(cfg["scheduler"], optimizer, cfg["optimizer"]["lr"], total_steps)
+    if scheduler is not None:
+        StepSchedule(scheduler).attach(trainer)
+    return scheduler
+
+
+def _switched_on(section: dict) -> Optional[dict]:
+    """A handler section's arguments, or None when ``enabled`` is false."""
+    options = dict(section)
+    return options if options.pop("enabled", True) else None
+
+
+def _attach_handlers(run: Run) -> None:
+    """Each ``handlers:`` section builds its handler from its own keys, attached in this order."""
+    cfg, trainer, evaluator = run.cfg["handlers"], run.trainer, run.evaluator
+    guard = _switched_on(cfg["non_finite"])
+    if guard is not None:  # first: its epoch-end check runs before evaluation and saving
+        NonFiniteGuard(**guard).attach(trainer)
+    summary = EpochSummary(evaluator, run.history, run.print)
+    summary.attach(trainer)  # at each epoch's end: the training figures (one host sync),
+    Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
+    summary.attach_report(trainer)  # then the epoch's line
+    backoff = _switched_on(cfg["oom_backoff"])
+    if backoff is not None and _sharded(run.cfg):  # also on one process: its checkpoints resume on N
+        run.print("handlers.oom_backoff: off under distributed.strategy fsdp (an out-of-memory error inside a sharded "
+                  "forward leaves the other processes in a collective, so it cannot be retried safely)")
+        backoff = None
+    if backoff is not None:
+        train_backoff = OOMBackoff(**backoff)
+        train_backoff.attach(trainer)
+        run.to_save["oom_backoff"] = train_backoff
+        OOMBackoff(backoff["min_batch_size"]).attach(evaluator)
+    clipping = None
+    if cfg["clipping"]["max_norm"] is not None or cfg["clipping"]["clip_value"] is not None:
+        clipping = GradientClipping(**cfg["clipping"])
+        clipping.attach(trainer)
+    tensorboard = _switched_on(cfg["tensorboard"])
+    if tensorboard is not None:
+        texts = {"run/batch_size_search": run.batch_search.table} if run.batch_search is not None else None
+        tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts, from_config=True,
+                                ranks_memory=is_distributed(), **tensorboard)
+        tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
+        run.closers.append(tb.close)
+        run.health = tb.health
+    profiler = _switched_on(cfg["profiler"])
+    if profiler is not None:
+        capture = ProfilerCapture(run.profiler_dir, **profiler, from_config=True)
+        capture.attach(trainer)
+        run.closers.append(capture.stop)
+        run.traces = capture.files
+    checkpoint = {k: v for k, v in cfg["checkpoint"].items() if k != "resume"}  # resume: ignite_amp.run.resume's
+    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg, sharded=_sharded(run.cfg),
+                                    **checkpoint)
+    run.checkpoint.attach(trainer, evaluator)
+
+
+def _train(cfg: dict, progress: bool, print_fn: Callable, command: str) -> dict:
+    return build_run(cfg, progress=progress, print_fn=print_fn, command=command).train()
+
+
+def train_from_config(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
+                      command: str = "ignite-amp train CONFIG") -> dict:
+    """Train what ``cfg`` (a YAML path, a dict, or a loaded config) describes.
+
+    With ``distributed.nproc_per_node: N > 1`` it spawns N processes (``idist.Parallel``; then
+    ``print_fn`` must be picklable, like ``print``); under ``torchrun`` this process is one rank.
+    Returns rank 0's ``{"history": [per-epoch records], "final": last record, "output_dir": ...,
+    "best_checkpoint": ..., "tensorboard_dir": ...}``.
+    """
+    cfg = load_config(cfg)
+    return launch(cfg, _train, cfg, progress, print_fn, command)

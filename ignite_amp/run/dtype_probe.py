@@ -1,0 +1,141 @@
+"""``dtype: auto`` on a CPU decided by evidence: a short timed probe of the model's own training step.
+
+Whether bfloat16 autocast is faster than float32 on a CPU with AVX512-BF16 but no AMX depends on the
+torch build (the quickstart ran at 0.78-0.81x float32's speed on torch 2.15.0 and 1.24x on 2.14.1 on the
+same 2-core AMD EPYC, benchmarks/RESULTS.md), so no fixed rule is right there.
+:func:`~ignite_amp.probe_cpu_dtype` times both on the model; :func:`~ignite_amp.run.dtype_probe.config_dtype`
+is what a config run (the CLI, ``train_from_config``) asks before it builds its trainer. Elsewhere the
+choice is fixed without a probe: ``ignite_amp.core.device.resolve_dtype``'s rule.
+"""
+import dataclasses
+import os
+import time
+from typing import Callable, Optional, Tuple
+
+import ignite.distributed as idist
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ignite_amp.run.builders import input_shape
+from ignite_amp.errors import ConfigError
+from ignite_amp.core.device import cpu_has_amx, cpu_has_native_bf16, dtype_name
+from ignite_amp.split_check.randomness import still
+
+__all__ = ["probe_cpu_dtype", "DtypeProbe", "config_dtype", "PROBE_ENV", "FASTER"]
+
+#: An environment variable that fixes the probe's outcome of a config run (``float32`` or ``bfloat16``),
+#: where the choice is open: runs whose dtype must not depend on timing (the test suite sets it).
+PROBE_ENV = "IGNITE_AMP_DTYPE_PROBE"
+#: bfloat16 wins when its fastest step time is at most this fraction of float32's (float32 wins ties:
+#: its numerics are the safer ones).
+FASTER = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeProbe:
+    """What :func:`~ignite_amp.probe_cpu_dtype` measured and chose."""
+
+    #: the faster dtype: ``torch.bfloat16`` (autocast) or ``torch.float32``
+    dtype: torch.dtype
+    #: bfloat16's fastest step time over float32's
+    ratio: float
+    #: the probe's wall time, warm-up included, in seconds
+    seconds: float
+    #: timed (float32, bfloat16) pairs
+    pairs: int
+
+    def words(self) -> str:
+        """The evidence in words, for a start line: ``a bfloat16 step took 0.80x float32's time in a 0.3 s probe
+        on this CPU``."""
+        seconds = f"{self.seconds:.1f}" if self.seconds >= 0.1 else f"{self.seconds:.2f}"
+        return f"a bfloat16 step took {self.ratio:.2f}x float32's time in a {seconds} s probe on this CPU"
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, dtype: torch.dtype) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        loss = loss_fn(model(x), y)
+    if params and loss.requires_grad:
+        torch.autograd.grad(loss.float(), params, allow_unused=True)  # never touches .grad
+
+
+def probe_cpu_dtype(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor], loss_fn: Callable = F.cross_entropy,
+                    *, budget_s: float = 2.0, max_pairs: int = 3,
+                    clock: Callable[[], float] = time.perf_counter) -> DtypeProbe:
+    """Time ``model``'s training step (forward, ``loss_fn(model(x), y)``, backward by ``torch.autograd.grad``) on
+    ``batch = (x, y)`` in float32 and under bfloat16 autocast on the CPU, and return the faster
+    (:class:`~ignite_amp.run.dtype_probe.DtypeProbe`).
+
+    The two run interleaved: one warm-up step each, then timed (float32, bfloat16) pairs, the order
+    alternating, until ``max_pairs`` pairs or ``budget_s`` seconds since the start (at least one pair).
+    bfloat16 is chosen when its fastest step is at most :data:`~ignite_amp.run.dtype_probe.FASTER` (0.9)
+    times float32's fastest: each dtype's fastest step, since other work on the machine only ever adds time.
+    The step runs under ``ignite_amp.split_check.randomness.still``: no random generator is drawn from and no
+    BatchNorm statistic changes; the parameters, their ``.grad``, the buffers and the training flag are
+    as they were. ``clock`` is the timer (a fake one makes the decision deterministic in tests).
+
+    The timing is the machine's at that moment: on a busy machine the choice can differ between runs.
+    Name a dtype where a run must be repeatable.
+    """
+    if max_pairs < 1 or budget_s < 0:
+        raise ValueError(f"max_pairs must be >= 1 and budget_s >= 0; got max_pairs={max_pairs}, budget_s={budget_s}")
+    x, y = batch
+    times = {torch.float32: [], torch.bfloat16: []}
+    start = clock()
+    with still(model):
+        for dtype in times:  # warm-up: first-call costs (allocations, kernel choice) out of the figures
+            _step(model, x, y, loss_fn, dtype)
+        while not times[torch.float32] or (len(times[torch.float32]) < max_pairs and clock() - start < budget_s):
+            order = list(times) if len(times[torch.float32]) % 2 == 0 else list(times)[::-1]
+            for dtype in order:
+                began = clock()
+                _step(model, x, y, loss_fn, dtype)
+                times[dtype].append(clock() - began)
+    f32, bf16 = min(times[torch.float32]), min(times[torch.bfloat16])  # load only adds time
+    ratio = bf16 / f32 if f32 > 0 else 1.0
+    return DtypeProbe(torch.bfloat16 if ratio <= FASTER else torch.float32, ratio, clock() - start,
+                      len(times[torch.float32]))
+
+
+def _batch(cfg: dict, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Seeded synthetic images and labels of the config's per-process, per-micro-batch size and shape."""
+    size = cfg["data"]["batch_size"]
+    per_forward = max(1, (size if isinstance(size, int) else 1) // cfg["amp"]["micro_batches"])
+    generator = torch.Generator().manual_seed(cfg["seed"])
+    x = torch.randn((per_forward, *input_shape(cfg["data"])), generator=generator).to(device)
+    y = torch.randint(0, cfg["model"]["num_classes"], (per_forward,), generator=generator).to(device)
+    return x, y
+
+
+def config_dtype(cfg: dict, model: nn.Module, device: torch.device) -> Tuple[str, str]:
+    """``(the dtype for the engines, why)`` of a config run: ``amp.dtype`` as it is, with ``""`` for why, unless
+    it is ``auto`` on a CPU; then the dtype chosen, and why in words.
+
+    The probe (:func:`~ignite_amp.probe_cpu_dtype`, on ``model`` as built, before the trainer) runs only
+    where the choice is open: a CPU with native bfloat16 (AVX512-BF16) and no AMX, in one process. With
+    AMX it is bfloat16, without bfloat16 instructions float32 (emulated bfloat16 ran 8x slower), across
+    several processes float32 (every rank must run the same). :data:`~ignite_amp.run.dtype_probe.PROBE_ENV` fixes the outcome
+    without a probe.
+    """
+    asked = cfg["amp"]["dtype"]
+    if asked != "auto" or device.type != "cpu":
+        return asked, ""
+    if cpu_has_amx():
+        return "bfloat16", "AMX bfloat16 tiles, no probe"
+    if not cpu_has_native_bf16():
+        return "float32", "emulated bfloat16 ran 8x slower, no probe"
+    world = idist.get_world_size()
+    if world > 1:
+        return "float32", f"{world} processes, no probe, so that every rank runs the same; name bfloat16 to try it"
+    fixed: Optional[str] = os.environ.get(PROBE_ENV)
+    if fixed:
+        if fixed not in ("float32", "bfloat16"):
+            raise ConfigError(f"{PROBE_ENV} should be float32 or bfloat16; got {fixed!r} (unset it to let the probe "
+                              f"decide)")
+        return fixed, f"fixed by {PROBE_ENV}, no probe"
+    try:
+        probe = probe_cpu_dtype(model, _batch(cfg, device))
+    except Exception as exc:  # the model cannot run this batch: float32, and check_model_runs says why
+        return "float32", f"the probe could not run the model ({exc.__class__.__name__})"
+    return dtype_name(probe.dtype), probe.words()

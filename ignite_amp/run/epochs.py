@@ -1,0 +1,96 @@
+"""What a run does at each epoch's end, as two explicit handlers: the validation, and the epoch's line."""
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, List, Optional
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+
+from ignite_amp.engine import amp_step_of
+from ignite_amp.core.config_keys import FIXED_UNDER_SCHEDULE, Integer, setting
+
+__all__ = ["TrainConfig", "Validation", "EpochSummary"]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """train: how long the run trains."""
+
+    epochs: int = setting(5, Integer(1), "epochs to train (a resume trains up to this many)", FIXED_UNDER_SCHEDULE)
+    epoch_length: int = setting(None, Integer(1, nullable=True), "iterations per epoch; null for the whole loader",
+                                FIXED_UNDER_SCHEDULE)
+
+
+class Validation:
+    """Run ``evaluator`` over ``loader`` at each epoch's end (its handlers then checkpoint and log)."""
+
+    def __init__(self, evaluator: Engine, loader: Iterable):
+        self.evaluator, self.loader = evaluator, loader
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self)
+
+    def __call__(self, trainer: Engine) -> None:
+        self.evaluator.run(self.loader)
+
+
+class EpochSummary:
+    """Each epoch's record and line: train loss, samples/s, and the evaluator's metrics.
+
+    The train loss is the mean over every rank's samples (or ``num_items`` items), summed on the
+    device and read with one host sync per epoch. :meth:`attach` measures at ``EPOCH_COMPLETED``;
+    :meth:`attach_report`, called after the validation is attached, records and prints.
+    """
+
+    def __init__(self, evaluator: Engine, history: List[dict], print_fn: Callable[[str], None]):
+        self.evaluator, self.history, self.print = evaluator, history, print_fn
+        self.loss_sum: Optional[torch.Tensor] = None
+        self.items: Any = 0  # what the losses averaged over: samples, or num_items' items
+        self.samples = 0
+        self.start = 0.0
+        self.measured: dict = {}
+
+    def attach(self, trainer: Engine) -> None:
+        self.step = amp_step_of(trainer)
+        trainer.add_event_handler(Events.EPOCH_STARTED, self.started)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, self.iteration)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self.measure)
+
+    def attach_report(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self.report)
+
+    def started(self, engine: Engine) -> None:
+        self.loss_sum, self.items, self.samples, self.start = None, 0, 0, time.perf_counter()
+
+    def iteration(self, engine: Engine) -> None:
+        step = self.step
+        weighted = step.loss * step.items
+        self.loss_sum = weighted if self.loss_sum is None else self.loss_sum + weighted
+        self.items = self.items + step.items
+        self.samples += step.batch_size
+
+    def measure(self, engine: Engine) -> None:
+        samples = self.samples
+        if self.loss_sum is None:
+            train_loss = float("nan")
+        else:  # over every rank's samples (all_reduce returns the tensor as it is in one process)
+            device = self.loss_sum.device
+            totals = torch.stack([self.loss_sum.double(), torch.as_tensor(self.items, dtype=torch.float64).to(device),
+                                  torch.tensor(samples, dtype=torch.float64, device=device)])
+            loss_sum, items, samples = idist.all_reduce(totals).tolist()
+            train_loss = loss_sum / max(items, 1)
+        seconds = time.perf_counter() - self.start  # after the .tolist() sync above, before the validation
+        self.measured = {"train_loss": train_loss, "samples_per_sec": samples / max(seconds, 1e-9), "seconds": seconds}
+
+    def report(self, engine: Engine) -> None:
+        metrics = dict(self.evaluator.state.metrics)
+        epoch, epochs = engine.state.epoch, engine.state.max_epochs
+        m = self.measured
+        self.history.append({"epoch": epoch, "train_loss": m["train_loss"], "samples_per_sec": m["samples_per_sec"],
+                             **{f"val_{k}": float(v) for k, v in metrics.items()}})
+        width = len(str(epochs))
+        self.print(f"epoch {epoch:>{width}}/{epochs}  train loss {m['train_loss']:.4f}  "
+                   f"val accuracy {metrics.get('accuracy', float('nan')):.4f}  "
+                   f"val loss {metrics.get('loss', float('nan')):.4f}  "
+                   f"{m['samples_per_sec']:.0f} samples/s  {m['seconds']:.1f}s")

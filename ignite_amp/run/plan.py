@@ -1,0 +1,123 @@
+"""The memory plan of a config's run (``ignite-amp plan``): its model, optimizer, step settings and input shape.
+
+The model and optimizer are built under fake tensors (nothing allocated: a model too large for this machine
+plans too); a model whose construction reads values falls back to a real build.
+"""
+import contextlib
+import logging
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+import ignite.distributed as idist
+
+from ignite_amp.memory_plan.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
+from ignite_amp.run.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
+from ignite_amp.errors import ConfigError
+from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
+from ignite_amp.models import build_model
+
+__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run"]
+
+logger = logging.getLogger("ignite_amp")
+
+
+def _make_batch(cfg: dict) -> Callable:
+    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
+    return lambda n: (torch.randn(n, *shape), torch.randint(0, classes, (n,)))
+
+
+def _step_kwargs(cfg: dict) -> dict:
+    return {k: v for k, v in cfg["amp"].items() if k not in ("cudnn_benchmark", "compile", "activation_checkpointing")}
+
+
+def _no_fsdp(cfg: dict, what: str) -> None:
+    if cfg["distributed"]["strategy"] == "fsdp":
+        raise ConfigError(f"{what}: not with distributed.strategy fsdp yet (a sharded step's memory is each rank's "
+                          f"shard); plan the same config with distributed.strategy ddp for one process's peak")
+
+
+def checkpoint_config_to_fit(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             device: torch.device, memory: Union[None, int, str] = None,
+                             batch_size: Optional[int] = None) -> CheckpointChoice:
+    """``amp.activation_checkpointing: auto``: the fewest blocks (``distributed.blocks``, or the repeated ones)
+    that make the planned step fit the GPU's free memory (or ``memory``) at ``data.batch_size`` per process,
+    checkpointed in place (:func:`~ignite_amp.memory_plan.auto_checkpoint.checkpoint_to_fit`)."""
+    _no_fsdp(cfg, "amp.activation_checkpointing: auto")
+    if batch_size is None:
+        if cfg["data"]["batch_size"] == "auto":
+            raise ConfigError("amp.activation_checkpointing: auto fits the blocks to data.batch_size, which is auto "
+                              "too; give one of them a value")
+        batch_size = max(1, cfg["data"]["batch_size"] // idist.get_world_size())
+    try:
+        return checkpoint_to_fit(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), batch_size,
+                                 memory=memory, device=device, blocks=cfg["distributed"]["blocks"] or None,
+                                 **_step_kwargs(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"amp.activation_checkpointing: {exc}") from None
+
+
+def config_batch_sizes(cfg: dict) -> list:
+    """The sizes a plan traces by default: the config's batch size per process (``distributed.nproc_per_node``
+    share the global batch), or 8, 32 and 128 for ``auto``."""
+    size = cfg["data"]["batch_size"]
+    world = max(cfg["distributed"]["nproc_per_node"] or 1, idist.get_world_size())
+    return [8, 32, 128] if size == "auto" else [max(1, size // world)]
+
+
+def _model_and_optimizer(cfg: dict, device: torch.device) -> tuple:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for context in (FakeTensorMode, contextlib.nullcontext):
+        seed_everything(cfg["seed"])
+        try:
+            with context():
+                model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+                checkpoint_activations(cfg, model, device)  # as the run will (its blocks keep only their inputs)
+                return model, build_optimizer(cfg["optimizer"], model)
+        except ConfigError:
+            raise
+        except Exception:  # a constructor that reads values (data-dependent under fake tensors): build it for real
+            if context is contextlib.nullcontext:
+                raise
+    raise RuntimeError("unreachable")
+
+
+def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: Union[None, int, str] = None,
+                margin: float = DEFAULT_MARGIN, progress: Optional[Callable] = None) -> MemoryPlan:
+    """:func:`~ignite_amp.memory_plan.plan.estimate_memory` for a loaded config: its model, optimizer, ``amp:``
+    settings (``compile`` planned off) and image shape; ``memory`` None: the GPU's free memory on a GPU. With
+    ``activation_checkpointing: auto`` the blocks are chosen for the largest of ``batch_sizes`` first."""
+    _no_fsdp(cfg, "plan")
+    device = config_device(cfg)
+    model, optimizer = _model_and_optimizer(cfg, device)
+    sizes = batch_sizes or config_batch_sizes(cfg)
+    choice = None
+    if cfg["amp"]["activation_checkpointing"] == "auto":  # the blocks the run would checkpoint, at the largest size
+        choice = checkpoint_config_to_fit(cfg, model, optimizer, device, memory, max(sizes))
+    try:
+        plan = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), sizes,
+                               memory=memory, margin=margin, device=device, progress=progress, **_step_kwargs(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"plan: {exc}") from None
+    plan.auto_checkpointing = choice.line() if choice is not None else None
+    return plan
+
+
+def plan_run(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+             say: Callable[[str], None]) -> dict:
+    """What a run being built takes from the plan: ``activation_checkpointing: auto``'s blocks (said in a line),
+    and on a GPU the planned peak at ``data.batch_size`` per process, as the run fact ``planned_peak_mb`` (the
+    health summary sets the measured peak beside it). Returns the facts."""
+    if cfg["amp"]["activation_checkpointing"] == "auto":  # the first transform: before the search and sharding
+        say(checkpoint_config_to_fit(cfg, model, optimizer, device).line())
+    size = cfg["data"]["batch_size"]
+    if device.type != "cuda" or size == "auto" or cfg["distributed"]["strategy"] == "fsdp":
+        return {}
+    try:
+        plan = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg),
+                               [max(1, size // idist.get_world_size())], device=device, fit=False, **_step_kwargs(cfg))
+    except Exception as exc:  # a fact for the summary, not a reason to stop the run
+        logger.info("memory plan: %s: %s", type(exc).__name__, exc)
+        return {}
+    return {"planned_peak_mb": round(plan.peaks[0].peak / 2 ** 20, 1)} if plan.peaks else {}

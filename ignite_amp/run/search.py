@@ -1,0 +1,54 @@
+"""The batch-size search for a config: its model, dtype, input shape and evaluation batch.
+
+:func:`search_built` serves a run being built with ``data.batch_size: auto``;
+:func:`search_config` serves ``ignite-amp find-batch-size`` (it builds the model first).
+"""
+import ignite.distributed as idist
+import torch
+
+from ignite_amp.batch_search import find_batch_size, print_progress
+from ignite_amp.run.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
+from ignite_amp.errors import ConfigError
+from ignite_amp.models import build_model
+
+__all__ = ["search_built", "search_config"]
+
+
+def search_built(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      device: torch.device, objective: str = "largest", progress: bool = False):
+    """Run :func:`~ignite_amp.batch_search.find_batch_size` for a config's model, dtype, input shape and
+    evaluation batch; returns its :class:`~ignite_amp.batch_search.BatchSizeResult` (the size per
+    process, the trials, ``.table``). ``progress``: rank 0 prints each trial on stderr."""
+    if device.type != "cuda":
+        raise ConfigError(f"data.batch_size: the batch-size search needs a GPU, and this run is on {device}")
+    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
+
+    def make_batch(n: int):
+        return (torch.randn(n, *shape, device=device), torch.randint(0, classes, (n,), device=device))
+
+    amp = cfg["amp"]
+    world, eval_batch = idist.get_world_size(), cfg["data"]["eval_batch_size"]
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = amp["cudnn_benchmark"]  # the run's convolution algorithms and workspaces
+    try:
+        return find_batch_size(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
+                               dtype=amp["dtype"], channels_last=amp["channels_last"],
+                               fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"],
+                               compile=amp["compile"], objective=objective,
+                               eval_batch_size=eval_batch // world if eval_batch else None,
+                               progress=print_progress if progress and idist.get_rank() == 0 else None)
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
+def search_config(cfg: dict, objective: str = "largest", progress: bool = False):
+    """``ignite-amp find-batch-size``: builds the config's model and optimizer and searches;
+    ``(result, device name, processes)``, the size per process."""
+    device = config_device(cfg)
+    if device.type != "cuda":
+        raise ConfigError(f"the batch-size search needs a GPU; CUDA is not available here ({device})")
+    seed_everything(cfg["seed"])
+    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    checkpoint_activations(cfg, model, device)  # as the run will (its blocks keep only their inputs)
+    result = search_built(cfg, model, build_optimizer(cfg["optimizer"], model), device, objective, progress)
+    return result, torch.cuda.get_device_name(device), idist.get_world_size()

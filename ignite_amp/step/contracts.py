@@ -1,0 +1,181 @@
+"""What the training step requires of its arguments, checked where it can be.
+
+- the optimizer holds the model's parameters;
+- the loss is a scalar and a mean (over samples, or over the items ``num_items`` counts): a
+  ``reduction`` attribute or keyword other than ``"mean"`` is refused when the step is built, and
+  a loss that doubles when the first batch is doubled is refused at the first iteration.
+"""
+import functools
+import logging
+from collections.abc import Mapping
+import math
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ignite_amp.core.nested import join_chunks
+
+__all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum", "check_count",
+           "warn_padding_without_items", "warn_batch_norm", "ignore_index_of"]
+
+logger = logging.getLogger("ignite_amp")
+
+
+def check_optimizer(optimizer: Any, model: nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    ids = {id(p) for p in model.parameters()}
+    if ids and not any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("optimizer: none of its parameters belong to the model (was it built for another "
+                         "model, or before the model was copied?)")
+
+
+def check_mean_reduction(loss_fn: Callable) -> None:
+    """Micro-batches and accumulation weight each chunk's loss by its share: they need a mean."""
+    reduction = getattr(loss_fn, "reduction", None)
+    if reduction is None and isinstance(loss_fn, functools.partial):
+        reduction = loss_fn.keywords.get("reduction")
+    if reduction is not None and reduction != "mean":
+        raise ValueError(f"loss_fn: reduction={reduction!r}; the step needs a mean-reduced loss (micro-batches "
+                         f"and accumulation weight each chunk's mean by its share of the samples)")
+
+
+def check_scalar(loss: Any) -> None:
+    if not torch.is_tensor(loss) or loss.ndim != 0:
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise ValueError(f"loss_fn should return a scalar (0-d) tensor, got {shape}: reduce it (mean) "
+                         f"over the batch")
+
+
+
+def check_requires_grad(loss: torch.Tensor, model: nn.Module) -> None:
+    """A loss backward cannot go through: say why, rather than torch's "element 0 of tensors does not require grad"."""
+    if loss.requires_grad:
+        return
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("loss_fn: the loss does not require grad: no parameter of the model requires grad (a frozen "
+                         "model?); unfreeze what should train")
+    raise ValueError("loss_fn: the loss does not require grad: it was computed without the model's parameters (an "
+                     "integer or argmax-based loss, .detach(), torch.no_grad()); return a differentiable loss")
+
+
+def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, autocast: Callable) -> None:
+    """Refuse a loss that doubles on the batch doubled: it sums over the samples (one host sync).
+
+    Where the loss is ``loss_fn(y_pred, y)`` with a tensor ``y``: ``y_pred`` a tensor, or a mapping or
+    sequence of outputs whose tensors with a batch dimension are doubled. A loss the model computed
+    itself (``y`` None) cannot be doubled here, and the any-model guide states the rule for it.
+    """
+    if not (torch.is_tensor(y) and y.dim()):
+        return
+    if torch.is_tensor(y_pred):
+        if not (y_pred.dim() and len(y_pred) == len(y)):
+            return
+        twice = torch.cat([y_pred, y_pred])
+    else:  # a mapping or sequence of outputs (logits and more): each output with a batch dimension, doubled
+        n = len(y)
+        twice = join_chunks([y_pred, y_pred], [n, n])
+    with torch.no_grad(), autocast():
+        try:
+            doubled = loss_fn(twice, torch.cat([y, y]))
+        except Exception:  # outputs that do not double along the batch: nothing to compare
+            return
+    if not torch.is_tensor(doubled) or doubled.dim():
+        return
+    single, double = float(loss.detach()), float(doubled)
+    if abs(single) > 1e-12 and math.isclose(double, 2 * single, rel_tol=1e-3):
+        raise ValueError("loss_fn: its value doubles when the batch is doubled, so it sums over the samples; "
+                         "the step needs a mean (micro-batches, accumulation and DDP weigh each chunk's mean "
+                         "by its share): use reduction='mean', or divide by the sample or item count")
+
+
+def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Optional[torch.Tensor]]:
+    """What ``num_items`` returned (an int, or a 0-d tensor: made float32 on ``device``), checked without a
+    host sync on an accelerator; returns the count and a flag of an invalid one (None when there is none).
+
+    On the CPU (no pipeline to stall) a negative or NaN count is a ValueError naming it. Elsewhere it is
+    replaced by 0 (it weighs nothing) and the flag (a device tensor) marks it, for the step to make the
+    batch's loss NaN, which NonFiniteGuard reports.
+    """
+    if not (torch.is_tensor(count) and count.ndim == 0):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"num_items should return a non-negative int or a 0-d tensor, got {count!r}")
+        return count, None
+    count = count.detach().to(device, torch.float32, non_blocking=True)
+    if count.device.type == "cpu":
+        if not float(count) >= 0:
+            raise ValueError(f"num_items returned {float(count):g} for {where}: it counts the items the chunk's "
+                             f"mean averages over, a number >= 0")
+        return count, None
+    valid = count >= 0  # False for NaN too
+    return torch.where(valid, count, torch.zeros_like(count)), ~valid
+
+
+def ignore_index_of(loss_fn: Callable) -> Optional[int]:
+    """The label value ``loss_fn`` ignores, where it says: an ``ignore_index`` attribute (``nn.CrossEntropyLoss``,
+    ``nn.NLLLoss``) or keyword (``functools.partial(cross_entropy, ignore_index=255)``); else None."""
+    value = getattr(loss_fn, "ignore_index", None)
+    if value is None and isinstance(loss_fn, functools.partial):
+        value = loss_fn.keywords.get("ignore_index")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _model_kind(module: Optional[nn.Module]) -> str:
+    """``"ctc"``, ``"causal"`` (a transformers causal LM: it shifts its labels inside) or ``""``."""
+    name = type(module).__name__ if module is not None else ""
+    config = getattr(module, "config", None)
+    if name.endswith("ForCTC"):
+        return "ctc"
+    if name.endswith(("ForCausalLM", "LMHeadModel")) and not getattr(config, "is_encoder_decoder", False):
+        return "causal"
+    return ""
+
+
+def warn_padding_without_items(x: Any, y: Any, loss_fn: Optional[Callable] = None,
+                               module: Optional[nn.Module] = None) -> None:
+    """One warning when a batch cut or accumulated without num_items has labels holding the padding its loss
+    ignores (``loss_fn``'s own ``ignore_index``, else -100, what Hugging Face losses ignore): a sample mean then
+    differs from the token mean. One host read.
+
+    The hint is one the split check passes: a transformers causal LM (``*ForCausalLM``, ``*LMHeadModel``) shifts
+    its labels inside, so it counts ``labels[..., 1:]``; a CTC head (``*ForCTC``) is a per-sample mean with
+    ``ctc_loss_reduction="mean"`` (no num_items; its ``"sum"`` is stopped by the split check), so it is not
+    warned; labels read by a model other than a transformers one, or a ``y`` read by a ``loss_fn`` whose
+    ignore_index is unknown, get what to check, not a lambda."""
+    labels = x.get("labels") if isinstance(x, Mapping) else None  # a BatchEncoding is a Mapping, not a dict
+    named = "y" if labels is None else 'x["labels"]'
+    labels = y if labels is None else labels
+    kind = _model_kind(module) if named != "y" else ""
+    ignore = ignore_index_of(loss_fn) if named == "y" else None
+    pad = -100 if ignore is None else ignore
+    if kind == "ctc" or not torch.is_tensor(labels) or labels.is_floating_point() or not bool((labels == pad).any()):
+        return
+    shift = "[..., 1:]" if kind == "causal" else ""
+    if named == "y":
+        known = (ignore is not None or _plain_cross_entropy(loss_fn)) and getattr(loss_fn, "weight", None) is None
+    else:  # labels a model reads itself: known for transformers' models only
+        known = type(module).__module__.startswith("transformers.")
+    if not known:  # how the loss reads the labels is unknown (or a class-weighted mean): what to check, no lambda
+        hint = (f"pass num_items=fn(x, y) counting the items the loss averages over (the labels it does not ignore, "
+                f"after any shift it makes; the split check verifies it)")
+    else:
+        hint = f"pass num_items=lambda x, y: ({named}{shift} != {pad}).sum()"
+    logger.warning("micro-batches or accumulation on labels holding %d (padding) without num_items: each chunk's "
+                   "mean weighs by samples, not tokens, so the gradient is not the batch's token mean; %s", pad, hint)
+
+
+def _plain_cross_entropy(loss_fn: Any) -> bool:
+    """torch's cross_entropy or nll_loss called on (y_pred, y) as they are (ignore_index -100)."""
+    return loss_fn in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+
+
+def warn_batch_norm(module: nn.Module) -> None:
+    """One warning when micro-batches run a model with BatchNorm in training mode."""
+    names = [name for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        logger.warning("micro-batches on a model with BatchNorm (%s%s): each chunk is normalized with its own "
+                       "statistics, so the gradient is no longer exactly the full batch's; GroupNorm or "
+                       "LayerNorm keep it exact", names[0], more)

@@ -1,0 +1,123 @@
+"""Activation checkpointing: a model's repeated blocks keep only their inputs for the backward.
+
+:func:`checkpoint_blocks` makes each block's forward run under non-reentrant
+``torch.utils.checkpoint.checkpoint`` (in place: the module tree and its state dict are unchanged, so
+a checkpoint of the model loads with or without it). The backward runs each block's forward again
+(about one more forward of compute) under the autocast state and the RNG state of the first
+(dropout draws the same masks), so gradients are those of the model without it; BatchNorm layers
+update their running statistics once, in the forward, as without it.
+
+Order of the model transforms (as torchtitan): float8 conversion, then activation checkpointing,
+then FSDP2 sharding (:func:`ignite_amp.transforms.sharding.shard_model`) and ``torch.compile``: checkpointing
+wraps the blocks' forwards as they will compute, and sharding and compile then see the wrapped
+blocks (FSDP2 gathers a block's parameters again for its recompute; compile traces the checkpoint).
+"""
+import contextlib
+import functools
+import warnings
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch.utils.checkpoint
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ignite_amp.transforms.blocks import block_names
+
+__all__ = ["checkpoint_blocks", "checkpoint_modules", "checkpointed_blocks", "describe_blocks"]
+
+_MARK = "_ignite_amp_checkpointed"
+
+
+@contextlib.contextmanager
+def _running_stats_kept(block: nn.Module) -> Iterator[None]:
+    """BatchNorm layers in training mode update their running statistics at each forward: the backward's
+    recompute must not update them a second time."""
+    kept = [(buffer, buffer.clone()) for m in block.modules()
+            if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+            for buffer in (m.running_mean, m.running_var, m.num_batches_tracked) if buffer is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+
+
+def _contexts(block: nn.Module) -> tuple:
+    """The forward's context and the recompute's (``checkpoint``'s ``context_fn``)."""
+    return contextlib.nullcontext(), _running_stats_kept(block)
+
+
+def _checkpointed_forward(block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    # Non-reentrant: any inputs (keyword ones, inputs that need no grad), nesting, and autograd hooks work.
+    if torch.compiler.is_compiling():
+        # Traced: AOTAutograd's recompute replays no buffer update (they are functionalized into the forward's
+        # graph), so no context is needed, and a context or any state kept outside the block would stop dynamo
+        # from capturing the checkpoint ("HOP: Unsafe side effect"): the whole model would run eager.
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                             context_fn=functools.partial(_contexts, block), **kwargs)
+
+
+def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:
+    """Run each block of ``model`` (its repeated children: ``ignite_amp.transforms.blocks.block_names``) under activation checkpointing.
+
+    In place, before sharding and compile; calling it again leaves checkpointed blocks as they are.
+    A model without blocks is left as it is, with one warning.
+
+    Args:
+        model: the model (unwrapped: not DDP, not sharded).
+        blocks: class names of the blocks (default: the repeated blocks, as FSDP2's sharding).
+
+    Returns:
+        The module paths of the checkpointed blocks.
+
+    Example:
+        >>> import torch
+        >>> from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+        >>> checkpoint_blocks(model)
+        ['0', '1', '2']
+    """
+    names = block_names(model, blocks)
+    if not names:
+        warnings.warn(f"activation checkpointing: {type(model).__name__} has no repeated blocks (two or more "
+                      f"children in a row of one class in a ModuleList or Sequential); nothing is checkpointed; name its block "
+                      f"classes (distributed.blocks, or checkpoint_blocks(model, blocks=[...]))", UserWarning,
+                      stacklevel=2)
+    return checkpoint_modules(model, names)
+
+
+def checkpoint_modules(model: nn.Module, names: Sequence[str]) -> List[str]:
+    """Run the submodules of ``model`` at the module paths ``names`` under activation checkpointing, in place
+    (those checkpointed already stay as they are): :func:`checkpoint_blocks` on chosen blocks, as
+    ``activation_checkpointing: auto`` chooses them (:mod:`ignite_amp.memory_plan.auto_checkpoint`). Returns ``names``."""
+    names = list(names)
+    for name in names:
+        module = model.get_submodule(name)
+        if not getattr(module, _MARK, False):
+            module.forward = functools.partial(_checkpointed_forward, module, module.forward)
+            setattr(module, _MARK, True)
+    return names
+
+
+def checkpointed_blocks(model: nn.Module) -> List[str]:
+    """The module paths of ``model``'s blocks that :func:`checkpoint_blocks` checkpointed."""
+    return [name for name, module in model.named_modules() if getattr(module, _MARK, False)]
+
+
+def describe_blocks(names: Sequence[str]) -> str:
+    """Module paths in short: ``["layers.0", "layers.1", "layers.2", "head"]`` -> ``"layers.0-2, head"``."""
+    parts: List[List[Any]] = []  # [prefix, first index, last index] or [name]
+    for name in names:
+        prefix, _, last = name.rpartition(".")
+        if last.isdigit():
+            index = int(last)
+            if parts and len(parts[-1]) == 3 and parts[-1][0] == prefix and parts[-1][2] == index - 1:
+                parts[-1][2] = index
+                continue
+            parts.append([prefix, index, index])
+        else:
+            parts.append([name])
+    return ", ".join(p[0] if len(p) == 1 else
+                     f"{p[0] + '.' if p[0] else ''}{p[1]}{'' if p[1] == p[2] else f'-{p[2]}'}" for p in parts)

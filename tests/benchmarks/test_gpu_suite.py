@@ -1,0 +1,255 @@
+"""benchmarks/gpu_suite.py cannot rot before a GPU shows up: its smoke mode runs here, on CPU."""
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import ignite
+import pytest
+import torch
+
+from conftest import ROOT
+
+SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
+SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
+            "g_data_path", "h_activation_checkpointing", "j_handler_cost"]
+HEADER = ("device", "driver", "cuda", "torch", "ignite", "date")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--out", str(out)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "gpu_suite.json", encoding="utf-8") as f:
+        report = json.load(f)
+    return report, (out / "gpu_suite.md").read_text(encoding="utf-8")
+
+
+def rows(section: dict, index: int = 0) -> list:
+    return section["tables"][index]["rows"]
+
+
+def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_a_reason(smoke):
+    report, _ = smoke
+    header = report["header"]
+    assert all(isinstance(header[key], str) and header[key] for key in HEADER), header
+    assert header["torch"] == torch.__version__ and header["ignite"] == ignite.__version__
+    datetime.datetime.strptime(header["date"], "%Y-%m-%d %H:%M UTC")
+    assert report["mode"] == "smoke" and list(report["sections"]) == SECTIONS
+    for key, section in report["sections"].items():
+        assert section["status"] in ("measured", "skipped"), (key, section["status"], section.get("reason"))
+        if section["status"] == "skipped":
+            assert section["reason"].startswith("needs CUDA"), (key, section["reason"])
+        assert section["tables"] and all(table["rows"] for table in section["tables"]), key
+        assert section["targets"], key
+        # On CPU no GPU target can pass or miss.
+        assert {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}, (key, section["targets"])
+        assert section["seconds"] <= section["budget_s"]
+
+
+def test_the_gpu_budgets_add_up_to_nine_minutes_at_most(smoke):
+    report, _ = smoke
+    budgets = report["gpu_budgets_s"]
+    assert list(budgets) == SECTIONS
+    assert sum(b["budget_s"] for b in budgets.values()) + report["startup_allowance_s"] <= 9 * 60
+    assert all(0 < b["expected_h100_s"] <= b["budget_s"] for b in budgets.values())
+
+
+def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
+    report, _ = smoke
+    s = report["sections"]
+    counts = s["a_gpu_tests"]["data"]["counts"]
+    assert counts["passed"] == counts["failed"] == counts["error"] == 0 and counts["skipped"] >= 1
+    assert len(rows(s["a_gpu_tests"])) == counts["skipped"]
+
+    assert {r["dtype"] for r in rows(s["b_overhead"])} == {"bfloat16", "float16"}
+    assert all(r["ms_per_iter"] > 0 for r in rows(s["b_overhead"]))
+
+    amp = {r["variant"]: r for r in rows(s["c_amp_vs_fp32"])}
+    assert len(amp) == 8 and amp["float32, TF32 off"]["cudnn_tf32"] is False
+    assert amp["float32, TF32 on"]["cudnn_tf32"] is True
+    assert amp["bfloat16, channels_last, torch.compile"]["status"].startswith("skipped: needs CUDA")
+    assert all(r["images_per_s"] > 0 for name, r in amp.items() if "compile" not in name)
+
+    oom = {r["what"]: r["value"] for r in rows(s["d_batch_size"], 0)}
+    assert oom["backoff events"] >= 1 and oom["samples trained (forward passes kept)"] == oom["epoch size"]
+    assert oom["iterations completed"] == 6 and oom["micro-batches after"] == 2
+    trials = rows(s["d_batch_size"], 1)
+    assert any(t["fits"] is False for t in trials)  # the stand-in raises torch.OutOfMemoryError above 100
+    assert 90 <= s["d_batch_size"]["data"]["search"]["largest_fit"] <= 100
+
+    assert [r["dtype"] for r in rows(s["e_numerics"])] == ["float32", "float16", "bfloat16"]
+    assert all(0 <= r["val_accuracy"] <= 1 for r in rows(s["e_numerics"]))
+
+    phases = rows(s["f_host_syncs"])
+    assert len(phases) == 4 and sum(r["iterations"] or 0 for r in phases) == 8
+
+    loaders = rows(s["g_data_path"])
+    assert all(r["status"].startswith("skipped: needs CUDA") for r in loaders if r["pin_memory"])
+    assert all(r["samples_per_s"] > 0 for r in loaders if not r["pin_memory"])
+
+    checkpointing = rows(s["h_activation_checkpointing"])  # the GPT's 2 blocks, the stand-in ResNet's 8
+    assert [(r["checkpointing"], r["blocks"]) for r in checkpointing] == [(False, 0), (True, 2), (False, 0), (True, 8)]
+    assert all(r["step_ms"] > 0 and r["peak_activation_mb"] is None for r in checkpointing)
+
+    handlers = rows(s["j_handler_cost"])  # overhead.py's table on both models (no Ignite rows: float16 on a CPU)
+    assert len({r["model"] for r in handlers}) == 2 and all(r["ms_per_iter"] > 0 for r in handlers)
+    assert {"hand-written loop", "create_amp_trainer", "+ GradientClipping(max_norm=1.0)",
+            "+ TensorBoardMetrics(log_every=50)", "+ NonFiniteGuard", "+ all default handlers"} <= {
+        r["variant"] for r in handlers}
+    assert len(s["j_handler_cost"]["targets"]) == 12
+
+
+def test_smoke_markdown_has_the_header_and_one_part_per_section(smoke):
+    report, md = smoke
+    header = report["header"]
+    assert md.startswith("# ignite-amp GPU suite")
+    assert "| device | driver | CUDA | torch | Ignite | date |" in md
+    assert f"| {header['device']} | {header['driver']} | {header['cuda']} | {header['torch']} | {header['ignite']} | " \
+           f"{header['date']} |" in md
+    for section in report["sections"].values():
+        assert f"## {section['title']}" in md
+        assert f"**{section['status']}" in md
+    targets = sum(len(s["targets"]) for s in report["sections"].values())
+    assert md.count("| NOT MEASURED |") == targets
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (killed, waiting for a parent that may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import gpu_suite
+
+    return gpu_suite
+
+
+def test_a_section_past_its_budget_is_stopped_with_its_subprocesses_and_keeps_what_it_recorded(suite, tmp_path):
+    def slow(ctx):
+        child = subprocess.Popen(["sleep", "120"])
+        ctx.result["data"]["pid"] = child.pid
+        ctx.table("rows", ["i"])
+        ctx.row(i=1)
+        time.sleep(120)
+        ctx.row(i=2)
+
+    begin = time.monotonic()
+    result = suite.run_section(suite.Section("z_slow", "z. slow", slow, 2, 1), smoke=True, cuda=False, budget_s=2,
+                               workdir=str(tmp_path))
+    assert time.monotonic() - begin < 30
+    assert result["status"] == "over budget" and "budget of 2 s" in result["reason"]
+    assert result["tables"][0]["rows"] == [{"i": 1}]
+    time.sleep(0.2)
+    assert not alive(result["data"]["pid"])  # the section's own subprocess went with it
+
+
+def test_a_section_that_raises_or_dies_is_reported_failed(suite, tmp_path):
+    def raises(ctx):
+        raise RuntimeError("boom")
+
+    def dies(ctx):
+        ctx.note("about to die")
+        os._exit(3)
+
+    result = suite.run_section(suite.Section("z_raises", "z.", raises, 20, 1), True, False, 20, str(tmp_path))
+    assert result["status"] == "failed" and result["reason"] == "RuntimeError: boom" and "boom" in result["traceback"]
+    result = suite.run_section(suite.Section("z_dies", "z.", dies, 20, 1), True, False, 20, str(tmp_path))
+    assert result["status"] == "failed" and "exit code 3" in result["reason"]
+    assert result["notes"] == ["about to die"]
+
+
+def test_gpu_tests_that_pytest_could_not_run_are_a_failed_section_not_a_measurement(suite, tmp_path, monkeypatch):
+    broken = tmp_path / "site" / "pytest"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('pytest is broken here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    result = suite.run_section(suite.Section("a_gpu_tests", "a.", suite.gpu_tests, 60, 1), True, False, 60,
+                               str(tmp_path))
+    assert result["status"] == "failed" and "with 0 tests run" in result["reason"], result
+    assert "pytest is broken here" in result["reason"]
+
+
+def test_host_syncs_counts_waits_the_debug_mode_cannot_see(suite, monkeypatch):
+    """set_sync_debug_mode warns at copies and stream syncs, not at Event.synchronize (NonFiniteGuard's
+    flush) or torch.cuda.synchronize: section f wraps those and names the caller."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("device"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: calls.append("event"))
+    seen = []
+    with suite._counting_waits(seen.append):
+        torch.cuda.synchronize()
+        torch.cuda.Event.synchronize(None)
+    torch.cuda.synchronize()  # restored: not counted
+    assert calls == ["device", "event", "device"]
+    assert [s.split(" at ")[0] for s in seen] == ["cuda.synchronize", "Event.synchronize"]
+    assert all(s.split(" at ")[1].startswith("tests/benchmarks/test_gpu_suite.py:") for s in seen), seen
+
+
+def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_path, monkeypatch):
+    slow = tmp_path / "site" / "pytest"
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text(  # a test run that starts a process of its own, then hangs
+        "import subprocess, sys, time\n"
+        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(subprocess.Popen(['sleep', '120']).pid))\n"
+        "time.sleep(120)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    begin = time.monotonic()
+    result = suite.run_section(suite.Section("a_gpu_tests", "a.", suite.gpu_tests, 8, 1), True, False, 8,
+                               str(tmp_path))
+    assert time.monotonic() - begin < 30
+    assert result["status"] == "over budget" and "pytest ran past the section's budget" in result["reason"], result
+    time.sleep(0.2)
+    assert not alive(int((tmp_path / "child.pid").read_text()))
+
+
+def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
+    pytest.importorskip("torchao")
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "i", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["i_float8"] and "i_float8" not in report["gpu_budgets_s"]
+    section = report["sections"]["i_float8"]
+    assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
+    table = rows(section)
+    assert [r["variant"] for r in table] == ["bfloat16", "float8 tensorwise", "float8 rowwise",
+                                             "float8 rowwise_with_gw_hp"]
+    assert all(r["status"] == "measured" and r["tokens_per_s"] > 0 for r in table), table
+    assert [r["float8_layers"] for r in table] == [0, 7, 7, 7]  # 2 blocks x 4 Linear, less the first; head kept
+    assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
+
+
+def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "k", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["k_memory_plan"] and "k_memory_plan" not in report["gpu_budgets_s"]
+    section = report["sections"]["k_memory_plan"]
+    assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
+    table = rows(section)
+    assert len(table) == 2 and all(r["predicted_mb"] > 0 and r["measured_mb"] is None for r in table), table
+    assert [t["verdict"] for t in section["targets"]] == ["NOT MEASURED", "NOT MEASURED"]
+    assert "NOT MEASURED" in (tmp_path / "gpu_suite.md").read_text(encoding="utf-8")
+
+
+def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
+    """Issue 37: the check's first-step cost, on the CPU stand-in: measured there, NOT MEASURED as a GPU figure."""
+    assert "l_split_check" in [s.key for s in suite.OPT_IN] and "l_split_check" not in [s.key for s in suite.SECTIONS]
+    ctx = suite.Context("l_split_check", "l", smoke=True, cuda=False, budget_s=120, path=str(tmp_path / "l.json"),
+                        workdir=str(tmp_path))
+    suite.split_check_section(ctx)
+    on, off = ctx.result["tables"][0]["rows"]
+    assert on["check_split"] and on["checked"] and not off["checked"] and on["first_step_ms"] > 0
+    assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"]

@@ -1,0 +1,177 @@
+"""The documentation site stays true: it builds with no warning (every cross-reference resolved), every
+public name and config key is documented in it, and every code block of the guides runs or is checked.
+
+Code blocks in ``docs/`` (Markdown fences):
+- ``python``: run as a script in an empty directory, as a user who pastes it would.
+- ``yaml``: a config or part of one: ``load_config`` must accept it.
+- ``bash``: each command is checked: ``ignite-amp`` commands parse with the real parser and name files that
+  exist, ``pip install`` names extras that exist, ``python``/``torchrun`` name scripts that exist.
+- ``text``: what a program prints; not run.
+A python or bash block preceded by ``<!-- not run: why -->`` (one that needs a GPU, say) is skipped with that reason.
+The site itself is built and checked by tests/docs/test_docs_site.py.
+"""
+import configparser
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import List, NamedTuple, Optional
+
+import pytest
+
+from conftest import ROOT
+
+DOCS = os.path.join(ROOT, "docs")
+LANGUAGES = {"python", "yaml", "bash", "text"}
+# The first word of a documented command, and what is checked of the rest (see check_command).
+COMMANDS = {"ignite-amp", "python", "python3", "pip", "torchrun", "tensorboard", "sphinx-build", "git", "cd", "export",
+            "nvidia-smi", "chromium", "apt-get", "CI=true"}
+
+
+class Block(NamedTuple):
+    page: str
+    line: int
+    language: str
+    text: str
+    not_run: str  # the reason given in <!-- not run: ... -->, or ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def guide_pages() -> List[str]:
+    pages = []
+    for folder, _, files in os.walk(DOCS):
+        if "_build" in folder:
+            continue
+        pages += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".md")]
+    return sorted(pages)
+
+
+def code_blocks(path: str) -> List[Block]:
+    text = open(path, encoding="utf-8").read()
+    page = os.path.relpath(path, ROOT)
+    blocks = []
+    fences = r"^(?:<!-- not run: (.+?) -->\n)?```(\{[\w-]+\}[^\n]*|\w*)\n(.*?)^```\s*$"
+    for match in re.finditer(fences, text, re.M | re.S):
+        if match.group(2).startswith("{"):  # a MyST directive ({toctree}, {eval-rst}), not code
+            continue
+        line = text.count("\n", 0, match.start(2)) + 1
+        blocks.append(Block(page, line, match.group(2), match.group(3), match.group(1) or ""))
+    return blocks
+
+
+BLOCKS = [b for page in guide_pages() for b in code_blocks(page)]
+
+
+def of(language: str) -> list:
+    return [pytest.param(b, id=b.name) for b in BLOCKS if b.language == language]
+
+
+def test_every_block_says_its_language():
+    assert len(BLOCKS) > 20
+    unknown = [(b.name, b.language) for b in BLOCKS if b.language not in LANGUAGES]
+    assert not unknown, f"a code block needs one of {sorted(LANGUAGES)}: {unknown}"
+    for page in guide_pages():  # a fence inside a list item would escape the checks below
+        indented = re.findall(r"^[ \t]+```\w", open(page, encoding="utf-8").read(), re.M)
+        assert not indented, f"{page}: an indented code fence is not checked; move it out of the list"
+
+
+@pytest.mark.parametrize("block", of("python"))
+def test_python_block_runs(block, tmp_path):
+    if block.not_run:
+        pytest.skip(block.not_run)
+    script = tmp_path / "block.py"
+    script.write_text(block.text)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, f"{block.name}\n{proc.stderr[-3000:]}"
+    if "val accuracy" in block.text:  # a script that says it learns does
+        accuracies = [float(a) for a in re.findall(r"val accuracy ([0-9.]+)", proc.stdout)]
+        assert len(accuracies) >= 2 and accuracies[-1] > accuracies[0], proc.stdout
+
+
+@pytest.mark.parametrize("block", of("yaml"))
+def test_yaml_block_is_a_valid_config(block):
+    import yaml
+
+    from ignite_amp import load_config
+
+    document = yaml.safe_load(block.text)
+    if document is None:  # comments only, e.g. "# yaml-language-server: $schema=..."
+        assert block.text.lstrip().startswith("#"), block.name
+        return
+    load_config(document)
+
+
+def _extras() -> set:
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    return set(cfg["options.extras_require"])
+
+
+def check_command(words: List[str], where: str, made: Optional[set] = None) -> None:
+    """One documented shell command names real things (a config: a file, a built-in config's name, or a file
+    that an ``ignite-amp init`` earlier in the block wrote: ``made``)."""
+    from ignite_amp.config.builtin import builtin_names
+    from ignite_amp.cli.main import build_parser
+
+    while words and "=" in words[0] and words[0] != "CI=true":  # VAR=value before the command
+        words = words[1:]
+    assert words and words[0] in COMMANDS, f"{where}: an unknown command {words[:1]} (add it to COMMANDS)"
+    head, rest = words[0], words[1:]
+    if head == "python3":
+        head = "python"
+    if head == "python" and rest[:2] == ["-m", "ignite_amp"]:
+        head, rest = "ignite-amp", rest[2:]
+    if head == "python" and rest[:2] == ["-m", "pip"]:
+        head, rest = "pip", rest[2:]
+    if head == "python" and rest[:2] == ["-m", "pytest"]:
+        return
+    if head == "ignite-amp":
+        if rest in (["--help"], ["--version"]):
+            return
+        args = build_parser().parse_args(rest)
+        if getattr(args, "config", None):
+            known = os.path.exists(os.path.join(ROOT, args.config)) or args.config in builtin_names()
+            assert known or args.config in (made or ()), f"{where}: no file or built-in config {args.config}"
+        if args.command == "init" and made is not None:
+            made.add(args.output or f"{args.name}.yaml")
+    elif head == "pip" and rest[:1] == ["install"]:
+        for word in rest[1:]:
+            extras = re.fullmatch(r"\.\[([\w,]+)\]", word)  # .[test] names extras; -e, . and files name none
+            if extras:
+                missing = set(extras.group(1).split(",")) - _extras()
+                assert not missing, f"{where}: setup.cfg has no extra {missing}"
+    elif head in ("python", "torchrun"):
+        scripts = [w for w in rest if w.endswith(".py")]
+        for script in scripts:
+            assert os.path.exists(os.path.join(ROOT, script)), f"{where}: no file {script}"
+        if "-m" in rest and head == "torchrun":  # torchrun ... -m ignite_amp train CONFIG
+            check_command(["python"] + rest[rest.index("-m"):], where, made)
+
+
+@pytest.mark.parametrize("block", of("bash"))
+def test_bash_block_names_real_things(block):
+    if block.not_run:
+        pytest.skip(block.not_run)
+    text = block.text.replace("\\\n", " ")
+    made: set = set()  # the files `ignite-amp init` wrote so far in this block
+    for line in text.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        for command in re.split(r"\s*(?:&&|\|\||;)\s*", line):
+            words = shlex.split(command)
+            words = [w for w in words if not w.startswith("$(")]
+            check_command(words, block.name, made)
+
+
+def test_the_command_check_knows_built_in_configs_and_the_files_init_wrote():
+    made: set = set()
+    check_command(["ignite-amp", "train", "quickstart"], "t", made)
+    with pytest.raises(AssertionError, match="no file or built-in config my_run.yaml"):
+        check_command(["ignite-amp", "train", "my_run.yaml"], "t", made)
+    check_command(["ignite-amp", "init", "quickstart", "-o", "my_run.yaml"], "t", made)
+    check_command(["ignite-amp", "train", "my_run.yaml"], "t", made)

@@ -1,0 +1,293 @@
+"""The memory plan: a step traced under fake tensors peaks where the real step does (MemTracker on both)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+
+import ignite_amp.memory_plan.plan as memory_plan
+from ignite_amp import create_amp_trainer
+from ignite_amp.batch_search import MemoryMeter
+from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer
+from ignite_amp.memory_plan.plan import estimate_memory, parse_bytes
+
+from conftest import assert_doctests_pass
+
+pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int = 50, width: int = 32, layers: int = 3, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True)
+                                    for _ in range(layers))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(1))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def tokens(n):
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(0, 50, (n, 16), generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def images(n):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def features(n):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def measured_peak(model, optimizer, make_batch, n, **kwargs) -> int:
+    """The real step's peak, tracked as the plan tracks the fake one (optimizer state as after a first step)."""
+    trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", **kwargs)
+    warm_optimizer(optimizer)
+    batch = make_batch(n)
+    acc = kwargs.get("accumulation_steps", 1)
+    trainer.state.epoch_length = acc
+    tracker = step_tracker()
+    tracker.track_external(model, optimizer, *batch)
+    with tracker:
+        for iteration in range(max(1, acc - 1), acc + 1):
+            trainer.state.iteration = iteration
+            trainer.amp_step(trainer, batch)
+    return sum(v for per_device in tracker.get_tracker_snapshot("peak").values()
+               for kind, v in per_device.items() if kind != "Total")
+
+
+CASES = {
+    "cnn": (cnn, images, 8, {"dtype": "bfloat16", "channels_last": True}),
+    "transformer": (Transformer, tokens, 8, {"dtype": "bfloat16"}),
+    "transformer, checkpointed": (Transformer, tokens, 8, {"dtype": "bfloat16", "activation_checkpointing": True}),
+    "transformer, 4 micro-batches, float16": (Transformer, tokens, 8, {"dtype": "float16", "micro_batches": 4}),
+    "transformer, accumulation 2": (Transformer, tokens, 8, {"dtype": "bfloat16", "accumulation_steps": 2}),
+    "float8 (emulated)": (mlp, features, 16, {"dtype": "float8"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plan_peaks_where_the_real_step_peaks_and_leaves_the_model_as_it_was(case):
+    if case.startswith("float8"):
+        pytest.importorskip("torchao")
+    make, make_batch, n, kwargs = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before, types = copy.deepcopy(model.state_dict()), [type(m) for m in model.modules()]
+    plan = estimate_memory(model, optimizer, cross_entropy, make_batch, [n], device="cpu", **kwargs)
+    assert plan.untraced is None and [p.batch_size for p in plan.peaks] == [n]
+    # The user's model and optimizer are as they were: no state, no gradients, no transform, same values.
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert [type(m) for m in model.modules()] == types
+    assert "forward" not in vars(model) and all("forward" not in vars(m) for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    real = measured_peak(model, optimizer, make_batch, n, **kwargs)
+    assert abs(plan.peaks[0].peak - real) <= 0.001 * real, (plan.peaks[0].peak, real)
+    kinds = plan.peaks[0].kinds
+    assert kinds["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    assert kinds["batch"] > 0 and plan.peaks[0].peak == sum(kinds.values())
+
+
+@pytest.fixture(scope="module")
+def transformer_plans():
+    torch.manual_seed(0)
+    model = Transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {name: estimate_memory(model, opt, cross_entropy, tokens, [16], device="cpu", dtype="bfloat16", **kw)
+            for name, kw in {"plain": {}, "checkpointed": {"activation_checkpointing": True},
+                             "micro": {"micro_batches": 4}}.items()}
+
+
+def test_checkpointing_and_micro_batches_lower_the_planned_activations(transformer_plans):
+    act = {name: plan.peaks[0].kinds["activations"] for name, plan in transformer_plans.items()}
+    assert act["checkpointed"] < act["plain"] / 2 and act["micro"] < act["plain"] / 2
+    assert transformer_plans["checkpointed"].checkpointed == ["layers.0", "layers.1", "layers.2"]
+    lines = "\n".join(transformer_plans["plain"].lines())
+    assert "| 16 |" in lines and "not counted: the CUDA caching allocator" in lines
+
+
+def test_the_largest_fit_is_the_largest_traced_size_under_the_budget():
+    torch.manual_seed(0)
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = estimate_memory(model, opt, cross_entropy, images, [4, 64], device="cpu", dtype="bfloat16")
+    per_sample = (probe.peaks[1].peak - probe.peaks[0].peak) / 60
+    memory = int((probe.peaks[1].peak + 50 * per_sample) / (1 - memory_plan.DEFAULT_MARGIN))  # ~114 fit
+    traced = []
+    plan = estimate_memory(model, opt, cross_entropy, images, [4, 64], device="cpu", dtype="bfloat16",
+                           memory=memory, progress=traced.append)
+    fit = plan.largest_fit
+    assert 100 <= fit <= 130 and len(traced) <= 6, [t.batch_size for t in traced]
+    assert plan.peak_at(fit) <= plan.budget
+    peaks = {t.batch_size: t.peak for t in traced}
+    assert all(p > plan.budget for n, p in peaks.items() if n > fit)
+    assert any(n <= fit * 1.02 + 1 for n in peaks if n > fit)  # a miss within the tolerance above it
+    # Too little memory for batch 1: 0, said so.
+    tiny = estimate_memory(model, opt, cross_entropy, images, [4], device="cpu", dtype="bfloat16", memory=1000)
+    assert tiny.largest_fit == 0 and "no batch size" in "\n".join(tiny.lines())
+
+
+class Masked(nn.Module):
+    """Shapes that depend on values: the samples with a positive first feature go through the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h[h[:, 0] > 0]).sum(0, keepdim=True).expand(len(x), 10)
+
+
+def test_a_model_that_cannot_be_traced_fake_gets_weights_gradients_and_optimizer_state(caplog):
+    caplog.set_level("INFO", logger="ignite_amp")
+    model = Masked()
+    opt = torch.optim.Adam(model.parameters())
+    plan = estimate_memory(model, opt, cross_entropy, features, [8], device="cpu", dtype="bfloat16", memory="1GiB")
+    assert plan.untraced and plan.peaks == [] and plan.largest_fit is None
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert plan.fixed == {"parameters": weights, "buffers": 0, "gradients": weights,
+                          "optimizer state": 2 * weights + 4 * len(list(model.parameters()))}
+    assert "cannot be traced with fake tensors" in caplog.text
+    assert "could not be traced fake" in "\n".join(plan.lines())
+
+
+def test_an_example_batch_is_resized_and_bad_arguments_are_refused():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    by_example = estimate_memory(model, opt, cross_entropy, features(3), [8], device="cpu", dtype="bfloat16")
+    by_function = estimate_memory(model, opt, cross_entropy, features, [8], device="cpu", dtype="bfloat16")
+    assert by_example.peaks[0].peak == by_function.peaks[0].peak
+    with pytest.raises(ValueError, match="batch_sizes"):
+        estimate_memory(model, opt, cross_entropy, features, [0], device="cpu")
+    with pytest.raises(ValueError, match="margin"):
+        estimate_memory(model, opt, cross_entropy, features, [2], device="cpu", margin=1.5)
+    assert parse_bytes("80GiB") == 80 * 2 ** 30 and parse_bytes("24 GB") == 24 * 10 ** 9 and parse_bytes(512) == 512
+    for bad in ("eighty", "80XB", "-1GiB", "0", "GiB"):
+        with pytest.raises(ValueError, match="expected a size such as 80GiB"):
+            parse_bytes(bad)
+
+
+def test_docstring_examples():
+    assert_doctests_pass(memory_plan)
+
+
+def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from conftest import tiny_config
+    from ignite_amp.cli.main import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path, amp={"dtype": "bfloat16"})))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--memory", "64MiB", "--batch-sizes", "4", "16", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "| 4 |" in printed.out and "| 16 |" in printed.out and "largest batch that fits 64.0 MiB" in printed.out
+    assert "planned batch 16: peak" in printed.err
+    data = json.loads(out.read_text())
+    fit = data["largest_fit"]
+    assert fit > 16 and data["memory"] == 64 * 2 ** 20 and "CUDA caching allocator" in data["not_counted"]
+    assert max(p["peak"] for p in data["peaks"] if p["batch_size"] <= fit) <= data["budget"]
+    for bad, why in ((["--memory", "lots"], "--memory: memory: expected a size"), (["--margin", "2"], "--margin"),
+                     (["--batch-sizes", "0"], "--batch-sizes")):
+        assert main(["plan", str(path), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
+
+
+class TrackedMeter(MemoryMeter):
+    """A CPU stand-in for a GPU: a trial holds what MemTracker counts of its real tensors times an allocator
+    overhead the search is not told; a step that would hold more than the capacity raises out of memory."""
+
+    def __init__(self, model, optimizer, capacity, overhead):
+        from ignite_amp.memory_plan.fake_step import StepTracker
+
+        meter = self
+
+        class OutOfMemoryTracker(StepTracker):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = super().__torch_dispatch__(func, types, args, kwargs)
+                if meter.held(self) > capacity:
+                    raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+                return result
+
+        self.make, self.model, self.optimizer = OutOfMemoryTracker, model, optimizer
+        self.capacity, self.overhead, self.tracker, self.trials = capacity, overhead, None, 0
+
+    def held(self, tracker) -> float:
+        return self.overhead * sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+
+    def reset(self):
+        self._close()
+        self.trials += 1
+        self.tracker = self.make()
+        self.tracker.track_external(self.model, self.optimizer)
+        self.tracker.__enter__()
+
+    def _close(self):
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.tracker = None
+
+    def peak_bytes(self):
+        peak = self.held(self.tracker)
+        self._close()
+        return peak
+
+    def capacity_bytes(self):
+        return self.capacity
+
+
+def test_the_batch_size_search_starts_from_the_plan():
+    from ignite_amp.batch_search import find_batch_size
+
+    torch.manual_seed(0)
+    model = cnn()
+    opt = torch.optim.AdamW(model.parameters())
+    plan = estimate_memory(model, opt, cross_entropy, images, [8, 64], device="cpu", dtype="bfloat16")
+    per_sample = (plan.peaks[1].peak - plan.peaks[0].peak) / 56
+    capacity = 1.15 * (plan.peaks[1].peak + 40 * per_sample) / 0.95  # the best batch ~100 with the overhead
+    meter = TrackedMeter(model, opt, capacity, overhead=1.15)
+    result = find_batch_size(model, opt, cross_entropy, images, device="cpu", dtype="bfloat16", meter=meter,
+                             plan=True, warmup=1, steps=1, verify_steps=1)
+    meter._close()
+    assert result.strategy == "plan" and len(result.trials) <= 3, result.trials
+    kept = [t for t in result.trials if t.size == result.batch_size][-1]
+    assert kept.fits and kept.peak_bytes <= 0.95 * capacity
+    best = max(n for n in range(1, 400) if 1.15 * plan.peak_at(n) <= 0.95 * capacity)  # the plan's line
+    assert 0.95 * best <= result.batch_size <= 1.05 * best, (best, result.trials)
+
+
+def test_the_health_summary_sets_the_planned_peak_beside_the_measured_one():
+    from ignite_amp.handlers.run_health import Health, health_lines
+
+    def memory_line(**kwargs):
+        return next(line for line in health_lines(Health("bfloat16", False, [], 10, 0, **kwargs))
+                    if line.startswith("memory:"))
+
+    assert memory_line(peak_memory_mb=1150.0, planned_memory_mb=1000.0) == \
+        "memory: peak 1150 MB (allocated); planned 1000 MB (+15%: what the plan does not count)"
+    # a CPU run's RSS counts the whole process, not tensors: nothing to compare
+    assert memory_line(peak_memory_mb=900.0, memory_kind="RSS", planned_memory_mb=100.0) == "memory: peak 900 MB (RSS)"
