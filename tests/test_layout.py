@@ -91,30 +91,82 @@ def test_find_cycle_finds_one():  # the checker itself can fail
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_layers():
+# The layers, top-down, by package (docs/guides/architecture.md draws them): a module imports from its own
+# layer or the layers below it, never above. ``ignite_amp`` itself (the lazy public names) and ``__main__`` sit
+# above them all.
+LAYERS = (
+    ("the command line", ("ignite_amp.cli",)),
+    ("the run from a config", ("ignite_amp.run", "ignite_amp.config", "ignite_amp.launcher")),
+    ("handlers", ("ignite_amp.handlers",)),
+    ("components", ("ignite_amp.engine", "ignite_amp.data", "ignite_amp.models", "ignite_amp.memory_plan",
+                    "ignite_amp.batch_search")),
+    ("the step", ("ignite_amp.step", "ignite_amp.split_check", "ignite_amp.batching")),
+    ("model transforms", ("ignite_amp.transforms",)),
+    ("files", ("ignite_amp.files",)),
+    ("core", ("ignite_amp.core", "ignite_amp.errors", "ignite_amp.version")),
+)
+ABOVE_ALL = ("ignite_amp", "ignite_amp.__main__")
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of ``module``'s layer (0: the top)."""
+    for index, (_, packages) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return index
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS and to the architecture guide")
+
+
+def upward_imports(graph: dict) -> list:
+    """``(module, import)`` pairs where a module imports from a layer above its own."""
+    return sorted((m, d) for m, deps in graph.items() if m not in ABOVE_ALL
+                  for d in deps if layer_of(d) < layer_of(m))
+
+
+def test_every_module_is_in_a_layer_and_imports_only_downward():
+    graph = import_graph()
+    assert upward_imports(graph) == []
+
+
+def test_upward_imports_are_found():  # the checker itself can fail
+    graph = {"ignite_amp.core.device": {"ignite_amp.step.train"}, "ignite_amp.step.train": {"ignite_amp.core.device"}}
+    assert upward_imports(graph) == [("ignite_amp.core.device", "ignite_amp.step.train")]
+
+
+def test_no_folder_is_a_hall():
+    """A folder per concept, none over about ten modules (issue 43)."""
+    folders = {}
+    for module, path in modules().items():
+        if not path.endswith("__init__.py"):
+            folders.setdefault(os.path.dirname(path), []).append(module)
+    crowded = {os.path.relpath(f, ROOT): len(m) for f, m in folders.items() if len(m) > 11}
+    assert not crowded, crowded
+
+
+def test_the_boundaries_that_matter():
     graph = import_graph()
     importers_of_handlers = {m for m, deps in graph.items()
                              if not m.startswith("ignite_amp.handlers") and any(d.startswith("ignite_amp.handlers")
                                                                                  for d in deps)}
-    # The run layer: the config tree gathers each handler's own declaration, resume finds its checkpoint,
-    # the composition root attaches the handlers. Nothing below it imports a handler.
-    assert importers_of_handlers == {"ignite_amp.run.compose", "ignite_amp.config.tree", "ignite_amp.run.resume", "ignite_amp.cli.compare"}
-    high = {"ignite_amp.cli.main", "ignite_amp.config.tree", "ignite_amp.run.compose", "ignite_amp.launcher", "ignite_amp.cli.compare",
-            "ignite_amp.run.resume"}
-    for module, deps in graph.items():
-        if module.startswith("ignite_amp.handlers"):
-            assert not deps & high, (module, deps & high)
+    # The config tree gathers each handler's own declaration, resume finds its checkpoint, the composition root
+    # attaches the handlers, compare logs with TensorBoardMetrics. Nothing else imports a handler.
+    assert importers_of_handlers == {"ignite_amp.run.compose", "ignite_amp.config.tree", "ignite_amp.run.resume",
+                                     "ignite_amp.cli.compare"}
     for leaf in ("ignite_amp.errors", "ignite_amp.step.events"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["ignite_amp.core.config_keys"] == {"ignite_amp.errors"}  # declarations sit below every component
     assert graph["ignite_amp.core.collectives"] == set()
-    assert "ignite_amp.launcher" not in graph["ignite_amp.step.train"] | graph["ignite_amp.core.collectives"]
     # The step's parts, bottom-up: what a batch is and where it runs know nothing of steps.
     steps = {"ignite_amp.step.base", "ignite_amp.step.train", "ignite_amp.step.evaluate", "ignite_amp.engine"}
-    for low in ("ignite_amp.core.device", "ignite_amp.batching", "ignite_amp.core.phases", "ignite_amp.step.scaler",
-                "ignite_amp.step.contracts"):
+    for low in ("ignite_amp.batching", "ignite_amp.step.scaler", "ignite_amp.step.contracts"):
         assert not graph[low] & steps, (low, graph[low] & steps)
     assert "ignite_amp.engine" not in graph["ignite_amp.step.train"] | graph["ignite_amp.step.base"]
+
+
+def test_the_architecture_guide_draws_every_package():
+    guide = open(os.path.join(ROOT, "docs", "guides", "architecture.md"), encoding="utf-8").read()
+    packages = {p for _, ps in LAYERS for p in ps}
+    missing = sorted(p for p in packages if f"`{p.split('.', 1)[1]}" not in guide)
+    assert not missing, missing
 
 
 def test_no_module_is_a_hall():
