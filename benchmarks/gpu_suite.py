@@ -209,9 +209,14 @@ def gpu_tests(ctx: Context) -> None:
 
 
 def _files_with_gpu_tests() -> list:
-    folder = os.path.join(ROOT, "tests")
-    return sorted(os.path.join("tests", name) for name in os.listdir(folder) if name.startswith("test_")
-                  and name.endswith(".py") and "mark.gpu" in open(os.path.join(folder, name), encoding="utf-8").read())
+    """The test files under tests/ (its subfolders too) that hold a ``pytest.mark.gpu`` test, from ROOT."""
+    found = []
+    for folder, _, names in os.walk(os.path.join(ROOT, "tests")):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.startswith("test_") and name.endswith(".py") and "mark.gpu" in open(path, encoding="utf-8").read():
+                found.append(os.path.relpath(path, ROOT))
+    return sorted(found)
 
 
 def _text(value) -> str:
@@ -754,8 +759,10 @@ def _counting_waits(record: Callable[[str], None]):
 
 
 def _short(path: str) -> str:
+    """``path`` from the repository root where it is inside it (ignite_amp/step/train.py), else its last two parts."""
+    relative = os.path.relpath(os.path.abspath(path), ROOT)
     parts = path.replace("\\", "/").split("/")
-    return "/".join(parts[-2:])
+    return relative.replace("\\", "/") if not relative.startswith("..") else "/".join(parts[-2:])
 
 
 # -- g. the data path -------------------------------------------------------------------------------
