@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import ignite
 import pytest
@@ -129,10 +130,16 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture
 def suite(monkeypatch):
+    """The suite's parts as the command imports them (benchmarks/ on sys.path): the runner, the section
+    table, and the sections these tests call."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    import gpu_suite
+    import gpu_suite  # noqa: F401 - the command and everything it imports load
+    from gpu_sections import catalog, common, gpu_tests, host_syncs, runner
 
-    return gpu_suite
+    return SimpleNamespace(Context=common.Context, Section=common.Section, run_section=runner.run_section,
+                           SECTIONS=catalog.SECTIONS, OPT_IN=catalog.OPT_IN, gpu_tests=gpu_tests.gpu_tests,
+                           _counting_waits=host_syncs._counting_waits,
+                           split_check_section=catalog.split_check_section)
 
 
 def test_a_section_past_its_budget_is_stopped_with_its_subprocesses_and_keeps_what_it_recorded(suite, tmp_path):
