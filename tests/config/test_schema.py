@@ -192,7 +192,7 @@ def _same(a, b) -> bool:  # JSON equality: true is not 1
 @pytest.mark.parametrize("path, text, editor, valid, used", DOCUMENTS, ids=[f"{p}={t[:12]}" for p, t, *_ in DOCUMENTS])
 def test_the_loader_and_the_schema_accept_the_same_documents(tmp_path, path, text, editor, valid, used):
     """A YAML file means what a YAML 1.2 editor reads; the loader and the JSON Schema give one verdict on it."""
-    from ignite_amp.config.tree import yaml12 as yaml12
+    from ignite_amp.config import yaml12
 
     keys = path.split(".")
     document = "".join(f"{'  ' * i}{key}:\n" for i, key in enumerate(keys))[:-1] + f" {text}\n"

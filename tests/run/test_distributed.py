@@ -395,7 +395,7 @@ def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
 def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monkeypatch):
     """Issue 39: "internal error: RuntimeError: rank 1 of 2 failed: OutOfMemoryError", no advice (an FSDP2
     run cannot retry a batch: no OOMBackoff on several processes)."""
-    from ignite_amp.cli.main import main as cli
+    from ignite_amp.cli import main as cli
     from ignite_amp.launcher import _collect, _post
 
     _post(str(tmp_path), 1, ("error", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
@@ -449,7 +449,7 @@ def _kill_rank_1(folder):
 
 def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_path, monkeypatch):
     """Case 32.9: "the 2 training processes ended without a result (killed?)", and nothing in train.log."""
-    from ignite_amp.cli.main import main as cli
+    from ignite_amp.cli import main as cli
     from ignite_amp.errors import RankDiedError
 
     with pytest.raises(RankDiedError) as raised:

@@ -8,7 +8,8 @@ import torch
 
 import ignite_amp.core.device
 from conftest import CLOCK, ClockedCNN, tiny_config
-from ignite_amp.run.compose import dtype_probe as dtype_probe, probe_cpu_dtype
+from ignite_amp import probe_cpu_dtype
+from ignite_amp.run import dtype_probe
 from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run

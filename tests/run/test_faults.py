@@ -212,7 +212,7 @@ def mutate(cfg: dict, rng: random.Random):
 def test_config_fuzzing_never_shows_a_traceback(quick_cfg, tmp_path, capsys, monkeypatch):
     """300 mutations of a valid config: each runs (one iteration), exits 2 with one line, or (a huge
     learning rate, say) stops with one line and exit 1."""
-    from ignite_amp.run.compose import compose as run_module
+    from ignite_amp.run import compose as run_module
 
     def one_iteration(self):  # keep the fuzz fast: build everything for real, train one iteration
         try:

@@ -130,7 +130,7 @@ def test_compare_into_an_unwritable_dir_is_one_line(tmp_path, capsys):
 
 
 def test_an_internal_error_is_one_line_pointing_at_the_log_and_debug_shows_it(tmp_path, capsys, monkeypatch):
-    from ignite_amp.run.compose import compose as run_module
+    from ignite_amp.run import compose as run_module
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")
@@ -307,7 +307,7 @@ def test_disk_full_outside_a_save_says_whether_a_checkpoint_is_kept(tmp_path):
     """Disk full while TensorBoard or the log writes: the line is true about what is on disk."""
     import errno as errnos
 
-    from ignite_amp.cli.main import main as cli
+    from ignite_amp.cli import main as cli
 
     full = OSError(errnos.ENOSPC, "No space left on device", str(tmp_path / "events.out.tfevents.1"))
     cli._state.update(checkpoints=str(tmp_path / "checkpoints"))
