@@ -14,10 +14,9 @@
         scaler.update()
         fire OPTIMIZER_STEPPED or STEP_SKIPPED
 
-The weight makes the optimizer see the gradient of one mean over the whole cycle: each chunk's share of the samples
-(each iteration counting once), or, with ``num_items``, of the items the losses average over (tokens, say), over
-every chunk, iteration and rank of the cycle. While a ``torch.profiler`` records, the phases carry the labels of
-:mod:`ignite_amp.core.phases`.
+The weight makes the optimizer see the gradient of one mean over the whole cycle (:mod:`ignite_amp.step.chunks`
+weighs the chunks and joins their losses and outputs). While a ``torch.profiler`` records, the phases carry the
+labels of :mod:`ignite_amp.core.phases`.
 
 An out-of-memory error in the forward or backward (or in a ``GRADS_READY`` handler) is caught, the memory freed
 outside the ``except`` block, and ``OUT_OF_MEMORY`` fired; a handler that raises ``micro_batches`` makes the step
@@ -33,7 +32,6 @@ import contextlib
 import logging
 from typing import Any, Callable, Optional, Sequence, Union
 
-import ignite.distributed as idist
 import torch
 from ignite.base.mixins import Serializable
 from ignite.engine import Engine
@@ -41,10 +39,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ignite_amp.batching import batch_size_of, prepare_batch, split_batch
-from ignite_amp.core.collectives import (all_reduce_gradients, is_distributed, max_across_ranks, no_buffer_sync_in_forward,
-                                    sum_across_ranks)
-from ignite_amp.step.contracts import (check_count, check_mean_reduction, check_optimizer, check_requires_grad,
-                                  check_scalar, refuse_a_sum, warn_batch_norm, warn_padding_without_items)
+from ignite_amp.core.collectives import all_reduce_gradients, is_distributed, no_buffer_sync_in_forward
+from ignite_amp.step.chunks import ChunkWeights
+from ignite_amp.step.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
+                                  refuse_a_sum)
 from ignite_amp.core.device import is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.step.events import AmpEvents
@@ -55,11 +53,12 @@ from ignite_amp.core.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.step.scaler import agree_found_inf, build_scaler, found_inf
 from ignite_amp.split_check.check import SplitCheck
 from ignite_amp.step.base import Cycle, StepBase, call_model, fire_amp_event as _fire, identity
-from ignite_amp.core.nested import detach, join_chunks, to_float32
 
 __all__ = ["AmpStep"]
 
 logger = logging.getLogger("ignite_amp")
+_SYNC = contextlib.nullcontext()  # a chunk with nothing to hold back: one reusable instance, not one per chunk
+_WHOLE = Cycle(True, True, 1)  # without accumulation every iteration is a cycle: one (immutable) instance
 
 
 class AmpStep(StepBase, Serializable):
@@ -158,11 +157,8 @@ class AmpStep(StepBase, Serializable):
         self._norm = GradNorm(self._params)  # the pre-clip norm, once per step, and clipping to it
         self._loss: Optional[torch.Tensor] = None
         self._items: Any = 0
-        self._cycle_items: Any = 0  # items of the cycle so far (num_items), summed on this rank
-        self._item_ref: Optional[float] = None  # items per chunk that weigh 1 (agreed by all ranks once)
-        self._weighs_items = False  # this cycle's chunks were weighed by their items
-        self._reduction_checked = self._batch_norm_named = self._padding_checked = False  # said once each
-        self._bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
+        self._weights = ChunkWeights(self._device)
+        self._reduction_checked = False  # said once
         self._split_check = SplitCheck(check_split)
 
     @property
@@ -215,7 +211,7 @@ class AmpStep(StepBase, Serializable):
     def _cycle(self, engine: Engine) -> Cycle:
         acc, state = self._accumulation_steps, engine.state
         if acc == 1:
-            return Cycle(True, True, 1)
+            return _WHOLE
         length = state.epoch_length
         if not length:  # an iterator of unknown length: cycles follow the global iteration
             pos = (state.iteration - 1) % acc
@@ -226,7 +222,6 @@ class AmpStep(StepBase, Serializable):
         return Cycle(pos == start, pos == start + size - 1, size)
 
     def _run(self, engine: Engine, batch: Any, defer: bool = False) -> Any:
-        n = self._batch_size
         cycle = self._cycle(engine)
         parts, sizes = self._chunks(batch)
         # The module's flag, not a DDP wrapper's: the evaluator runs (and .eval()s) the unwrapped module.
@@ -236,26 +231,17 @@ class AmpStep(StepBase, Serializable):
             self._model.train()
         if cycle.first:
             self._optimizer.zero_grad(set_to_none=True)
-            self._cycle_items = 0
-        if len(parts) > 1 and not self._batch_norm_named:
-            self._batch_norm_named = True
-            warn_batch_norm(self._module)
         self._norm.clear()
         label = phase_label()
-        # With num_items, every chunk weighs its items against a reference; the optimizer step divides
-        # by the cycle's items on all ranks. A lone chunk of a lone iteration needs neither.
-        self._weighs_items = self.num_items is not None and (len(parts) > 1 or cycle.length > 1 or is_distributed())
-        kept = [] if self.output_transform is not None else None
-        total, items = None, 0
-        self._split_check(self, batch, len(parts), cycle.length)  # once per chunk count, where cut or combined
-        if self.num_items is None and not self._padding_checked and (len(parts) > 1 or cycle.length > 1):
-            self._padding_checked = True
-            warn_padding_without_items(*batch, self.loss_fn, self._module)
+        keep = self.output_transform is not None
+        chunks = self._weights.start(self, batch, sizes, cycle, keep)
+        last = len(parts) - 1
         for i, (x, y) in enumerate(parts):
-            count = self._count(x, y, engine, i) if self.num_items is not None else None
+            count = None if self.num_items is None else self._weights.count(
+                self.num_items(x, y), f"chunk {i + 1} of iteration {engine.state.iteration}")
             # DDP all-reduces the gradients in the backward of the last chunk of a stepping
             # iteration only: once per optimizer step. Deferred: after all ranks agreed.
-            with self._no_sync(defer or not (cycle.last and i == len(parts) - 1)):
+            with self._no_sync(defer or not (cycle.last and i == last)):
                 with label(FORWARD), self.autocast():
                     y_pred = self._forward(x)
                     loss = self.loss_fn(y_pred, y)
@@ -265,48 +251,19 @@ class AmpStep(StepBase, Serializable):
                 if not self._reduction_checked:  # the first batch: one host sync
                     self._reduction_checked = True
                     refuse_a_sum(self.loss_fn, loss, y_pred, y, self.autocast)
-                if count is None:  # the chunk's share of the batch's samples, and of the cycle
-                    share = sizes[i] / n
-                    weight = share / cycle.length
-                    part = loss.detach() * share if len(parts) > 1 else loss.detach()
-                else:
-                    weight = count / self._item_ref if self._weighs_items else 1
-                    part = loss.detach() * count
-                    # A chunk of padding only has no mean (0/0): it adds nothing to the batch's.
-                    if torch.is_tensor(count):
-                        part = torch.where(count > 0, part, torch.zeros_like(part))
-                    elif count == 0:
-                        part = torch.zeros_like(part)
-                    items = items + count
+                weight = chunks.weigh(loss, i, count)
                 with label(BACKWARD):
                     # (a tensor weight is never compared: that would wait for the device)
                     self._scaler.scale(loss * weight if torch.is_tensor(weight) or weight != 1 else loss).backward()
-            total = part if total is None else total + part
-            if kept is not None:
-                kept.append((to_float32(detach(y_pred)), count))
-        if count is not None:
-            self._cycle_items = self._cycle_items + items
-            total = total / items  # 0 / 0: a batch of padding only has no loss (NaN, with items 0)
-            if self._bad_items is not None:
-                total = torch.where(self._bad_items, torch.full_like(total, float("nan")), total)
-                self._bad_items = None
-        self._loss, self._items = total.float(), (n if count is None else items)
+            if keep:
+                chunks.keep(y_pred, count)
+        self._loss, self._items = chunks.loss()
         if cycle.last and not defer:
             self._optimizer_step(engine)
-        if kept is None:
+        if not keep:
             return self._loss
         x, y = self._joined(batch, parts, sizes)  # a custom split_batch may reorder rows: the chunks' own x, y
-        counts = None if count is None else [c for _, c in kept]  # a loss in y_pred: the items' mean too
-        return self.output_transform(x, y, join_chunks([p for p, _ in kept], sizes, counts), self._loss)
-
-    def _count(self, x: Any, y: Any, engine: Engine, chunk: int) -> Any:
-        count, invalid = check_count(self.num_items(x, y), self._device,
-                                     f"chunk {chunk + 1} of iteration {engine.state.iteration}")
-        if invalid is not None:  # the batch's loss will read NaN (see _run)
-            self._bad_items = invalid if self._bad_items is None else self._bad_items | invalid
-        if self._item_ref is None:  # once: the reference every rank weighs its chunks against
-            self._item_ref = max(max_across_ranks(float(count)), 1.0)
-        return count
+        return self.output_transform(x, y, chunks.outputs(), self._loss)
 
     def _complete(self, engine: Engine, output: Any) -> Any:
         if self._cycle(engine).last:
@@ -316,31 +273,16 @@ class AmpStep(StepBase, Serializable):
 
     def _no_sync(self, skip: bool):
         if self.ddp is not None:
-            return self.ddp.no_sync() if skip else contextlib.nullcontext()
+            return self.ddp.no_sync() if skip else _SYNC
         if self.fsdp is not None:
             self.fsdp.set_requires_gradient_sync(not skip)
-        return contextlib.nullcontext()
+        return _SYNC
 
     def _optimizer_step(self, engine: Engine) -> None:
         with phase_label()(OPTIMIZER):
-            if self._weighs_items:
-                self._divide_by_cycle_items()
+            if self._weights.by_items:
+                self._weights.divide_by_cycle_items(self._params)
             self._unscale_and_step(engine)
-
-    def _divide_by_cycle_items(self) -> None:
-        """Chunks weighed ``items / reference``: the mean over the cycle's items on all ranks is that sum
-        times ``reference * world / all items`` (DDP already divided by the world size)."""
-        total = self._cycle_items
-        if is_distributed():
-            device = torch.device("cpu") if idist.backend() == "gloo" else self._device
-            total = sum_across_ranks(torch.as_tensor(total, dtype=torch.float32).to(device).clone())
-            total = total.to(self._device)
-        # A cycle without items has nothing to average: its gradient stays the (zero) sum.
-        total = total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
-        factor = self._item_ref * idist.get_world_size() / total
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if grads:  # one fused kernel per device and dtype, as torch.optim's foreach paths use
-            torch._foreach_mul_(grads, factor)
 
     def _unscale_and_step(self, engine: Engine) -> None:
         scaler = self._scaler
@@ -373,7 +315,7 @@ class AmpStep(StepBase, Serializable):
                 "out of memory inside an accumulation cycle: the gradients of its earlier "
                 "iterations are dropped (micro_batches keeps every sample; prefer it to accumulation_steps)"
             )
-            self._cycle_items = 0
+            self._weights.cycle_items = 0
         self._optimizer.zero_grad(set_to_none=True)
         self._norm.clear()
         if self._scaler.is_enabled():

@@ -1,0 +1,148 @@
+"""The chunks of a training batch: each one's weight in its accumulation cycle's gradient, and the batch's loss,
+items and outputs joined from them.
+
+The weight makes the optimizer see the gradient of one mean over the whole cycle: each chunk's share of the samples
+(each iteration counting once), or, with ``num_items``, of the items the losses average over (tokens, say), over
+every chunk, iteration and rank of the cycle. With ``num_items`` every chunk weighs its items against a reference
+(agreed by all ranks once) and the optimizer step divides by the cycle's items on all ranks
+(:meth:`ChunkWeights.divide_by_cycle_items`); a lone chunk of a lone iteration needs neither.
+
+:class:`~ignite_amp.step.train.AmpStep` runs the chunks in the AMP order; this module does their arithmetic and
+knows nothing of autocast or the scaler.
+"""
+from typing import Any, List, Optional, Sequence
+
+import ignite.distributed as idist
+import torch
+
+from ignite_amp.core.collectives import is_distributed, max_across_ranks, sum_across_ranks
+from ignite_amp.core.nested import detach, join_chunks, to_float32
+from ignite_amp.step.base import Cycle
+from ignite_amp.step.contracts import check_count, warn_batch_norm, warn_padding_without_items
+
+__all__ = ["BatchChunks", "ChunkWeights"]
+
+
+class ChunkWeights:
+    """How a training step weighs its chunks, across the batches of its accumulation cycles.
+
+    Args:
+        device: the step's device (where a tensor count of items lives).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cycle_items: Any = 0  # items of the cycle so far (num_items), summed on this rank
+        self.item_ref: Optional[float] = None  # items per chunk that weigh 1 (agreed by all ranks once)
+        self.by_items = False  # this cycle's chunks were weighed by their items
+        self.bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
+        self._batch_norm_named = self._padding_checked = False  # said once each
+
+    def start(self, step: Any, batch: tuple, sizes: Sequence[int], cycle: Cycle, keep: bool) -> "BatchChunks":
+        """A batch of chunks of ``sizes`` samples starts at this place of its cycle; ``keep``: its chunks' outputs
+        are joined for an ``output_transform``. A cut or combined batch: the step's split check (once per chunk
+        count), and a warning, once, of what it may get wrong."""
+        chunks = len(sizes)
+        counted = step.num_items is not None
+        if cycle.first:
+            self.cycle_items = 0
+        if chunks > 1 and not self._batch_norm_named:
+            self._batch_norm_named = True
+            warn_batch_norm(step._module)
+        self.by_items = counted and (chunks > 1 or cycle.length > 1 or is_distributed())
+        step._split_check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
+        if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1):
+            self._padding_checked = True
+            warn_padding_without_items(*batch, step.loss_fn, step._module)
+        return BatchChunks(self, step._batch_size, sizes, cycle.length, counted, keep)
+
+    def count(self, value: Any, where: str) -> Any:
+        """A chunk's ``num_items`` ``value``, checked (``where`` names the chunk in an error); the first one sets the
+        reference every rank weighs its chunks against."""
+        count, invalid = check_count(value, self.device, where)
+        if invalid is not None:  # the batch's loss will read NaN (see BatchChunks.loss)
+            self.bad_items = invalid if self.bad_items is None else self.bad_items | invalid
+        if self.item_ref is None:  # once: the reference every rank weighs its chunks against
+            self.item_ref = max(max_across_ranks(float(count)), 1.0)
+        return count
+
+    def divide_by_cycle_items(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Chunks weighed ``items / reference``: the mean over the cycle's items on all ranks is that sum
+        times ``reference * world / all items`` (DDP already divided by the world size)."""
+        total = self.cycle_items
+        if is_distributed():
+            device = torch.device("cpu") if idist.backend() == "gloo" else self.device
+            total = sum_across_ranks(torch.as_tensor(total, dtype=torch.float32).to(device).clone())
+            total = total.to(self.device)
+        # A cycle without items has nothing to average: its gradient stays the (zero) sum.
+        total = total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
+        factor = self.item_ref * idist.get_world_size() / total
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:  # one fused kernel per device and dtype, as torch.optim's foreach paths use
+            torch._foreach_mul_(grads, factor)
+
+
+class BatchChunks:
+    """One batch's chunks as they run: each one's weight, the batch's loss and items, its joined outputs.
+
+    Made by :meth:`ChunkWeights.start`; a local of the step's attempt, so a failed attempt's outputs go with it.
+    """
+
+    __slots__ = ("weights", "n", "sizes", "cycle_length", "counted", "total", "items", "kept")
+
+    def __init__(self, weights: ChunkWeights, n: int, sizes: Sequence[int], cycle_length: int, counted: bool,
+                 keep: bool):
+        self.weights = weights
+        self.n = n  # the batch's samples
+        self.sizes = sizes
+        self.cycle_length = cycle_length
+        self.counted = counted  # weighed by num_items
+        self.total: Optional[torch.Tensor] = None  # the chunks' losses, weighted, summed
+        self.items: Any = 0  # the batch's items so far (num_items)
+        self.kept: Optional[List[tuple]] = [] if keep else None
+
+    def weigh(self, loss: torch.Tensor, chunk: int, count: Any) -> Any:
+        """The weight of chunk ``chunk``'s ``loss`` in the cycle's gradient (``count``: its items, or None to
+        weigh its samples); its detached loss joins the batch's."""
+        sizes = self.sizes
+        if count is None:  # the chunk's share of the batch's samples, and of the cycle
+            if len(sizes) == 1:
+                part, weight = loss.detach(), 1 / self.cycle_length
+            else:
+                share = sizes[chunk] / self.n
+                part, weight = loss.detach() * share, share / self.cycle_length
+        else:
+            weights = self.weights
+            weight = count / weights.item_ref if weights.by_items else 1
+            part = loss.detach() * count
+            # A chunk of padding only has no mean (0/0): it adds nothing to the batch's.
+            if torch.is_tensor(count):
+                part = torch.where(count > 0, part, torch.zeros_like(part))
+            elif count == 0:
+                part = torch.zeros_like(part)
+            self.items = self.items + count
+        self.total = part if self.total is None else self.total + part
+        return weight
+
+    def keep(self, y_pred: Any, count: Any) -> None:
+        """Keep a chunk's output (detached, floats in float32) for :meth:`outputs`."""
+        self.kept.append((to_float32(detach(y_pred)), count))
+
+    def loss(self) -> tuple:
+        """The batch's loss (a detached float32 tensor: the mean over its samples, or its items) and what it
+        averaged over; with ``num_items`` its items join the cycle's."""
+        total = self.total
+        if not self.counted:
+            return total.float(), self.n
+        weights, items = self.weights, self.items
+        weights.cycle_items = weights.cycle_items + items
+        total = total / items  # 0 / 0: a batch of padding only has no loss (NaN, with items 0)
+        if weights.bad_items is not None:
+            total = torch.where(weights.bad_items, torch.full_like(total, float("nan")), total)
+            weights.bad_items = None
+        return total.float(), items
+
+    def outputs(self) -> Any:
+        """The kept outputs joined into the batch's (a loss among them: the mean over the samples, or the items)."""
+        counts = [c for _, c in self.kept] if self.counted else None
+        return join_chunks([p for p, _ in self.kept], self.sizes, counts)
