@@ -4,28 +4,9 @@ Pure: it only calls ``trial(size, stage) -> Trial`` (a few real steps at that si
 whether it ran out of memory, its peak memory and its time per step), so it is tested and
 benchmarked without a device. :func:`ignite_amp.batch_search.runner.find_batch_size` supplies real trials.
 
-Three strategies:
-
-- ``"plan"`` (when a memory plan is given, :mod:`ignite_amp.memory_plan.plan`): the plan's peak per batch size,
-  traced under fake tensors, misses only the allocator's overhead (``max_overhead``: at most 25% more). The
-  first trial is the largest batch the plan puts under the budget with that overhead; its reading gives the
-  overhead on this device, and the second trial is the largest batch under the budget with it (a third,
-  aimed lower, when the second's reading was over). Readings that do not follow the plan hand over to
-  the memory model.
-
-- ``"model"`` (the default): peak memory is close to a line in the batch size,
-  ``peak = a + b * batch`` (weights, gradients, optimizer state and workspace; activations per
-  sample). Two probes give the line; the search jumps to the largest batch whose predicted
-  peak is under ``(1 - margin) * capacity`` and verifies it with real steps; each verification
-  adds a far point, which sharpens the line, until the verified size is within ``tolerance`` of
-  the prediction. A jump the readings cannot pin down yet goes only as far as their ``noise``
-  surely allows; a jump that runs out of memory bounds the slope from below (its peak passed
-  the capacity) and the next one goes halfway. When three or more peaks miss their best line
-  by more than ``fit_tolerance``, or no size is within ``tolerance`` after ``max_jumps`` jumps,
-  the line is not trusted: doubling and bisection take over.
-- ``"bisect"``: what the search did before the memory model (doubling from ``start``, bisection
-  between the last fit and the first failure to ``tolerance``, a confirmation); kept for
-  comparison and as the fallback.
+Which sizes to try is a strategy's (:mod:`ignite_amp.batch_search.strategies`): ``"plan"`` (when a memory plan is
+given: the plan's peaks, corrected by one reading), ``"model"`` (the default: peak memory as a line in the batch
+size, two probes and verified jumps) and ``"bisect"`` (doubling and bisection, the fallback of the other two).
 
 A trial *fits* when it ran without running out of memory and its peak is within the budget
 (``(1 - margin) * capacity``; without a capacity, any size that runs fits and the margin is
@@ -35,88 +16,19 @@ Objectives: ``"largest"`` keeps the largest verified fit; ``"fastest"`` then als
 halving down from it and keeps the smallest batch within ``speed_tolerance`` of the best
 samples/s seen.
 """
-import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from ignite_amp.batch_search.results import GIB, BatchSizeResult, Trial
+from ignite_amp.batch_search.strategies import (VERIFY_STAGES, Search, Untrusted, bisect_search, fit_line,
+                                                model_search, plan_search)
 from ignite_amp.core.config_keys import POSITIVE_INT
 
 __all__ = ["search_batch_size", "fit_line", "STRATEGIES", "OBJECTIVES", "VERIFY_STAGES"]
 
 STRATEGIES = ("plan", "model", "bisect")
 OBJECTIVES = ("largest", "fastest")
-# Stages whose trial also runs the longer verification (evaluation pass, steps after it).
-VERIFY_STAGES = ("jump", "verify", "confirm")
-
-
-class _Search:
-    """Trials so far and the bounds they give: ``lo`` the largest fit, ``hi`` the smallest failure."""
-
-    def __init__(self, trial: Callable[[int, str], Trial], capacity: Optional[float], margin: float,
-                 max_size: int):
-        self.trial, self.capacity, self.max_size = trial, capacity, max_size
-        self.budget = None if capacity is None else (1 - margin) * capacity
-        self.trials: List[Trial] = []
-        self.outcome: Dict[int, bool] = {}  # size -> fits (the latest trial at that size)
-        self.points: Dict[int, float] = {}  # size -> peak, of trials that ran (no out-of-memory error)
-        self.verified: set = set()
-
-    def fits(self, t: Trial) -> bool:
-        return t.fits and (self.budget is None or t.peak_bytes is None or t.peak_bytes <= self.budget)
-
-    def run(self, size: int, stage: str) -> bool:
-        t = self.trial(size, stage)
-        if not isinstance(t, Trial):
-            raise TypeError(f"Argument trial should return a Trial, got {type(t).__name__}.")
-        self.trials.append(t)
-        ok = self.fits(t)
-        self.outcome[size] = ok
-        if t.fits and t.peak_bytes is not None:
-            self.points[size] = float(t.peak_bytes)
-        if ok and stage in VERIFY_STAGES:
-            self.verified.add(size)
-        elif not ok:
-            self.verified.discard(size)
-        return ok
-
-    @property
-    def hi(self) -> Optional[int]:
-        failed = [s for s, ok in self.outcome.items() if not ok]
-        return min(failed) if failed else None
-
-    @property
-    def lo(self) -> int:
-        hi = self.hi
-        fitted = [s for s, ok in self.outcome.items() if ok and (hi is None or s < hi)]
-        return max(fitted, default=0)
-
-
-class _Untrusted(Exception):
-    """The memory model cannot be trusted here: fall back to doubling and bisection."""
-
-
-def fit_line(points: Dict[int, float]) -> Tuple[float, float, float]:
-    """Least-squares line through ``{size: peak}``: ``(a, b, misfit)``, misfit the largest
-    distance of a point from the line as a share of the largest peak (the scale that matters
-    near the budget; a small probe's few bytes of jitter do not make a bend).
-
-    >>> a, b, misfit = fit_line({16: 1100.0, 64: 1400.0, 512: 4200.0})
-    >>> round(a), round(b, 2), misfit < 0.01
-    (1000, 6.25, True)
-    """
-    if len(points) < 2:
-        raise ValueError(f"Argument points should hold at least 2 sizes, got {len(points)}.")
-    xs, ys = list(points), list(points.values())
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    scale = max(max(abs(y) for y in ys), 1e-12)
-    misfit = max(abs(y - (a + b * x)) for x, y in zip(xs, ys)) / scale
-    return a, b, misfit
 
 
 def _check(start: int, max_size: int, margin: float, tolerance: float, strategy: str, objective: str,
@@ -174,25 +86,25 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
     """
     _check(start, max_size, margin, tolerance, strategy, objective, capacity)
     budget = None if capacity is None else (1 - margin) * capacity
-    search = _Search(trial, capacity, margin, max_size)
+    search = Search(trial, capacity, margin, max_size)
     if strategy == "plan" and planned is None:
         raise ValueError("Argument planned should be given with strategy 'plan' (a memory plan's peak_at).")
     used = strategy
     note = ""
     if strategy == "plan":
         try:
-            _plan_search(search, planned, noise, max_overhead)
-        except _Untrusted as why:
+            plan_search(search, planned, noise, max_overhead)
+        except Untrusted as why:
             used, strategy, note = "plan, then model", "model", f" (plan: {why}; the memory model took over)"
     if strategy == "model":
         try:
-            _model_search(search, start, tolerance, noise, fit_tolerance, max_jumps)
-        except _Untrusted as why:
+            model_search(search, start, tolerance, noise, fit_tolerance, max_jumps)
+        except Untrusted as why:
             used, strategy = f"{used}, then bisect", "bisect"
             note += f" (memory model: {why}; doubling and bisection took over)"
     if strategy == "bisect":
         batch_margin = margin if budget is None else 0.0
-        _bisect_search(search, start, tolerance, batch_margin)
+        bisect_search(search, start, tolerance, batch_margin)
     largest = search.lo
     chosen = _kept(search)
     if budget is None:
@@ -203,8 +115,7 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
         chosen, reason = _fastest(search, chosen, speed_tolerance)
     return BatchSizeResult(chosen, search.trials, largest, reason + note, objective, used, capacity, margin)
 
-
-def _kept(search: _Search) -> int:
+def _kept(search: Search) -> int:
     """The largest verified fit below every failure."""
     hi = search.hi
     kept = [s for s in search.verified if hi is None or s < hi]
@@ -213,160 +124,7 @@ def _kept(search: _Search) -> int:
     return max(kept)
 
 
-def _largest_planned(planned: Callable[[int], float], limit: float, max_size: int) -> int:
-    """The largest size whose planned peak is within ``limit`` (0: none; the plan grows with the size)."""
-    lo, hi = 0, max_size + 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if planned(mid) <= limit else (lo, mid)
-    return lo
-
-
-def _plan_search(search: _Search, planned: Callable[[int], float], noise: float, max_overhead: float) -> None:
-    budget, max_size = search.budget, search.max_size
-    if budget is None:
-        raise _Untrusted("no capacity to aim at")
-    first = max(1, _largest_planned(planned, budget / (max_overhead * (1 + noise)), max_size))
-    _first_fit(search, first, "jump")
-    for aim in (1 - noise / 2, 1 - noise):  # a second trial; a third, aimed lower, when it was over budget
-        if not search.points:
-            raise _Untrusted("no peak-memory readings")
-        overhead = max(peak / planned(n) for n, peak in search.points.items())
-        if not 0.5 <= overhead <= 2 * max_overhead:
-            raise _Untrusted(f"the readings are {overhead:.2f}x the plan")
-        target = _largest_planned(planned, budget * aim / overhead, max_size)
-        if search.hi is not None:
-            target = min(target, search.hi - 1)
-        if target <= search.lo or search.run(target, "jump"):
-            return
-
-
-def _model_search(search: _Search, start: int, tolerance: float, noise: float, fit_tolerance: float,
-                  max_jumps: int) -> None:
-    budget, max_size = search.budget, search.max_size
-    if budget is None:
-        raise _Untrusted("no capacity to aim at")
-    # 1. A first probe that fits.
-    size = _first_fit(search, start, "probe")
-    if size >= max_size:
-        search.run(size, "verify")
-        return
-    if size not in search.points:
-        raise _Untrusted("no peak-memory readings")
-    # 2. A second probe as far out as surely fits even if all memory grew with the batch
-    #    (peak = b * batch, the steepest line through the first point), at least twice the first.
-    grow = 0.9 * budget / search.points[size]
-    second = min(max(math.floor(size * grow), 2 * size), 256 * size, max_size)
-    if search.hi is not None:
-        second = min(second, search.hi - 1)
-    if second > size:
-        search.run(second, "probe")
-    # 3. Jump to the line's prediction, verify, refit; stop when the verified size is within tolerance.
-    failed = False  # the last trial ran out of memory: no point to learn from, only a bound
-    jumps = 0
-    while True:
-        if search.lo == 0:  # a verification failed below every other fit: start again below it
-            _first_fit(search, search.hi - 1, "jump")
-        lo, hi, points = search.lo, search.hi, search.points
-        ceiling = min(max_size, hi - 1 if hi is not None else max_size, _upper_bound(search, noise))
-        predicted = math.inf
-        if len(points) >= 2:
-            a, b, misfit = fit_line(points)
-            if len(points) >= 3 and misfit > fit_tolerance:
-                raise _Untrusted(f"the peaks are {misfit:.1%} off a line")
-            if b > 0:  # aimed half the readings' noise under the budget
-                predicted = (budget * (1 - noise / 2) - a) / b
-        if lo >= ceiling or lo >= (1 - tolerance) * min(predicted, ceiling):
-            if lo in search.verified:
-                return
-            target, stage = lo, "verify"  # close enough, but so far only probed
-        else:
-            if failed or len(points) < 2:  # halfway to the ceiling
-                target = (lo + ceiling + 1) / 2
-            elif max(points) >= predicted / 2:  # a short extrapolation: trust the line
-                target = predicted
-            else:  # a long one: no further than the readings' noise surely allows
-                target = min(predicted, _lower_bound(search, noise))
-            if hi is not None:  # below a failure by the tolerance: a fit there ends the search
-                target = min(target, hi * (1 - tolerance))
-            target, stage = max(lo + 1, math.floor(min(target, ceiling))), "jump"
-        if jumps == max_jumps:
-            raise _Untrusted(f"no size within {tolerance:.0%} of the prediction after {max_jumps} jumps")
-        jumps += 1
-        before = len(search.points)
-        failed = not search.run(target, stage) and len(search.points) == before
-
-
-def _first_fit(search: _Search, size: int, stage: str) -> int:
-    """Try ``size``, then smaller ones until one fits: scaled down by the peak when the trial ran
-    (over the budget), halved when it ran out of memory."""
-    while not search.run(size, stage):
-        if size == 1:
-            raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
-        peak = search.points.get(size)
-        size = max(1, min(size - 1, math.floor(size * 0.9 * search.budget / peak) if peak else size // 2))
-    return size
-
-
-def _upper_bound(search: _Search, noise: float) -> float:
-    """The largest size that could fit the budget given an out-of-memory failure at ``h``: the
-    peak rose from a reading ``m`` at ``p < h`` past the capacity, so the slope is at least
-    ``(capacity - m) / (h - p)``."""
-    capacity, budget = search.capacity, search.budget
-    bound = math.inf
-    for h, ok in search.outcome.items():
-        if ok or h in search.points:
-            continue
-        for p, m in search.points.items():
-            rise = capacity - m * (1 + noise)
-            if p < h and rise > 0:
-                bound = min(bound, p + (budget - m * (1 - noise)) * (h - p) / rise)
-    return bound
-
-
-def _lower_bound(search: _Search, noise: float) -> float:
-    """The largest size that surely fits the budget whatever the readings' ``noise``: the steepest
-    line through the two outermost readings (each moved by ``noise``), and ``peak = b * batch``."""
-    budget, points = search.budget, search.points
-    bound = max((s * budget * (1 - noise) / m for s, m in points.items() if m <= budget), default=0.0)
-    small, large = min(points), max(points)
-    if large > small:
-        m_small, m_large = points[small] * (1 - noise), points[large] * (1 + noise)
-        steep = (m_large - m_small) / (large - small)
-        if steep > 0:
-            bound = max(bound, large + (budget - m_large) / steep)
-    return bound
-
-
-def _bisect_search(search: _Search, start: int, tolerance: float, batch_margin: float) -> None:
-    """Doubling from ``start`` (until a failure is known), bisection to ``tolerance``, the margin
-    off the batch size, and a confirmation (shrinking by 10% while it fails)."""
-    max_size = search.max_size
-    if search.hi is None and search.lo < max_size:
-        size = min(2 * search.lo if search.lo else start, max_size)  # a fallback doubles from the largest fit
-        while search.run(size, "double") and size < max_size:
-            size = min(size * 2, max_size)
-    if search.lo == 0:  # even the first size failed: look below it
-        low, high = 0, search.hi
-        while high - low > 1:
-            mid = (low + high) // 2
-            if search.run(mid, "bisect"):
-                break
-            high = mid
-        if search.lo == 0:
-            raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
-    while search.hi is not None and search.hi - search.lo > max(1, math.floor(search.lo * tolerance)):
-        search.run((search.lo + search.hi) // 2, "bisect")
-    chosen = max(1, math.floor(search.lo * (1 - batch_margin)))
-    if chosen in search.verified:
-        return
-    while not search.run(chosen, "confirm"):
-        if chosen == 1:
-            raise torch.OutOfMemoryError("out of memory at batch size 1 while confirming the batch-size search")
-        chosen = max(1, math.floor(chosen * (1 - max(batch_margin, 0.1))))
-
-
-def _fastest(search: _Search, largest: int, speed_tolerance: float) -> Tuple[int, str]:
+def _fastest(search: Search, largest: int, speed_tolerance: float) -> Tuple[int, str]:
     """Time sizes halving down from ``largest`` while they stay within ``speed_tolerance`` of the
     best samples/s seen; keep the smallest that does."""
 

@@ -11,6 +11,7 @@ from torch.nn.functional import cross_entropy
 
 import ignite_amp.batch_search.policy
 import ignite_amp.batch_search.runner
+import ignite_amp.batch_search.strategies
 from conftest import OOMAbove, ROOT, assert_doctests_pass
 from ignite_amp.batch_search import VERIFY_STAGES, Trial, fit_line, format_trials, search_batch_size
 from ignite_amp.batch_search import MemoryMeter, TrialRunner, find_batch_size
@@ -24,6 +25,7 @@ GiB, MiB = 2**30, 2**20
 
 def test_docstring_examples():
     assert_doctests_pass(ignite_amp.batch_search.policy)
+    assert_doctests_pass(ignite_amp.batch_search.strategies)  # fit_line's
     assert_doctests_pass(ignite_amp.batch_search.runner)
 
 
