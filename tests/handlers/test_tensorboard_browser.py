@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ignite_amp import train_from_config
-from ignite_amp.cli.main import _dashboard_hint
+from ignite_amp.cli.commands import _dashboard_hint
 from ignite_amp.files.run_directory import dashboard_command
 from test_tensorboard_server import serve_tensorboard
 

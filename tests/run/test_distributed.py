@@ -375,7 +375,7 @@ def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
 
 def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
     """Case 32.11: the line ended at "rank 0 of 2 failed:", the cause only in train.log."""
-    from ignite_amp.cli.main import describe
+    from ignite_amp.cli.failures import describe
     from ignite_amp.launcher import _collect, _post
 
     try:
@@ -395,7 +395,7 @@ def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
 def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monkeypatch):
     """Issue 39: "internal error: RuntimeError: rank 1 of 2 failed: OutOfMemoryError", no advice (an FSDP2
     run cannot retry a batch: no OOMBackoff on several processes)."""
-    from ignite_amp.cli import main as cli
+    import ignite_amp.cli.failures as cli
     from ignite_amp.launcher import _collect, _post
 
     _post(str(tmp_path), 1, ("error", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
@@ -403,13 +403,13 @@ def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monke
     with pytest.raises(torch.OutOfMemoryError) as raised:
         _collect(str(tmp_path), 2)
     assert "Traceback" in str(raised.value)  # kept for train.log and --debug
-    monkeypatch.setattr(cli, "_state", {})
+    monkeypatch.setattr(cli, "state", {})
     assert cli.describe(raised.value) == (1, "ignite-amp: stopped: out of memory (rank 1 of 2: CUDA out of memory. "
                                              "Tried to allocate 2.00 GiB); lower data.batch_size, or raise "
                                              "amp.micro_batches (the same batch in smaller chunks), and run it again")
     (tmp_path / "checkpoints" / "last_checkpoint_1.pt").parent.mkdir()
     (tmp_path / "checkpoints" / "last_checkpoint_1.pt").write_bytes(b"")
-    monkeypatch.setattr(cli, "_state", {"checkpoints": str(tmp_path / "checkpoints")})
+    monkeypatch.setattr(cli, "state", {"checkpoints": str(tmp_path / "checkpoints")})
     assert cli.describe(raised.value)[1].endswith(  # the batch size may not change on a resume under a schedule
         "; the last checkpoint is intact: run the same command with --set amp.micro_batches=N (the same batch in N "
         "smaller chunks) to resume")
@@ -449,7 +449,7 @@ def _kill_rank_1(folder):
 
 def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_path, monkeypatch):
     """Case 32.9: "the 2 training processes ended without a result (killed?)", and nothing in train.log."""
-    from ignite_amp.cli import main as cli
+    import ignite_amp.cli.failures as cli
     from ignite_amp.errors import RankDiedError
 
     with pytest.raises(RankDiedError) as raised:
@@ -457,7 +457,7 @@ def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_p
     pid = (tmp_path / "rank1.pid").read_text()
     (tmp_path / "checkpoints" / "last_checkpoint_1.dcp").mkdir(parents=True)
     (tmp_path / "train.log").write_text("")
-    monkeypatch.setattr(cli, "_state", {"checkpoints": str(tmp_path / "checkpoints"),
+    monkeypatch.setattr(cli, "state", {"checkpoints": str(tmp_path / "checkpoints"),
                                         "log": str(tmp_path / "train.log")})
     code, line = cli.describe(raised.value)
     assert (code, line) == (1, f"ignite-amp: stopped: rank 1 of 2 (PID {pid}) was killed by SIGKILL (out of memory, "

@@ -287,7 +287,7 @@ def test_a_torchrun_worker_whose_peer_stopped_first_leaves_the_line_to_rank_0(mo
     closed by peer") before its own SIGTERM arrived, and it printed a second, internal-error line."""
     import threading
 
-    from ignite_amp.cli import main as cli
+    import ignite_amp.cli.main as cli
 
     def save_loses_its_peer(args):
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun's signal, a bit later

@@ -130,7 +130,7 @@ def test_compare_into_an_unwritable_dir_is_one_line(tmp_path, capsys):
 
 
 def test_an_internal_error_is_one_line_pointing_at_the_log_and_debug_shows_it(tmp_path, capsys, monkeypatch):
-    from ignite_amp.run import compose as run_module
+    import ignite_amp.run.compose as run_module
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")
@@ -307,10 +307,10 @@ def test_disk_full_outside_a_save_says_whether_a_checkpoint_is_kept(tmp_path):
     """Disk full while TensorBoard or the log writes: the line is true about what is on disk."""
     import errno as errnos
 
-    from ignite_amp.cli import main as cli
+    import ignite_amp.cli.failures as cli
 
     full = OSError(errnos.ENOSPC, "No space left on device", str(tmp_path / "events.out.tfevents.1"))
-    cli._state.update(checkpoints=str(tmp_path / "checkpoints"))
+    cli.state.update(checkpoints=str(tmp_path / "checkpoints"))
     try:
         code, line = cli.describe(full)
         assert code == 1 and line.endswith("no checkpoint was written yet: free space and run the same command again")
@@ -319,7 +319,7 @@ def test_disk_full_outside_a_save_says_whether_a_checkpoint_is_kept(tmp_path):
         assert cli.describe(full)[1].endswith("the last checkpoint is kept: free space and run the same command to "
                                               "resume")
     finally:
-        cli._state.clear()
+        cli.state.clear()
 
 
 def test_interrupting_compare_promises_no_resume(quick_cfg, tmp_path, capsys, monkeypatch):
