@@ -1,5 +1,5 @@
-"""The chunks of a training batch: each one's weight in its accumulation cycle's gradient, and the batch's loss,
-items and outputs joined from them.
+"""The chunks of a training batch: where the batch stands in its accumulation cycle, each chunk's weight in the
+cycle's gradient, and the batch's loss, items and outputs joined from its chunks.
 
 The weight makes the optimizer see the gradient of one mean over the whole cycle: each chunk's share of the samples
 (each iteration counting once), or, with ``num_items``, of the items the losses average over (tokens, say), over
@@ -20,7 +20,25 @@ from ignite_amp.core.nested import detach, join_chunks, to_float32
 from ignite_amp.step.base import Cycle
 from ignite_amp.step.contracts import check_count, warn_batch_norm, warn_padding_without_items
 
-__all__ = ["BatchChunks", "ChunkWeights"]
+__all__ = ["BatchChunks", "ChunkWeights", "cycle_at"]
+
+_WHOLE = Cycle(True, True, 1)  # without accumulation every iteration is a cycle: one (immutable) instance
+
+
+def cycle_at(accumulation_steps: int, state: Any) -> Cycle:
+    """Where the engine's current iteration (``state.iteration``) stands in its accumulation cycle. A cycle never
+    crosses an epoch boundary: the epoch's last iteration ends one (shorter) cycle."""
+    acc = accumulation_steps
+    if acc == 1:
+        return _WHOLE
+    length = state.epoch_length
+    if not length:  # an iterator of unknown length: cycles follow the global iteration
+        pos = (state.iteration - 1) % acc
+        return Cycle(pos == 0, pos == acc - 1, acc)
+    pos = (state.iteration - 1) % length  # position in the epoch; cycles restart each epoch
+    start = pos - pos % acc
+    size = min(acc, length - start)
+    return Cycle(pos == start, pos == start + size - 1, size)
 
 
 class ChunkWeights:

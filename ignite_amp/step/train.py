@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ignite_amp.batching import batch_size_of, prepare_batch, split_batch
 from ignite_amp.core.collectives import all_reduce_gradients, is_distributed, no_buffer_sync_in_forward
-from ignite_amp.step.chunks import ChunkWeights
+from ignite_amp.step.chunks import ChunkWeights, cycle_at
 from ignite_amp.step.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
                                   refuse_a_sum)
 from ignite_amp.core.device import is_oom_error
@@ -52,13 +52,12 @@ from ignite_amp.step.grad_norm import GradNorm
 from ignite_amp.core.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
 from ignite_amp.step.scaler import agree_found_inf, build_scaler, found_inf
 from ignite_amp.split_check.check import SplitCheck
-from ignite_amp.step.base import Cycle, StepBase, call_model, fire_amp_event as _fire, identity
+from ignite_amp.step.base import StepBase, call_model, fire_amp_event as _fire, identity
 
 __all__ = ["AmpStep"]
 
 logger = logging.getLogger("ignite_amp")
 _SYNC = contextlib.nullcontext()  # a chunk with nothing to hold back: one reusable instance, not one per chunk
-_WHOLE = Cycle(True, True, 1)  # without accumulation every iteration is a cycle: one (immutable) instance
 
 
 class AmpStep(StepBase, Serializable):
@@ -208,21 +207,8 @@ class AmpStep(StepBase, Serializable):
         # retries (OOMBackoff sets oom_agreement on every rank) is a retry worth agreeing on.
         return self.oom_agreement and self.ddp is not None and is_distributed()
 
-    def _cycle(self, engine: Engine) -> Cycle:
-        acc, state = self._accumulation_steps, engine.state
-        if acc == 1:
-            return _WHOLE
-        length = state.epoch_length
-        if not length:  # an iterator of unknown length: cycles follow the global iteration
-            pos = (state.iteration - 1) % acc
-            return Cycle(pos == 0, pos == acc - 1, acc)
-        pos = (state.iteration - 1) % length  # position in the epoch; cycles restart each epoch
-        start = pos - pos % acc
-        size = min(acc, length - start)
-        return Cycle(pos == start, pos == start + size - 1, size)
-
     def _run(self, engine: Engine, batch: Any, defer: bool = False) -> Any:
-        cycle = self._cycle(engine)
+        cycle = cycle_at(self._accumulation_steps, engine.state)
         parts, sizes = self._chunks(batch)
         # The module's flag, not a DDP wrapper's: the evaluator runs (and .eval()s) the unwrapped module.
         # Checked rather than set each step: train() walks every submodule, and a submodule the user
@@ -266,7 +252,7 @@ class AmpStep(StepBase, Serializable):
         return self.output_transform(x, y, chunks.outputs(), self._loss)
 
     def _complete(self, engine: Engine, output: Any) -> Any:
-        if self._cycle(engine).last:
+        if cycle_at(self._accumulation_steps, engine.state).last:
             all_reduce_gradients(self._model.parameters())
             self._optimizer_step(engine)
         return output
@@ -310,7 +296,7 @@ class AmpStep(StepBase, Serializable):
         _fire(engine, AmpEvents.STEP_SKIPPED if skip else AmpEvents.OPTIMIZER_STEPPED)
 
     def _recover(self, engine: Engine) -> None:
-        if not self._cycle(engine).first:
+        if not cycle_at(self._accumulation_steps, engine.state).first:
             logger.warning(
                 "out of memory inside an accumulation cycle: the gradients of its earlier "
                 "iterations are dropped (micro_batches keeps every sample; prefer it to accumulation_steps)"
