@@ -1,5 +1,6 @@
 """Shared test helpers: tiny models, data and an honest out-of-memory stand-in."""
 import os
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -8,6 +9,15 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
+
+# tests/ has a folder per subpackage; a test may use another folder's helpers by module name
+# (``from test_fsdp import free_port``), whichever folders pytest collects: every folder is importable.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(_TESTS)):
+    if os.path.isfile(os.path.join(_TESTS, _folder, "__init__.py")) or _folder.startswith(("_", ".")):
+        continue
+    if os.path.isdir(os.path.join(_TESTS, _folder)) and os.path.join(_TESTS, _folder) not in sys.path:
+        sys.path.append(os.path.join(_TESTS, _folder))
 
 
 @pytest.fixture(scope="session", autouse=True)
