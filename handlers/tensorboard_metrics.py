@@ -12,8 +12,7 @@ run logs.
 """
 import dataclasses
 import os
-import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import ignite.distributed as idist
 import torch
@@ -22,11 +21,12 @@ from ignite.handlers import TensorboardLogger
 
 from ignite_amp.core.device import dtype_name
 from ignite_amp.engine import amp_step_of
-from ignite_amp.step.facts import format_facts, step_facts
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.run_health import Health, health_lines
 from ignite_amp.handlers.tensorboard_event import LearningRates, ScalarEvent
+from ignite_amp.handlers.tensorboard_facts import (FACT_TYPES, FACTS_TAG, HPARAMS, RunFacts, hparams_summaries,
+                                                   session_end_summary, write_text)
 from ignite_amp.handlers.tensorboard_scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
                                                      TrainWindow, Validation, layout)
 from ignite_amp.core.metric_modes import metric_mode
@@ -74,75 +74,10 @@ TAGS = {
     "throughput/mfu_float8": "dtype float8: achieved TFLOP/s over the GPU's float8 dense peak (beside mfu: bfloat16's)",
 }
 
-FACTS_TAG = "run/facts"
 HEALTH_TAG = "run/health"
 
 
 LAYOUT = layout()  # every chart a run can have (a CPU run has the RSS chart instead of device memory)
-
-# HParams columns, in this order (TensorBoard ticks the first ones); strings only with a closed set of
-# values, so every run's value is in the filter's list. The rest of the facts are in the text tab.
-HPARAMS = ("dtype", "device_type", "grad_scaler", "batch_size", "lr", "accumulation_steps", "micro_batches",
-           "world_size", "strategy", "channels_last", "compile", "scheduler", "epochs", "seed", "batch_size_search")
-_DOMAINS = {"dtype": ("float32", "float16", "bfloat16"), "device_type": ("cpu", "cuda", "mps", "xpu"),
-            "scheduler": ("none", "cosine", "onecycle"), "strategy": ("none", "ddp", "fsdp")}
-
-_FACT_TYPES = (bool, int, float, str, type(None))
-
-
-def hparams_summaries(facts: Dict[str, Any], metrics: Dict[Tuple[str, str], str]) -> list:
-    """The HParams plugin's experiment (columns) and session-start summaries for one run.
-
-    Written directly (not ``SummaryWriter.add_hparams``): no ``hparam/*`` scalar tags, booleans stay
-    booleans, strings have their closed set of values as a discrete domain (filterable, no console
-    warnings), numbers are numbers. Columns follow :data:`HPARAMS` (the name sorts, the display name
-    is the fact's); each metric column reads a scalar tag of one split's run (``metrics``: (split, tag) -> title,
-    the split's run being the session's subdirectory, as Keras's hparams callback has it).
-    """
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
-
-    infos, values = [], {}
-    for i, name in enumerate(n for n in HPARAMS if n in facts):
-        value, key = facts[name], f"{i:02d} {name}"
-        info = api_pb2.HParamInfo(name=key, display_name=name)
-        if isinstance(value, bool):
-            info.type = api_pb2.DATA_TYPE_BOOL
-            info.domain_discrete.extend([False, True])
-        elif isinstance(value, str):
-            if value not in _DOMAINS.get(name, ()):
-                continue
-            info.type = api_pb2.DATA_TYPE_STRING
-            info.domain_discrete.extend(_DOMAINS[name])
-        else:
-            info.type = api_pb2.DATA_TYPE_FLOAT64
-        infos.append(info)
-        if value is not None:
-            values[key] = value
-    experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[
-        api_pb2.MetricInfo(name=api_pb2.MetricName(group=group, tag=tag), display_name=title)
-        for (group, tag), title in metrics.items()])
-    config = Summary()
-    config.value.add(tag=metadata.EXPERIMENT_TAG, tensor=metadata.NULL_TENSOR,
-                     metadata=metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(experiment=experiment)))
-    return [config, summary_v2.hparams_pb(values, trial_id="")]
-
-
-def _session_end_summary():
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
-
-    end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time())
-    summary = Summary()
-    summary.value.add(tag=metadata.SESSION_END_INFO_TAG, tensor=metadata.NULL_TENSOR,
-                      metadata=metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(session_end_info=end)))
-    return summary
-
-
-def _text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -> None:
-    from tensorboard.plugins.text.summary_v2 import text_pb
-
-    logger.writer.file_writer.add_summary(text_pb(tag, text), iteration)
 
 
 class TensorBoardMetrics:
@@ -151,7 +86,7 @@ class TensorBoardMetrics:
     One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) and small
     handlers (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
     ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; ``tensorboard_event.LearningRates``
-    for the learning rate; ``RunFacts`` for what ran). At the start
+    for the learning rate; ``tensorboard_facts.RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
     and best validation metrics and the median samples/s as metric columns). Every ``log_every``
     iterations it writes the window's means, kept on the device until then and read with one host
@@ -207,7 +142,7 @@ class TensorBoardMetrics:
             if not isinstance(facts, dict):
                 raise TypeError(f"Argument facts should be a dict, got {type(facts).__name__}.")
             for name, value in facts.items():
-                if not isinstance(name, str) or not isinstance(value, _FACT_TYPES):
+                if not isinstance(name, str) or not isinstance(value, FACT_TYPES):
                     raise TypeError(f"Argument facts should map names to bool, int, float, str or None, "
                                     f"got {name!r}: {type(value).__name__}.")
         if clipping is not None and not isinstance(clipping, GradientClipping):
@@ -346,7 +281,7 @@ class TensorBoardMetrics:
     def _write_health(self, iteration: int) -> None:
         self.memory.read()
         lines = self.health()
-        _text(self.tb, HEALTH_TAG, "\n".join(f"- {line}" for line in lines), iteration)
+        write_text(self.tb, HEALTH_TAG, "\n".join(f"- {line}" for line in lines), iteration)
         self.tb.writer.flush()
 
     def _completed(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
@@ -355,7 +290,7 @@ class TensorBoardMetrics:
             self._log(engine)
         self._write_health(engine.state.iteration)
         self._ended = True
-        logger.writer.file_writer.add_summary(_session_end_summary(), engine.state.iteration)
+        logger.writer.file_writer.add_summary(session_end_summary(), engine.state.iteration)
         logger.writer.flush()
 
     def close(self) -> None:
@@ -373,27 +308,3 @@ class TensorBoardMetrics:
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
     logger.writer.flush()
-
-
-class RunFacts:
-    """What ran, at each start (after a resume, too): the facts as text (``FACTS_TAG``) and as HParams, the
-    extra ``texts``."""
-
-    def __init__(self, facts: Dict[str, Any], texts: Dict[str, str], metrics: Dict[str, str], step: Any):
-        self.facts, self.texts, self.metrics, self.step = facts, texts, metrics, step
-        self.written: Dict[str, Any] = {}
-
-    def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
-        writer, iteration = logger.writer, engine.state.iteration
-        facts = self.written = {**step_facts(self.step), **self.facts}
-        _text(logger, FACTS_TAG, format_facts(facts), iteration)
-        for tag, text in self.texts.items():  # preformatted: markdown keeps indented lines as they are
-            _text(logger, tag, "    " + text.replace("\n", "\n    "), iteration)
-        for summary in hparams_summaries({**facts, "device_type": self.step.device.type}, self.metrics):
-            writer.file_writer.add_summary(summary, iteration)
-        writer.flush()
-
-    def add(self, logger: TensorboardLogger, iteration: int, **facts: Any) -> None:
-        """Facts known later (the FLOPs per sample, after the first iteration): the text again, with them."""
-        self.written.update(facts)
-        _text(logger, FACTS_TAG, format_facts(self.written), iteration)
