@@ -2,7 +2,8 @@
 
 Each component is built from its own config section (declared beside it, see
 :mod:`ignite_amp.config.tree`) and attached in a fixed order; resume is :mod:`ignite_amp.run.resume`'s,
-the run directory :mod:`ignite_amp.files.run_directory`'s.
+the run directory :mod:`ignite_amp.files.run_directory`'s. What it builds is a
+:class:`~ignite_amp.run.built_run.Run` (re-exported here), which trains itself.
 """
 import warnings
 from typing import Any, Callable, Optional
@@ -23,7 +24,7 @@ from ignite_amp.run.console import drop_unfinished_bar, safe_print, silent
 from ignite_amp.data.datasets import build_loaders
 from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.errors import ConfigError
-from ignite_amp.step.facts import config_facts, start_words
+from ignite_amp.step.facts import config_facts
 from ignite_amp.transforms.float8 import convert_to_float8
 from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
                                  StepSchedule, TensorBoardMetrics)
@@ -33,126 +34,11 @@ from ignite_amp.data.passes import training_data
 from ignite_amp.transforms.sharding import check_shardable, shard_model
 from ignite_amp.files.run_directory import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
+from ignite_amp.run.built_run import Run
 from ignite_amp.run.epochs import EpochSummary, Validation
 
 __all__ = ["train_from_config", "build_run", "Run"]
 
-
-class Run:
-    """Everything a config builds; ``run.train()`` trains it, then ``run.close()`` ends it.
-
-    On rank 0 the run holds ``output_dir``'s lock and writes ``train.log`` from the moment it
-    is built until :meth:`close` (which :meth:`train` calls at its end).
-    """
-
-    def __init__(self, cfg: dict, trainer: Engine, evaluator: Engine, model, optimizer, scheduler,
-                 train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
-        self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.train_loader, self.val_loader = train_loader, val_loader
-        self.train_data: Any = train_loader  # what the trainer runs on (a PassStream with train.epoch_length)
-        self.to_save = to_save
-        self._print = print_fn
-        self.files = files
-        self.history = []
-        self.checkpoint: Optional[BestCheckpoint] = None
-        self.closers: list = []
-        self.health: Callable[[], list] = list  # the end-of-run health summary (TensorBoardMetrics.health)
-        self.health_lines: list = []
-        self.traces: list = []  # the profiler's files
-        self.resumed_from: Optional[str] = None
-        self.command = "ignite-amp train CONFIG"
-        self.batch_search = None  # the batch-size search's result when data.batch_size was auto
-        self.facts: dict = {}  # what the config resolved to, for TensorBoard's run facts
-        self.dtype_why = ""  # why dtype auto chose the dtype (a config run on a CPU: the probe's evidence)
-
-    def print(self, line: str) -> None:
-        self._print(line)
-        self.files.log.line(line)
-
-    @property
-    def output_dir(self) -> str:
-        return self.cfg["output_dir"]
-
-    @property
-    def layout(self) -> RunLayout:
-        return RunLayout(self.cfg["output_dir"])
-
-    @property
-    def tensorboard_dir(self) -> str:
-        return self.layout.tensorboard_dir
-
-    @property
-    def profiler_dir(self) -> str:
-        return self.layout.profiler_dir
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.layout.checkpoint_dir
-
-    def train(self) -> dict:
-        """Train to ``train.epochs``; returns the history and where things were written."""
-        cfg = self.cfg
-        state = self.trainer.state
-        try:
-            if self.resumed_from and state.epoch >= cfg["train"]["epochs"]:
-                fewer = (f", more than the {cfg['train']['epochs']} train.epochs asks for"
-                         if state.epoch > cfg["train"]["epochs"] else "")
-                self.print(f"already trained {state.epoch} epoch{'' if state.epoch == 1 else 's'} (checkpoint {self.resumed_from}{fewer}); nothing "
-                           f"to train; to train more: {self._more_epochs_hint(state.epoch)}")
-            else:
-                step = self.trainer.amp_step
-                if step.float8 is not None:
-                    self.print(step.float8.line())
-                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", self.dtype_why)
-                self.print(f"training {cfg['name']} on {where} with {precision}; "
-                           f"output in {self.output_dir}")
-                try:
-                    self.trainer.run(self.train_data, max_epochs=cfg["train"]["epochs"],
-                                     epoch_length=cfg["train"]["epoch_length"])
-                finally:  # also after an exception: stop the profiler, flush TensorBoard, say how it went
-                    for close in self.closers:
-                        close()
-                    self._report_health()
-        except BaseException as exc:
-            self.files.log.traceback(f"the run stopped: {exc.__class__.__name__}: {exc}")
-            raise
-        finally:
-            self.close()
-        return {"history": self.history, "final": self.history[-1] if self.history else {}, "health": self.health_lines,
-                "output_dir": self.output_dir,
-                "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None,
-                "tensorboard_dir": self.tensorboard_dir if self.writes_tensorboard else None}
-
-    def _report_health(self) -> None:
-        try:
-            self.health_lines = self.health()
-        except Exception as exc:  # after a device fault the figures may be unreadable: the run's own error wins
-            self.files.log.line(f"no health summary: {exc.__class__.__name__}: {exc}")
-            return
-        if self.health_lines:
-            self.print("health of the run:")
-            for line in self.health_lines:
-                self.print(f"  {line}")
-        for trace in (t for t in self.traces if t.endswith(".json")):
-            self.print(f"profiler trace: {trace}: open it in https://ui.perfetto.dev (Open trace file)")
-
-    def _more_epochs_hint(self, epoch: int) -> str:
-        schedule = self.cfg["scheduler"]["name"]
-        if schedule == "none":
-            return f"{self.command} --set train.epochs={epoch + self.cfg['train']['epochs']}"
-        return (f"its {schedule} schedule ended with epoch {epoch} and cannot be stretched, so start over: "
-                f"{self.command} --set train.epochs=N --set handlers.checkpoint.resume=never (this run is moved "
-                f"aside)")
-
-    def close(self) -> None:
-        """Release the run directory (lock, log file) and the global switches the run set."""
-        self.files.close()
-
-    @property
-    def writes_tensorboard(self) -> bool:
-        handlers = self.cfg["handlers"]
-        return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]
 
 
 def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
