@@ -31,7 +31,7 @@ def test_readme_test_command_is_what_ci_runs():
 
 def test_readme_docs_command_is_what_the_tests_build():
     command = 'pip install -e ".[docs]" && sphinx-build -W --keep-going docs docs/_build/html'
-    site_test = open(os.path.join(ROOT, "tests", "test_docs_site.py"), encoding="utf-8").read()
+    site_test = open(os.path.join(ROOT, "tests", "docs", "test_docs_site.py"), encoding="utf-8").read()
     assert command in README and '"-W", "--keep-going"' in site_test
 
 

@@ -17,7 +17,7 @@ from ignite_amp import load_config, train_from_config
 from ignite_amp.data.datasets import EvenShardSampler
 from ignite_amp.launcher import launch
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(ROOT, "tests")  # where conftest.py is: the children import their models from it
 
 # float32, a model without BatchNorm (per-rank batch statistics would differ from the global
 # batch's), no augmentation: two ranks of 16 must train exactly like one process of 32.
