@@ -9,7 +9,7 @@ from ignite_amp.handlers.non_finite_guard import NonFiniteGuard
 from ignite_amp.handlers.oom_backoff import OOMBackoff
 from ignite_amp.handlers.profiler_capture import ProfilerCapture
 from ignite_amp.handlers.step_schedule import StepSchedule
-from ignite_amp.handlers.tensorboard_metrics import TensorBoardMetrics
+from ignite_amp.handlers.tensorboard.metrics import TensorBoardMetrics
 
 __all__ = ["GradientClipping", "BestCheckpoint", "CheckpointError", "OOMBackoff", "BatchSizeFloorError",
            "NonFiniteGuard", "NonFiniteError", "ProfilerCapture", "StepSchedule",

@@ -184,7 +184,7 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ignite_amp", next(t for t in tops if t.endswith(".dist-info"))}, tops
     assert "ignite_amp/handlers/oom_backoff.py" in names and "ignite_amp/handlers/__init__.py" in names
-    assert "ignite_amp/batch_search/policy.py" in names
+    assert "ignite_amp/batch_search/policy.py" in names and "ignite_amp/handlers/tensorboard/metrics.py" in names
     # The ready configs and their schema: the wheel trains without a checkout (ignite-amp train quickstart).
     shipped = {f"ignite_amp/configs/{n}" for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith((".yaml", ".json"))}
     assert "ignite_amp/configs/quickstart.yaml" in shipped and shipped <= set(names), shipped - set(names)

@@ -20,7 +20,7 @@ from ignite_amp.data.datasets import build_loaders
 from ignite_amp.errors import ConfigError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.models import build_model
-from ignite_amp.handlers.tensorboard_metrics import TensorBoardMetrics
+from ignite_amp.handlers.tensorboard.metrics import TensorBoardMetrics
 from ignite_amp.files.run_directory import RunLayout, check_writable, move_aside
 from ignite_amp.engine import create_amp_trainer
 

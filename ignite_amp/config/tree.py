@@ -31,7 +31,7 @@ from ignite_amp.handlers.gradient_clipping import ClippingConfig
 from ignite_amp.handlers.non_finite_guard import NonFiniteConfig
 from ignite_amp.handlers.oom_backoff import OOMBackoffConfig
 from ignite_amp.handlers.profiler_capture import ProfilerConfig
-from ignite_amp.handlers.tensorboard_metrics import TensorBoardConfig
+from ignite_amp.handlers.tensorboard.metrics import TensorBoardConfig
 from ignite_amp.launcher import DistributedConfig
 from ignite_amp.models import ModelConfig
 from ignite_amp.config.limits import MAX_DEPTH, check_tree

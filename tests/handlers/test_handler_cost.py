@@ -13,7 +13,7 @@ from ignite_amp import AmpEvents, create_amp_trainer
 from ignite_amp.step.grad_norm import clip_to_norm_, total_norm
 from ignite_amp.handlers import GradientClipping, NonFiniteGuard, TensorBoardMetrics
 from ignite_amp.handlers.non_finite_guard import loss_code
-from test_tensorboard_metrics import read, values
+from test_tensorboard import read, values
 
 MAX_NORM = 20.0
 LOG_EVERY = 3
@@ -153,13 +153,13 @@ def test_loss_code_reads_a_count_on_the_host_and_a_counted_tensor_on_the_device(
 def test_rss_mb_reads_the_current_resident_memory_from_one_open_file():
     import statistics
 
-    from ignite_amp.handlers import tensorboard_scalars
-    from ignite_amp.handlers.tensorboard_scalars import _median, rss_mb
+    from ignite_amp.handlers.tensorboard import scalars
+    from ignite_amp.handlers.tensorboard.scalars import _median, rss_mb
 
     before = rss_mb()
-    fd = tensorboard_scalars._statm[1]
+    fd = scalars._statm[1]
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
-    assert rss_mb() - before > 48 and tensorboard_scalars._statm[1] == fd  # read again, not opened again
+    assert rss_mb() - before > 48 and scalars._statm[1] == fd  # read again, not opened again
     del block
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 5, 6):

@@ -281,7 +281,7 @@ def test_the_batch_size_search_starts_from_the_plan():
 
 
 def test_the_health_summary_sets_the_planned_peak_beside_the_measured_one():
-    from ignite_amp.handlers.run_health import Health, health_lines
+    from ignite_amp.handlers.tensorboard.health import Health, health_lines
 
     def memory_line(**kwargs):
         return next(line for line in health_lines(Health("bfloat16", False, [], 10, 0, **kwargs))

@@ -151,7 +151,7 @@ def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monk
     assert f"with bfloat16 autocast (dtype auto: {why}); output in" in start
     assert start in open(tmp_path / "run" / "train.log").read()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from ignite_amp.handlers.tensorboard_metrics import FACTS_TAG
+    from ignite_amp.handlers.tensorboard.metrics import FACTS_TAG
 
     events = EventAccumulator(run.tensorboard_dir, size_guidance={"tensors": 0})
     events.Reload()

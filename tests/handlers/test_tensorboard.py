@@ -11,11 +11,11 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import api_pb2, metadata as hparams_metadata
 from torch.nn.functional import cross_entropy
 
-import ignite_amp.handlers.tensorboard_metrics
+import ignite_amp.handlers.tensorboard.metrics
 from conftest import ROOT, assert_doctests_pass, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
-from ignite_amp.handlers.tensorboard_metrics import FACTS_TAG, HEALTH_TAG, HPARAMS, LAYOUT, TAGS
+from ignite_amp.handlers.tensorboard.metrics import FACTS_TAG, HEALTH_TAG, HPARAMS, LAYOUT, TAGS
 
 MAX_NORM = 10.0
 
@@ -72,7 +72,7 @@ def values(acc, tag):
 
 
 def test_docstring_example_runs():
-    assert_doctests_pass(ignite_amp.handlers.tensorboard_metrics)
+    assert_doctests_pass(ignite_amp.handlers.tensorboard.metrics)
 
 
 def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(logged):
@@ -313,7 +313,7 @@ def test_one_host_sync_per_log(tmp_path, monkeypatch):
         def counting(self, *args, _original=original, _name=name):
             frame = sys._getframe(1)
             while frame is not None:  # a read made by a TensorBoard handler, Ignite's included
-                if re.search(r"handlers/tensorboard_\w+\.py$|ignite/handlers/", frame.f_code.co_filename):
+                if re.search(r"handlers/tensorboard/\w+\.py$|ignite/handlers/", frame.f_code.co_filename):
                     reads.append(_name)
                     break
                 frame = frame.f_back

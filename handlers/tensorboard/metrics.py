@@ -23,11 +23,11 @@ from ignite_amp.core.device import dtype_name
 from ignite_amp.engine import amp_step_of
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
-from ignite_amp.handlers.run_health import Health, health_lines
-from ignite_amp.handlers.tensorboard_event import LearningRates, ScalarEvent
-from ignite_amp.handlers.tensorboard_facts import (FACT_TYPES, FACTS_TAG, HPARAMS, RunFacts, hparams_summaries,
+from ignite_amp.handlers.tensorboard.health import Health, health_lines
+from ignite_amp.handlers.tensorboard.event import LearningRates, ScalarEvent
+from ignite_amp.handlers.tensorboard.facts import (FACT_TYPES, FACTS_TAG, HPARAMS, RunFacts, hparams_summaries,
                                                    session_end_summary, write_text)
-from ignite_amp.handlers.tensorboard_scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
+from ignite_amp.handlers.tensorboard.scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
                                                      TrainWindow, Validation, layout)
 from ignite_amp.core.metric_modes import metric_mode
 
@@ -84,15 +84,15 @@ class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
     One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) and small
-    handlers (``ignite_amp.handlers.tensorboard_scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
-    ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; ``tensorboard_event.LearningRates``
-    for the learning rate; ``tensorboard_facts.RunFacts`` for what ran). At the start
+    handlers (``ignite_amp.handlers.tensorboard.scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; ``event.LearningRates``
+    for the learning rate; ``facts.RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final
     and best validation metrics and the median samples/s as metric columns). Every ``log_every``
     iterations it writes the window's means, kept on the device until then and read with one host
-    sync, and at the first log the Custom Scalars layout (``tensorboard_scalars.layout``). At the end (also of a
+    sync, and at the first log the Custom Scalars layout (``scalars.layout``). At the end (also of a
     failed run, through :meth:`close`) it writes the health summary (``HEALTH_TAG``,
-    ``run_health.health_lines``), which :meth:`health` returns too.
+    ``health.health_lines``), which :meth:`health` returns too.
     Rank 0 writes (with ``ranks_memory``, every rank attaches it). The tags are in ``TAGS``.
 
     Args:
@@ -257,7 +257,7 @@ class TensorBoardMetrics:
             logger.writer.flush()
 
     def health(self) -> List[str]:
-        """The health summary of the run so far (see ``ignite_amp.handlers.run_health``); [] on other ranks."""
+        """The health summary of the run so far (see ``ignite_amp.handlers.tensorboard.health``); [] on other ranks."""
         step, window = self.step, self.window
         if step is None:
             return []

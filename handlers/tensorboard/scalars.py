@@ -3,7 +3,7 @@
 Each is an Ignite log handler, ``handler(engine, logger, event_name)``, which ``TensorBoardMetrics`` calls at
 each log (or ``logger.attach(trainer, handler, event)`` attaches); those that need every iteration's values also
 ``attach`` a plain trainer handler that keeps them on the device until the log. Each keeps what
-it logged in ``history`` for the end-of-run health summary (:mod:`.run_health`). :func:`layout`
+it logged in ``history`` for the end-of-run health summary (:mod:`.health`). :func:`layout`
 is the Custom Scalars layout of the charts they fill.
 """
 import bisect

@@ -1,5 +1,5 @@
 """The end-of-run health summary's wording, from figures (no run needed)."""
-from ignite_amp.handlers.run_health import Health, health_lines
+from ignite_amp.handlers.tensorboard.health import Health, health_lines
 
 
 def window(samples=100.0, step_ms=50.0, wait=0.01, clip=None, clip_steps=0, norm=None, tflops=None, mfu=None,
