@@ -27,8 +27,8 @@ from ignite_amp.handlers.tensorboard.health import Health, health_lines
 from ignite_amp.handlers.tensorboard.event import LearningRates, ScalarEvent
 from ignite_amp.handlers.tensorboard.facts import (FACT_TYPES, FACTS_TAG, HPARAMS, RunFacts, hparams_summaries,
                                                    session_end_summary, write_text)
-from ignite_amp.handlers.tensorboard.scalars import (SPLITS, BatchShape, DeviceMemory, RanksMemory, TrainerMetrics,
-                                                     TrainWindow, Validation, layout)
+from ignite_amp.handlers.tensorboard.memory import DeviceMemory, RanksMemory
+from ignite_amp.handlers.tensorboard.scalars import SPLITS, BatchShape, TrainerMetrics, TrainWindow, Validation, layout
 from ignite_amp.core.metric_modes import metric_mode
 
 __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG", "HEALTH_TAG", "layout",
@@ -84,7 +84,7 @@ class TensorBoardMetrics:
     """Log what tells whether a mixed-precision run is healthy, and what actually ran.
 
     One Ignite ``TensorboardLogger`` per TensorBoard run (the run's own, ``train``, ``val``) and small
-    handlers (``ignite_amp.handlers.tensorboard.scalars``: ``TrainWindow``, ``DeviceMemory``, ``BatchShape``,
+    handlers (``ignite_amp.handlers.tensorboard.scalars``: ``TrainWindow``, ``BatchShape``, ``memory.DeviceMemory``,
     ``Validation``, ``TrainerMetrics`` for metrics attached to the trainer; ``event.LearningRates``
     for the learning rate; ``facts.RunFacts`` for what ran). At the start
     it writes the run facts as text (``FACTS_TAG``) and as HParams (the facts as columns; the final

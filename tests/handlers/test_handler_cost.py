@@ -153,13 +153,14 @@ def test_loss_code_reads_a_count_on_the_host_and_a_counted_tensor_on_the_device(
 def test_rss_mb_reads_the_current_resident_memory_from_one_open_file():
     import statistics
 
-    from ignite_amp.handlers.tensorboard import scalars
-    from ignite_amp.handlers.tensorboard.scalars import _median, rss_mb
+    from ignite_amp.handlers.tensorboard import memory
+    from ignite_amp.handlers.tensorboard.memory import rss_mb
+    from ignite_amp.handlers.tensorboard.scalars import _median
 
     before = rss_mb()
-    fd = scalars._statm[1]
+    fd = memory._statm[1]
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
-    assert rss_mb() - before > 48 and scalars._statm[1] == fd  # read again, not opened again
+    assert rss_mb() - before > 48 and memory._statm[1] == fd  # read again, not opened again
     del block
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 5, 6):

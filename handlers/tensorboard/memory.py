@@ -1,0 +1,106 @@
+"""Memory at each log, for :class:`~ignite_amp.handlers.TensorBoardMetrics`: the device's (CUDA: allocated,
+reserved, the window's peak) or the process's resident memory (:func:`rss_mb`, read from one open file), and,
+in a run of several processes, the largest rank's (one all-reduce of one number per log). Each handler keeps
+the run's peak for the end-of-run health summary.
+"""
+import os
+from typing import Any, Dict, Optional
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from ignite.handlers import TensorboardLogger
+
+from ignite_amp.core.collectives import max_across_ranks
+
+__all__ = ["DeviceMemory", "RanksMemory", "rss_mb"]
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_statm = (-1, -1)  # (pid, fd of its /proc/<pid>/statm): kept open, read again at offset 0 by each rss_mb()
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (``/proc/self/statm``, opened once per process: opening it
+    costs ten times the read)."""
+    global _statm
+    try:
+        pid, fd = _statm
+        if pid != os.getpid():  # the first read, or a forked child (its fd would read the parent's)
+            fd = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
+            _statm = (os.getpid(), fd)
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class DeviceMemory:
+    """Device memory at the log (CUDA: allocated, reserved, the window's peak), or the process's RSS;
+    ``peak_mb`` is the run's peak so far."""
+
+    def __init__(self, device: torch.device, ranks: Optional["RanksMemory"] = None):
+        self.device, self.ranks = device, ranks
+        self.peak_mb = 0.0
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.STARTED, self._started)
+
+    def _started(self, engine: Engine) -> None:
+        if self.device.type == "cuda":  # the first window's peak is the training's, not a search's before it
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> Dict[str, float]:
+        device = self.device
+        if device.type == "cuda":
+            values = {"memory/allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+                      "memory/peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                      "memory/reserved_mb": torch.cuda.memory_reserved(device) / 2**20}
+            torch.cuda.reset_peak_memory_stats(device)
+            self.peak_mb = max(self.peak_mb, values["memory/peak_mb"])
+        else:
+            values = {"memory/rss_mb": rss_mb()}
+            self.peak_mb = max(self.peak_mb, values["memory/rss_mb"])
+        return values
+
+    def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+        values = self.read()
+        for tag, value in values.items():
+            logger.writer.add_scalar(tag, value, engine.state.iteration)
+        if self.ranks is not None and self.ranks.last is not None:  # rank 0's own, read a moment later, included
+            own = values.get("memory/peak_mb", values.get("memory/rss_mb", 0.0))
+            logger.writer.add_scalar(self.ranks.tag, max(self.ranks.last, own), engine.state.iteration)
+
+
+class RanksMemory:
+    """The largest rank's memory at each log, for runs whose ranks differ (a sharded model's, say): every
+    rank reads its own (CUDA: the window's peak allocated; CPU: RSS) and the ranks take the maximum, one
+    all-reduce of one number per log. Attach it on every rank, before :class:`DeviceMemory`."""
+
+    def __init__(self, device: torch.device, every: int):
+        self.device, self.every = device, every
+        self.last: Optional[float] = None  # MB, the maximum over the ranks at the last log
+        self.peak_mb = 0.0
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=self.every), self._gather)
+        trainer.add_event_handler(Events.COMPLETED, self._last)
+
+    def _last(self, engine: Engine) -> None:  # the run's last window (all of a run shorter than a window)
+        if engine.state.iteration % self.every:
+            self._gather(engine)
+
+    def _gather(self, engine: Engine) -> None:
+        if self.device.type == "cuda":
+            value = torch.cuda.max_memory_allocated(self.device) / 2**20
+            if idist.get_rank() != 0:  # rank 0's DeviceMemory resets its own after reading it
+                torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            value = rss_mb()
+        self.last = max_across_ranks(value)
+        self.peak_mb = max(self.peak_mb, self.last)
+
+    @property
+    def tag(self) -> str:
+        return "memory/max_rank_peak_mb" if self.device.type == "cuda" else "memory/max_rank_rss_mb"
