@@ -1,4 +1,5 @@
-"""Best-validation checkpoints plus a ``last`` checkpoint per epoch, crash-safe, with full resume."""
+"""Best-validation checkpoints plus a ``last`` checkpoint per epoch, crash-safe, with full resume (which file, a
+sharded one's shards, the directory tidied: ``ignite_amp.handlers.resumable``)."""
 import dataclasses
 import logging
 import math
@@ -10,18 +11,18 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_amp.files.checkpoints import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, dcp_cause,
-                                      load_checkpoint, remove_path, type_error)
+from ignite_amp.files.checkpoints import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint,
+                                      remove_path)
 from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
-from ignite_amp.errors import (CheckpointError, CheckpointTypeError, NonFiniteError, UnreadableCheckpointError,
+from ignite_amp.errors import (CheckpointError, NonFiniteError, UnreadableCheckpointError,
                                first_line)
 from ignite_amp.core.config_keys import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.core.metric_modes import metric_mode, require_metric
 from ignite_amp.core.rng import RNGState
-from ignite_amp.files.run_directory import move_files_aside
-from ignite_amp.transforms.sharding import is_sharded, load_sharded, sharded_objects, unreadable_shards
+from ignite_amp.handlers.resumable import (checkpoint_files, find_resumable, load_shards, move_newer_aside,
+                                          remove_replaced_lasts)
+from ignite_amp.transforms.sharding import is_sharded, sharded_objects
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
@@ -182,16 +183,7 @@ class BestCheckpoint:
         """Path of the best checkpoint so far, or None."""
         return None if self.best is None or self.best.last_checkpoint is None else str(self.best.last_checkpoint)
 
-    @staticmethod
-    def _files(dirname: str, prefix: str, pattern: str = "") -> List[Tuple[int, str, re.Match]]:
-        if not os.path.isdir(dirname):
-            return []
-        found = []
-        for name in os.listdir(dirname):
-            match = re.fullmatch(rf"{prefix}_checkpoint_(\d+){pattern}\.(?:pt|dcp)", name)
-            if match:
-                found.append((int(match.group(1)), name, match))
-        return sorted(found)
+    _files = staticmethod(checkpoint_files)
 
     def latest(self) -> Optional[str]:
         """The newest ``last`` checkpoint in ``dirname`` (highest epoch), or None; not opened."""
@@ -211,32 +203,7 @@ class BestCheckpoint:
         is built, so the stored config can be compared with the new one first. ``of_a_config``: only files that hold
         a trainer and a config, as a config run's do (a script's may hold any subset of its objects).
         """
-        candidates = [(cls.LAST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.LAST_PREFIX))]
-        candidates += [(cls.BEST_PREFIX, e, n) for e, n, _ in reversed(cls._files(dirname, cls.BEST_PREFIX, r"_.+"))]
-        skipped = []
-        for _, _, name in candidates:
-            path = os.path.join(dirname, name)
-            try:
-                state = load_checkpoint(path)
-                if of_a_config and ("trainer" not in state or "config" not in state):
-                    raise CheckpointError(f"checkpoint {path}: not a checkpoint of this run (missing "
-                                          f"{', '.join(k for k in ('trainer', 'config') if k not in state)})")
-            except CheckpointTypeError:  # sound, but not loadable here: never renamed, and no older one is taken
-                raise
-            except CheckpointError as exc:
-                skipped.append((path, str(exc).split(": ", 1)[-1]))
-                continue
-            for bad, why in skipped:
-                os.replace(bad, bad + cls.UNREADABLE)
-                logger.warning("skipped %s (%s): resuming from the older %s; renamed it %s%s", bad, why, name,
-                               os.path.basename(bad), cls.UNREADABLE)
-            return path, state
-        if skipped:
-            listed = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped[:3])
-            way_out = ("set handlers.checkpoint.resume: never (the old files are moved aside)" if of_a_config else
-                       "move them out of the directory, or give BestCheckpoint another one")
-            raise CheckpointError(f"no checkpoint in {dirname} loads ({listed}); to start over, {way_out}")
-        return None, None
+        return find_resumable(dirname, of_a_config, cls.LAST_PREFIX, cls.BEST_PREFIX, cls.UNREADABLE)
 
     def _check_keys(self, path: str, state: dict) -> None:
         """A config run's checkpoint holds every object; a script's may hold any of them (said in a warning)."""
@@ -314,20 +281,7 @@ class BestCheckpoint:
             if not self.sharded:
                 raise CheckpointError(f"checkpoint {path}: a sharded checkpoint, and this run's model is not sharded "
                                       f"(distributed.strategy: fsdp)")
-            try:
-                load_sharded(path, {key: self.to_save[key] for key in SHARDED_KEYS})
-            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                first = first_line(dcp_cause(exc))
-                # Damaged bytes, or a checkpoint that does not fit? Rank 0 reads it back to tell, for every rank.
-                unreadable = broadcast_text((unreadable_shards(path) or "") if idist.get_rank() == 0 else "")
-                refused = type_error(path, exc)
-                if refused is not None and not unreadable:  # a sound file this process cannot load: not damage
-                    raise refused from None
-                if unreadable:
-                    raise UnreadableCheckpointError(f"checkpoint {path}: a shard does not read back "
-                                                    f"({unreadable})") from None
-                raise CheckpointError(f"checkpoint {path}: its model or optimizer shards do not load ({first})") \
-                    from None
+            load_shards(path, {key: self.to_save[key] for key in SHARDED_KEYS})
         elif self.sharded:
             raise CheckpointError(f"checkpoint {path}: a single-file checkpoint, and this run saves sharded ones "
                                   f"(distributed.strategy: fsdp)")
@@ -337,34 +291,11 @@ class BestCheckpoint:
         in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname)
         if match and match.group(1) == self.LAST_PREFIX and in_dir:
             _load_table(self.last, [(epoch, os.path.basename(path))])
-            self._remove_replaced_lasts(epoch)
+            remove_replaced_lasts(self.dirname, epoch, self.LAST_PREFIX)
         if epoch is not None:
-            self._move_newer_aside(epoch, path)
+            move_newer_aside(self.dirname, epoch, path, (self.LAST_PREFIX, self.BEST_PREFIX))
         _load_table(self.best, self._best_table(epoch, state.get("best_table")))
         return path
-
-    def _remove_replaced_lasts(self, epoch: int) -> None:
-        """Older ``last`` checkpoints than the one resumed: a save killed after its rename, before removing the
-        one it replaced. Rank 0 finishes that save (nothing would remove them later)."""
-        older = [name for file_epoch, name, _ in self._files(self.dirname, self.LAST_PREFIX) if file_epoch < epoch]
-        for name in older if idist.get_rank() == 0 else ():
-            remove_path(os.path.join(self.dirname, name))
-            logger.warning("removed %s: replaced by last_checkpoint_%d (a save stopped before removing it)", name,
-                           epoch)
-
-    def _move_newer_aside(self, epoch: int, resumed: str) -> None:
-        """Checkpoints saved after ``epoch`` belong to a run this one does not continue (an older
-        checkpoint resumed, or a kill between a best and a last save): rank 0 moves them to a sibling
-        folder, so that ``resume: auto`` continues this run and nothing is deleted."""
-        resumed = os.path.abspath(resumed)
-        newer = [name for prefix, pattern in ((self.LAST_PREFIX, ""), (self.BEST_PREFIX, r"_.+"))
-                 for file_epoch, name, _ in self._files(self.dirname, prefix, pattern)
-                 if file_epoch > epoch and os.path.abspath(os.path.join(self.dirname, name)) != resumed]
-        if not newer or idist.get_rank() != 0:
-            return
-        target = move_files_aside([os.path.join(self.dirname, name) for name in newer], self.dirname)
-        logger.warning("moved %s to %s: saved after the checkpoint resumed from (epoch %d); this run continues "
-                       "from that checkpoint", ", ".join(newer), target, epoch)
 
     def _best_table(self, epoch: Optional[int], stored: Any = None) -> List[Tuple[float, str]]:
         """The best files present up to ``epoch``, as (priority, name), in Ignite's order: the exact scores
@@ -378,7 +309,7 @@ class BestCheckpoint:
         for file_epoch, name, match in self._files(self.dirname, self.BEST_PREFIX,
                                                    rf"_{re.escape(self.score_name)}=(\S+?)"):
             if epoch is not None and file_epoch > epoch:
-                continue  # moved aside by rank 0 (_move_newer_aside)
+                continue  # moved aside by rank 0 (move_newer_aside)
             try:
                 table.append((exact[name] if name in exact else float(match.group(2)), name))
             except ValueError:
