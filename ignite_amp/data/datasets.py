@@ -1,4 +1,4 @@
-"""Data sets and loaders: the built-in ``shapes`` set, CIFAR-10/100, ImageFolder and ``fake``.
+"""Data sets and loaders: the built-in ``shapes`` set, CIFAR-10/100, ImageFolder and ``fake`` (the samplers: ``samplers``).
 
 ``shapes`` is generated from a seed (no download): ten classes of simple figures (disk,
 ring, square, frame, triangle, diamond, plus, cross, bars) at random places, sizes and
@@ -12,11 +12,12 @@ from typing import Optional, Sequence, Tuple
 
 import ignite.distributed as idist
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from ignite_amp.core.collectives import adopt_ignite_loggers
 from ignite_amp.errors import ConfigError
 from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
+from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, LockstepBatches, ShuffleShardSampler
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
 
 __all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
@@ -213,88 +214,6 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
     train_set = TensorImageDataset(*train, mean, std, augment=augment, classes=classes)
     val_set = TensorImageDataset(*val, mean, std, classes=classes)
     return train_set, val_set, len(classes)
-
-
-class EpochShuffleSampler(Sampler):
-    """Random order drawn from ``seed + epoch``: an epoch's order depends on its number alone.
-
-    So a resumed run sees the same batches as an uninterrupted one. ``set_epoch`` is called
-    at each ``EPOCH_STARTED``, like ``DistributedSampler.set_epoch``; ``start`` leaves out the
-    first samples of that order (a resume in the middle of a pass, :mod:`ignite_amp.data.passes`).
-    """
-
-    def __init__(self, length: int, seed: int = 0):
-        self.length, self.seed, self.epoch, self.start = length, seed, 0, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """The pass's order (``seed + epoch``), less its first ``start`` samples."""
-        self.epoch, self.start = epoch, start
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.length, generator=generator)[self.start:].tolist())
-
-    def __len__(self) -> int:
-        return self.length
-
-
-class ShuffleShardSampler(DistributedSampler):
-    """``DistributedSampler`` (shuffled from ``seed + epoch``) whose ``set_epoch`` also takes ``start``: the
-    first samples of this rank's shard to leave out, as :class:`EpochShuffleSampler`'s."""
-
-    #: Samples of this rank's shard left out of the next pass (set by :meth:`set_epoch`).
-    start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """The pass's order (``seed + epoch``), less its first ``start`` samples."""
-        super().set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
-
-
-class EvenShardSampler(DistributedSampler):
-    """Validation sharding without padding: rank ``r`` takes samples ``r, r + world, ...``.
-
-    ``DistributedSampler`` pads the data set to a multiple of the world size by repeating
-    samples, which would count them twice in the metrics; here each sample is evaluated once
-    and Ignite's metrics add the ranks' counts up.
-    """
-
-    def __init__(self, dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
-
-    def __iter__(self):
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
-class LockstepBatches:
-    """One rank's validation batches (its :class:`EvenShardSampler` shard, in order), as many on every rank.
-
-    A sharded model's forward is a collective, so every rank must run as many of them: the shards
-    differ by one sample at most, and the last batch takes what is left (up to ``batch_size + 1``).
-    """
-
-    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: Optional[int] = None,
-                 rank: Optional[int] = None):
-        shard = EvenShardSampler(dataset, num_replicas=num_replicas, rank=rank)
-        self.indices = list(shard)
-        self.batch_size = batch_size
-        self.count = max(1, -(-(len(dataset) // shard.num_replicas) // batch_size))
-
-    def __iter__(self):
-        b, last = self.batch_size, self.count - 1
-        for i in range(last):
-            yield self.indices[i * b:(i + 1) * b]
-        yield self.indices[last * b:]
-
-    def __len__(self) -> int:
-        return self.count
 
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
