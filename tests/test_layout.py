@@ -30,7 +30,7 @@ def modules() -> dict:
 
 def import_graph() -> dict:
     """{module: set of package modules it imports}, from the source: every import statement,
-    in functions too, and the names ``ignite_amp/__init__.py`` imports lazily."""
+    in functions too, and the names a package's ``__init__.py`` imports lazily (``_EXPORTS``)."""
     known = modules()
     graph = {}
     for module, path in known.items():
@@ -47,7 +47,7 @@ def import_graph() -> dict:
                     base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 targets.add(base)
                 targets.update(f"{base}.{alias.name}" for alias in node.names)
-            elif (isinstance(node, ast.Assign) and module == "ignite_amp"
+            elif (isinstance(node, ast.Assign) and path.endswith("__init__.py")
                   and getattr(node.targets[0], "id", "") in ("_EXPORTS", "_SUBMODULES")):
                 value = ast.literal_eval(node.value)
                 targets.update(value.values() if isinstance(value, dict) else (f"ignite_amp.{v}" for v in value))
@@ -140,6 +140,25 @@ def test_no_folder_is_a_hall():
             folders.setdefault(os.path.dirname(path), []).append(module)
     crowded = {os.path.relpath(f, ROOT): len(m) for f, m in folders.items() if len(m) > 11}
     assert not crowded, crowded
+
+
+def test_each_folder_names_its_public_names_and_imports_them_on_first_use():
+    """``from ignite_amp.step import AmpStep``, as ``from ignite.engine import Engine``: the defining module's
+    object, listed by ``dir()``; nothing is imported before a name is used (a fresh interpreter)."""
+    import importlib
+
+    exporting = {m: p for m, p in modules().items() if p.endswith("__init__.py") and "_EXPORTS = {" in open(p).read()}
+    assert {"ignite_amp", "ignite_amp.step", "ignite_amp.transforms", "ignite_amp.run"} <= set(exporting)
+    for package in exporting:
+        module = importlib.import_module(package)
+        for name, where in module._EXPORTS.items():
+            assert getattr(module, name) is getattr(importlib.import_module(where), name), (package, name)
+            assert name in dir(module) and name in module.__all__
+    code = ("import sys, ignite_amp.step, ignite_amp.transforms, ignite_amp.run; "
+            "print(sorted(m for m in sys.modules if m.startswith('ignite_amp.') and m.count('.') > 1))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert eval(proc.stdout) == ["ignite_amp.core.exports"], proc.stdout  # no module of theirs imported yet
 
 
 def test_the_boundaries_that_matter():
