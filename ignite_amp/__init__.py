@@ -6,6 +6,7 @@ The names below are imported on first use (PEP 562), so ``import ignite_amp`` an
 import importlib
 from typing import Any
 
+from ignite_amp.core.exports import lazy_exports
 from ignite_amp.version import __version__
 
 # In the order a newcomer looks for them (the API page follows it): the factories first.
@@ -31,17 +32,14 @@ _SUBMODULES = ("batch_search", "batching", "cli", "config", "core", "data", "eng
                "version")
 
 __all__ = list(_EXPORTS)
+_export, _exported = lazy_exports(__name__, _EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:  # ignite_amp.config etc. without importing them first
         return importlib.import_module(f"ignite_amp.{name}")
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ignite_amp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+    return _export(name)
 
 
 def __dir__() -> list:
-    return sorted([*globals(), *_EXPORTS, *_SUBMODULES])
+    return sorted({*_exported(), *_SUBMODULES})
