@@ -34,6 +34,11 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
     return norm if type(norm) is torch.Tensor or not hasattr(norm, "full_tensor") else norm.full_tensor()
 
 
+def _group_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The norm of one foreach group's tensors, as ``get_total_norm`` computes it."""
+    return _full(_vector_norm(_stack(_foreach_norm(tensors, 2.0)), 2.0))
+
+
 def total_norm(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """``get_total_norm(grads, 2.0, foreach=True)``, a device tensor (no host sync); None for no gradients.
     Of sharded gradients (DTensors), the norm over every rank's shards."""
@@ -41,7 +46,7 @@ def total_norm(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     group = _one_group(grads)
     if group is not None:
-        return _full(_vector_norm(_stack(_foreach_norm(group[1], 2.0)), 2.0))
+        return _group_norm(group[1])
     return _full(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
 
 
@@ -88,7 +93,7 @@ class GradNorm:
             self.value = total_norm(grads)
             return
         self._device, self._count = group[0], len(grads)
-        self.value = _full(_vector_norm(_stack(_foreach_norm(group[1], 2.0)), 2.0))
+        self.value = _group_norm(group[1])
 
     def clip_(self, max_norm: float) -> None:
         """``clip_grads_with_norm_(params, max_norm, value, foreach=True)``; nothing without a norm."""
