@@ -23,6 +23,7 @@ from ignite_amp.core.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.core.rng import get_rng_state, set_rng_state
 from ignite_amp.core.device import free_memory, is_oom_error, resolve_device
+from ignite_amp.core.memory import CUDA, PeakWindow
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 
 __all__ = ["MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner", "find_batch_size",
@@ -30,48 +31,85 @@ __all__ = ["MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "Tr
 
 
 class MemoryMeter:
-    """What the search reads from a device: the peak memory of a trial and the capacity.
+    """What the search reads from a device: what a trial needs at its peak, and the capacity.
 
     Subclass it for another device, or for a stand-in in tests.
     """
 
     def reset(self) -> None:
-        """Start a new trial: the peak goes back to what is in use now."""
+        """Start measuring a trial (after its warm-up steps)."""
         raise NotImplementedError
 
     def peak_bytes(self) -> float:
-        """The most memory held since :meth:`reset`."""
+        """The memory the trial needed at its peak since :meth:`reset` (read after a trial that ran)."""
         raise NotImplementedError
 
     def capacity_bytes(self) -> float:
         """The memory this process may hold in all (what its trials are measured against)."""
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Give the device's cached memory back before a trial (nothing to do by default)."""
+
+    def close(self) -> None:
+        """The search is over: leave the device's counters as they were (nothing to do by default)."""
+
 
 class CudaMemoryMeter(MemoryMeter):
-    """CUDA's peak-memory counters.
+    """What a trial needs on a CUDA device, from the caching allocator's counters.
 
-    The peak is ``max_memory_reserved``: what the caching allocator held, fragmentation
-    included (the allocator runs out of memory when its reserve cannot grow, not when the
-    tensors' sum reaches the card's size). The capacity is what this process can reserve: the
-    free memory plus what it holds already, and no more than a
-    ``torch.cuda.set_per_process_memory_fraction`` cap.
+    A trial needs its *allocated* peak (what its tensors held, cuBLAS's and cuDNN's workspaces included),
+    measured after the warm-up steps (cuDNN's autotuning tries workspaces as large as what is free), plus
+    the allocator's *slack*: the reserve's excess over the allocated peak (rounding, fragmentation),
+    measured as a share on every trial whose reserve stayed clear of the capacity and kept at the largest
+    seen, plus what CUDA's libraries took outside the allocator since the search began (the capacity's
+    fall). The reserve itself is not the need: under a per-process cap or beside another process it grows
+    to whatever is free, whatever the batch (a trial that trained read 99.8% of a cap on an H100), and a
+    search that read it chose half the largest fit.
+
+    The capacity is what this process can reserve: the free memory plus what it holds already, and no more
+    than a ``torch.cuda.set_per_process_memory_fraction`` cap. CUDA's peak counters are reset for each
+    trial and left, by :meth:`close`, as if they never were (:class:`~ignite_amp.core.memory.PeakWindow`).
+
+    Args:
+        device: the CUDA device.
+        allocator: torch.cuda's counters (default), or a stand-in with the same methods
+            (:class:`~ignite_amp.core.memory.CudaAllocator`'s), for tests.
+        pressed: a reserve within this share of the capacity is pressed against it: its slack is not measured.
     """
 
-    def __init__(self, device: Union[str, torch.device]):
-        self.device = resolve_device(device)  # with its index: the memory fraction calls refuse "cuda" without one
+    def __init__(self, device: Union[str, torch.device], allocator: Optional[object] = None, pressed: float = 0.02):
+        # with its index: the memory fraction calls refuse "cuda" without one
+        self.device = resolve_device(device) if allocator is None else device
+        self.allocator = CUDA if allocator is None else allocator
+        self.window = PeakWindow(self.device, self.allocator)
+        self.pressed = pressed
+        self.slack = 0.0  #: the largest measured share of the reserve over the allocated peak
+        self.start_capacity: Optional[float] = None
 
     def reset(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocator.empty_cache(self.device)  # the warm-up's cached blocks (autotuning's) are not the trial's
+        self.window.start()
 
     def peak_bytes(self) -> float:
-        return float(torch.cuda.max_memory_reserved(self.device))
+        allocated, reserved = self.window.allocated_peak(), self.window.reserved_peak()
+        capacity = self.capacity_bytes()
+        if allocated > 0 and reserved < (1 - self.pressed) * capacity:
+            self.slack = max(self.slack, reserved / allocated - 1)
+        outside = max(0.0, (self.start_capacity or capacity) - capacity)  # libraries' memory, outside the allocator
+        return allocated * (1 + self.slack) + outside
 
     def capacity_bytes(self) -> float:
-        free, total = torch.cuda.mem_get_info(self.device)
-        usable = free + torch.cuda.memory_reserved(self.device)
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-        return float(min(usable, total * fraction(self.device))) if fraction else float(usable)
+        capacity = self.allocator.capacity(self.device)
+        if self.start_capacity is None:
+            self.start_capacity = capacity
+        return capacity
+
+    def release(self) -> None:
+        self.allocator.empty_cache(self.device)
+
+    def close(self) -> None:
+        self.window.close()
 
 
 def memory_meter(device: torch.device) -> Optional[MemoryMeter]:
@@ -175,6 +213,8 @@ class TrialRunner:
         self.model.train(self.saved["training"])
         self.optimizer.zero_grad(set_to_none=True)
         free_memory(self.device)
+        if self.meter is not None:
+            self.meter.close()
 
     def _train(self, batch, count: int) -> None:
         engine = self.engine
@@ -188,12 +228,14 @@ class TrialRunner:
         _restore(model, optimizer, self.saved)  # each trial starts from the same weights and optimizer state
         free_memory(self.device)  # the one garbage collection of a trial (a third of a second in a large process)
         if meter is not None:
-            meter.reset()
+            meter.release()  # every trial starts from an empty cache, whatever the last one left fragmented
         begin = time.perf_counter()
         ms, error, failed = None, None, False
         try:
             batch = self.make_batch(size)
-            self._train(batch, self.warmup)  # the first step allocates the optimizer state
+            self._train(batch, self.warmup)  # the first step allocates the optimizer state; cuDNN autotunes
+            if meter is not None:  # measured from here: the steady steps, the evaluation, the verification
+                meter.reset()
             t0 = clock()
             self._train(batch, self.steps)
             ms = (clock() - t0) * 1000 / self.steps
@@ -209,7 +251,7 @@ class TrialRunner:
         if error is not None:  # outside the except block; its frames hold the failed step's tensors
             traceback.clear_frames(error.__traceback__)
             error = None
-        peak = meter.peak_bytes() if meter is not None else None
+        peak = meter.peak_bytes() if meter is not None and not failed else None
         optimizer.zero_grad(set_to_none=True)
         return Trial(size, not failed, peak, time.perf_counter() - begin, stage, None if failed else ms)
 

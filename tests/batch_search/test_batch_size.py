@@ -318,18 +318,21 @@ def test_find_batch_size_runs_real_steps_measures_them_and_verifies():
     assert result.strategy == "model" and best * 0.95 <= result.batch_size <= best
     assert len(result.trials) <= 5
     assert result.capacity_bytes == 16 * GiB and result.reason == "largest fit under 95% of 16.0 GiB"
-    by_trial = {}
-    for training, n, state, trial in model.forwards:
-        by_trial.setdefault(trial, []).append((training, n, state))
-    for t, (trial, forwards) in zip(result.trials, sorted(by_trial.items())):
-        if not t.fits:
-            continue
-        train = [f for f in forwards if f[0]]
-        # warmup + timed steps (+ verification steps after the evaluation); optimizer state
-        # exists from the second step on, inside the measurement
-        assert len(train) == (1 + 3 + 5 if t.stage in VERIFY_STAGES else 1 + 3)
-        assert not train[0][2] and all(f[2] for f in train[1:])
-        assert [f[1] for f in forwards if not f[0]] == [t.size]  # one evaluation batch
+    # Each fitting trial's forwards: a warm-up before the meter's reset (outside the measurement: cuDNN
+    # autotunes there), then the timed steps, one evaluation and (a verification) more steps after the reset.
+    forwards = model.forwards
+    evaluations = [i for i, f in enumerate(forwards) if not f[0]]
+    fitting = [t for t in result.trials if t.fits]
+    assert len(evaluations) == len(fitting)
+    for t, i in zip(fitting, evaluations):
+        resets = forwards[i][3]
+        before = [f for f in forwards[:i] if f[3] == resets]
+        after = [f for f in forwards[i + 1:] if f[3] == resets and f[2]]  # not the next trial's warm-up
+        warmup = forwards[i - len(before) - 1]
+        assert warmup[0] and warmup[3] == resets - 1 and not warmup[2]  # the first step allocates the state
+        assert len(before) == 3 and all(f[0] and f[2] for f in before)  # measured, with the optimizer state
+        assert len(after) == (5 if t.stage in VERIFY_STAGES else 0) and all(f[0] for f in after)
+        assert forwards[i][1] == t.size  # one evaluation batch
         assert t.peak_bytes == 2 * GiB + 40 * MiB * t.size
         assert t.ms_per_step == pytest.approx(0.01 * (t.size + 64))
         assert t.samples_per_s == pytest.approx(t.size * 1000 / t.ms_per_step)
