@@ -2,6 +2,10 @@
 reserved, the window's peak) or the process's resident memory (:func:`rss_mb`, read from one open file), and,
 in a run of several processes, the largest rank's (one all-reduce of one number per log). Each handler keeps
 the run's peak for the end-of-run health summary.
+
+CUDA has one peak counter per process, which a user reads after a run (``torch.cuda.max_memory_allocated()``):
+the windows' peaks are read through :class:`~ignite_amp.core.memory.PeakWindow`, which resets the counter for
+each window and, when the run completes or is terminated, leaves it as if it never was.
 """
 import os
 from typing import Any, Dict, Optional
@@ -12,6 +16,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
 from ignite_amp.core.collectives import max_across_ranks
+from ignite_amp.core.memory import PeakWindow
 
 __all__ = ["DeviceMemory", "RanksMemory", "rss_mb"]
 
@@ -38,27 +43,37 @@ def rss_mb() -> float:
 
 class DeviceMemory:
     """Device memory at the log (CUDA: allocated, reserved, the window's peak), or the process's RSS;
-    ``peak_mb`` is the run's peak so far."""
+    ``peak_mb`` is the run's peak so far. ``allocator``: torch.cuda's counters (default) or a stand-in."""
 
-    def __init__(self, device: torch.device, ranks: Optional["RanksMemory"] = None):
+    def __init__(self, device: torch.device, ranks: Optional["RanksMemory"] = None, allocator: Any = None):
         self.device, self.ranks = device, ranks
+        self.window = PeakWindow(device, allocator) if device.type == "cuda" else None
         self.peak_mb = 0.0
 
     def attach(self, trainer: Engine) -> None:
         trainer.add_event_handler(Events.STARTED, self._started)
+        for event in (Events.COMPLETED, Events.TERMINATE):
+            trainer.add_event_handler(event, self.close)
 
     def _started(self, engine: Engine) -> None:
-        if self.device.type == "cuda":  # the first window's peak is the training's, not a search's before it
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.window is not None:  # the first window's peak is the training's, not a search's before it
+            self.window.start()
+
+    def close(self, engine: Optional[Engine] = None) -> None:
+        """The run is over: CUDA's peak counter as if no window had reset it."""
+        if self.window is not None:
+            self.window.close()
 
     def read(self) -> Dict[str, float]:
-        device = self.device
-        if device.type == "cuda":
-            values = {"memory/allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
-                      "memory/peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-                      "memory/reserved_mb": torch.cuda.memory_reserved(device) / 2**20}
-            torch.cuda.reset_peak_memory_stats(device)
-            self.peak_mb = max(self.peak_mb, values["memory/peak_mb"])
+        window = self.window
+        if window is not None:
+            allocator = window.allocator
+            values = {"memory/allocated_mb": allocator.memory_allocated(self.device) / 2**20,
+                      "memory/reserved_mb": allocator.memory_reserved(self.device) / 2**20}
+            if not window.closed:  # after the run's end the counter is the process's again, not the run's
+                values["memory/peak_mb"] = window.allocated_peak() / 2**20
+                window.start()
+                self.peak_mb = max(self.peak_mb, values["memory/peak_mb"])
         else:
             values = {"memory/rss_mb": rss_mb()}
             self.peak_mb = max(self.peak_mb, values["memory/rss_mb"])
@@ -78,24 +93,32 @@ class RanksMemory:
     rank reads its own (CUDA: the window's peak allocated; CPU: RSS) and the ranks take the maximum, one
     all-reduce of one number per log. Attach it on every rank, before :class:`DeviceMemory`."""
 
-    def __init__(self, device: torch.device, every: int):
+    def __init__(self, device: torch.device, every: int, allocator: Any = None):
         self.device, self.every = device, every
+        # rank 0's DeviceMemory reads and starts its own windows; the other ranks', here
+        own = device.type == "cuda" and idist.get_rank() != 0
+        self.window = PeakWindow(device, allocator) if own else None
         self.last: Optional[float] = None  # MB, the maximum over the ranks at the last log
         self.peak_mb = 0.0
 
     def attach(self, trainer: Engine) -> None:
         trainer.add_event_handler(Events.ITERATION_COMPLETED(every=self.every), self._gather)
         trainer.add_event_handler(Events.COMPLETED, self._last)
+        if self.window is not None:
+            trainer.add_event_handler(Events.STARTED, lambda _: self.window.start())
+            for event in (Events.COMPLETED, Events.TERMINATE):
+                trainer.add_event_handler(event, lambda _: self.window.close())
 
     def _last(self, engine: Engine) -> None:  # the run's last window (all of a run shorter than a window)
         if engine.state.iteration % self.every:
             self._gather(engine)
 
     def _gather(self, engine: Engine) -> None:
-        if self.device.type == "cuda":
+        if self.window is not None:
+            value = self.window.allocated_peak() / 2**20
+            self.window.start()
+        elif self.device.type == "cuda":  # rank 0: its DeviceMemory's window
             value = torch.cuda.max_memory_allocated(self.device) / 2**20
-            if idist.get_rank() != 0:  # rank 0's DeviceMemory resets its own after reading it
-                torch.cuda.reset_peak_memory_stats(self.device)
         else:
             value = rss_mb()
         self.last = max_across_ranks(value)

@@ -301,6 +301,8 @@ class TensorBoardMetrics:
                     self._ended = True
                     self._write_health(self.trainer.state.iteration)
             finally:
+                if self.memory is not None:  # CUDA's peak counter as if never reset, after a failure too
+                    self.memory.close()
                 for logger in (self.tb, *self.splits.values()):
                     logger.close()
                 self.tb = None
