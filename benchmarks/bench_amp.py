@@ -136,6 +136,8 @@ def measure_variant(factory: Callable, dtype_name: str, loop: str, batch_size: i
     """
     dtype, tf32_mode = DTYPES[dtype_name]
     cuda = device.type == "cuda"
+    if cuda:  # a forked section may not have touched CUDA yet: the peak reset refuses an allocator not started
+        torch.empty(0, device=device)  # ("Invalid device argument" on an H100, section c, 2026-11-27)
     free_memory(device)
     baseline = torch.cuda.memory_allocated(device) if cuda else None
     if cuda:

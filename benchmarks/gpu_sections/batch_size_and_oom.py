@@ -1,5 +1,6 @@
 """Section d: the batch-size search (trials, seconds, size found), and a real out-of-memory error in the middle of
-an epoch recovered by OOMBackoff (memory cap sized from a probe step's measured peak)."""
+an epoch recovered by OOMBackoff: a memory cap between the allocated peaks of a step at half the batch and at the
+whole batch (measured, cuDNN autotuning off), so the whole batch runs out of memory on any card, every time."""
 import statistics
 import time
 from typing import Optional
@@ -69,11 +70,16 @@ def _oom_mid_epoch(ctx: Context, size: dict) -> None:
     if ctx.cuda:
         total = torch.cuda.get_device_properties(device).total_memory
         model.to(device)
-        peaks = {m: _probe_peak(model, optimizer, data[0], m, size["dtype"], device) for m in (n // 4, n // 2)}
-        per_sample = (peaks[n // 2] - peaks[n // 4]) / (n // 4)
-        cap = peaks[n // 2] + per_sample * n / 4  # between what half the batch needs and what the whole would
+        # cuDNN's autotuning off: it takes workspaces as large as what is free, and a step under the cap
+        # then picks smaller ones and trains where it should not (2026-11-27: no error at all)
+        torch.backends.cudnn.benchmark = False
+        peaks = {m: _probe_peak(model, optimizer, data[0], m, size["dtype"], device) for m in (n // 2, n)}
+        # The reserve cannot pass the cap and holds every allocated byte: a cap under the whole batch's
+        # allocated peak makes the full batch run out of memory on any card, every time; half the batch
+        # needs half the activations, well under it.
+        cap = (peaks[n // 2] + peaks[n]) / 2
         for m, peak in peaks.items():
-            ctx.row(what=f"probe: peak reserved at {m} images (MB)", value=peak / 2**20)
+            ctx.row(what=f"probe: peak allocated at {m} images (MB)", value=peak / 2**20)
         ctx.row(what="cap (MB): half the batch fits, the whole does not", value=cap / 2**20)
 
         def apply_cap() -> None:
@@ -141,14 +147,16 @@ def _oom_mid_epoch(ctx: Context, size: dict) -> None:
 
 
 def _probe_peak(model, optimizer, batch, m: int, dtype: str, device: torch.device) -> int:
-    """Peak bytes the caching allocator reserved for two real steps at ``m`` images."""
-    probe = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype=dtype)
+    """Peak bytes allocated by real steps at ``m`` images, after a first step (the optimizer state included)."""
+    probe = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype=dtype, check_split=False)
     part = (batch[0][:m], batch[1][:m])
     free_memory(device)
+    probe.run([part], max_epochs=1)  # the first step allocates the optimizer state
+    torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     probe.run([part, part], max_epochs=1)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device)
+    peak = torch.cuda.max_memory_allocated(device)
     optimizer.zero_grad(set_to_none=True)
     free_memory(device)
     return peak

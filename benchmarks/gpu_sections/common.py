@@ -44,9 +44,15 @@ class Context:
         self.result["tables"][-1]["rows"].append(values)
         self.save()
 
-    def target(self, name: str, value: str, ok: Optional[bool]) -> None:
-        """A target of the issue beside its figure: PASS, MISS, or NOT MEASURED (``ok`` None, or no GPU)."""
-        verdict = "NOT MEASURED" if ok is None or not self.cuda else ("PASS" if ok else "MISS")
+    def target(self, name: str, value: str, ok) -> None:
+        """A target of the issue beside its figure: PASS, MISS, INCONCLUSIVE (``ok == "inconclusive"``: measured,
+        but the noise was larger than the difference asked about), or NOT MEASURED (``ok`` None, or no GPU)."""
+        if ok is None or not self.cuda:
+            verdict = "NOT MEASURED"
+        elif ok == "inconclusive":
+            verdict = "INCONCLUSIVE"
+        else:
+            verdict = "PASS" if ok else "MISS"
         if not self.cuda:
             value = f"{value} (on CPU: not a GPU figure)" if value else "no GPU"
         self.result["targets"].append({"target": name, "value": value, "verdict": verdict})

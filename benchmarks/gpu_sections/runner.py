@@ -17,7 +17,7 @@ from .common import NEEDS_CUDA, Context, Section, write_json
 from .environment import probe_environment
 from .report import write_report
 
-TOTAL_BUDGET_S = 540          # the whole suite on one H100: 9 minutes
+TOTAL_BUDGET_S = 360          # the whole default suite on one H100: 6 minutes (a GPU is lent for ~15)
 STARTUP_ALLOWANCE_S = 10      # imports and the environment probe, before the first section
 SMOKE_BUDGET_S = 120          # per section in --smoke (CPU, tiny sizes: each takes seconds)
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ignite_amp.core.device import resolve_device
 from ignite_amp.errors import first_line
+from ignite_amp.memory_plan.cuda_extras import LIBRARIES, library_workspace_bytes
 from ignite_amp.memory_plan.fake_step import KINDS, FakeStep
 
 __all__ = ["estimate_memory", "MemoryPlan", "StepPeak", "KINDS", "NOT_COUNTED", "DEFAULT_MARGIN", "parse_bytes",
@@ -30,8 +31,9 @@ __all__ = ["estimate_memory", "MemoryPlan", "StepPeak", "KINDS", "NOT_COUNTED", 
 logger = logging.getLogger("ignite_amp")
 
 #: What a plan does not count; :data:`~ignite_amp.memory_plan.plan.DEFAULT_MARGIN` of the memory is kept free for it.
-NOT_COUNTED = ("the CUDA caching allocator's rounding and fragmentation, cuDNN/cuBLAS workspaces, NCCL buffers, "
-               "the CUDA context, torch.compile's changes to the step")
+#: (cuBLAS's workspaces are counted on a GPU: measured there, :mod:`~ignite_amp.memory_plan.cuda_extras`.)
+NOT_COUNTED = ("the CUDA caching allocator's fragmentation, cuDNN's convolution workspaces (chosen at run time), "
+               "NCCL buffers, the CUDA context, torch.compile's changes to the step")
 #: The share of the memory a plan keeps free for what it does not count (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
 DEFAULT_MARGIN = 0.15
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -112,7 +114,7 @@ class MemoryPlan:
             out.append(self.auto_checkpointing)
         elif self.checkpointed:
             out.append(f"activation checkpointing: {len(self.checkpointed)} blocks")
-        kinds = [k for k in KINDS if any(p.kinds.get(k) for p in self.peaks)] or list(self.fixed)
+        kinds = [k for k in (*KINDS, LIBRARIES) if any(p.kinds.get(k) for p in self.peaks)] or list(self.fixed)
         out.append("| batch | peak | " + " | ".join(kinds) + " |")
         out.append("|---" * (len(kinds) + 2) + "|")
         rows = [(str(p.batch_size), p.peak, p.kinds) for p in self.peaks] or [("any", None, self.fixed)]
@@ -190,10 +192,14 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
     tracer = FakeStep(model, optimizer, loss_fn, batch, device, step_kwargs, checkpoint)
     plan = MemoryPlan(str(device), [], tracer.fixed(), margin, memory)
     traced: Dict[int, StepPeak] = {}
+    libraries = library_workspace_bytes(device)  # on a GPU: held from the first matmul on, at every peak
 
     def trace(n: int) -> StepPeak:
         if n not in traced:
-            traced[n] = StepPeak(n, *tracer.trace(n))
+            peak, kinds = tracer.trace(n)
+            if libraries:
+                peak, kinds = peak + libraries, {**kinds, LIBRARIES: libraries}
+            traced[n] = StepPeak(n, peak, kinds)
             if progress is not None:
                 progress(traced[n])
         return traced[n]

@@ -52,11 +52,12 @@ def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_
         assert section["seconds"] <= section["budget_s"]
 
 
-def test_the_gpu_budgets_add_up_to_nine_minutes_at_most(smoke):
+def test_the_gpu_budgets_add_up_to_six_minutes_at_most(smoke):
+    """A GPU is lent for about 15 minutes, start included: the default suite runs, is fixed, and runs again."""
     report, _ = smoke
     budgets = report["gpu_budgets_s"]
     assert list(budgets) == SECTIONS
-    assert sum(b["budget_s"] for b in budgets.values()) + report["startup_allowance_s"] <= 9 * 60
+    assert sum(b["budget_s"] for b in budgets.values()) + report["startup_allowance_s"] <= 6 * 60
     assert all(0 < b["expected_h100_s"] <= b["budget_s"] for b in budgets.values())
 
 
@@ -67,14 +68,14 @@ def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
     assert counts["passed"] == counts["failed"] == counts["error"] == 0 and counts["skipped"] >= 1
     assert len(rows(s["a_gpu_tests"])) == counts["skipped"]
 
-    assert {r["dtype"] for r in rows(s["b_overhead"])} == {"bfloat16", "float16"}
-    assert all(r["ms_per_iter"] > 0 for r in rows(s["b_overhead"]))
+    overhead = rows(s["b_overhead"])
+    assert {r["dtype"] for r in overhead} == {"bfloat16", "float16"}
+    assert all(r["ms_per_iter"] > 0 and r["ci_low"] <= r["vs_hand_loop"] <= r["ci_high"] for r in overhead)
+    assert all(r["rounds"] >= 6 for r in overhead)
 
     amp = {r["variant"]: r for r in rows(s["c_amp_vs_fp32"])}
-    assert len(amp) == 8 and amp["float32, TF32 off"]["cudnn_tf32"] is False
-    assert amp["float32, TF32 on"]["cudnn_tf32"] is True
-    assert amp["bfloat16, channels_last, torch.compile"]["status"].startswith("skipped: needs CUDA")
-    assert all(r["images_per_s"] > 0 for name, r in amp.items() if "compile" not in name)
+    assert len(amp) == 6 and amp["float32, TF32 on"]["cudnn_tf32"] is True
+    assert all(r["images_per_s"] > 0 and r["status"] == "measured" for r in amp.values())
 
     oom = {r["what"]: r["value"] for r in rows(s["d_batch_size"], 0)}
     assert oom["backoff events"] >= 1 and oom["samples trained (forward passes kept)"] == oom["epoch size"]

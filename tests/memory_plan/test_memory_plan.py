@@ -239,12 +239,15 @@ class TrackedMeter(MemoryMeter):
     def held(self, tracker) -> float:
         return self.overhead * sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
 
-    def reset(self):
+    def release(self):  # a trial starts (before its batch is made): MemTracker sees only what it tracks
         self._close()
         self.trials += 1
         self.tracker = self.make()
         self.tracker.track_external(self.model, self.optimizer)
         self.tracker.__enter__()
+
+    def reset(self):  # after the warm-up: the tracker's peak runs on (no autotuning workspaces here)
+        pass
 
     def _close(self):
         if self.tracker is not None:
@@ -291,3 +294,25 @@ def test_the_health_summary_sets_the_planned_peak_beside_the_measured_one():
         "memory: peak 1150 MB (allocated); planned 1000 MB (+15%: what the plan does not count)"
     # a CPU run's RSS counts the whole process, not tensors: nothing to compare
     assert memory_line(peak_memory_mb=900.0, memory_kind="RSS", planned_memory_mb=100.0) == "memory: peak 900 MB (RSS)"
+
+
+def test_the_plan_counts_cublas_workspaces_through_torchs_one_private_handle(monkeypatch):
+    """On a GPU the plan adds what cuBLAS holds from the first matmul on (measured there); the one private call
+    it takes must exist in this torch, or the plan would silently stop counting them (issue 48: plans were a
+    near-constant 65-90 MB under max_memory_allocated on an H100)."""
+    from ignite_amp.memory_plan import cuda_extras, plan
+
+    assert callable(getattr(torch._C, "_cuda_clearCublasWorkspaces", None)), "torch moved its cuBLAS workspace handle"
+    assert cuda_extras.library_workspace_bytes("cpu") == 0
+    monkeypatch.setattr(plan, "library_workspace_bytes", lambda device: 64 * 2 ** 20)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
+    make = lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,)))  # noqa: E731
+    with_libraries = plan.estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, make,
+                                          batch_sizes=[4], device="cpu", dtype="float32")
+    monkeypatch.setattr(plan, "library_workspace_bytes", lambda device: 0)
+    without = plan.estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, make,
+                                   batch_sizes=[4], device="cpu", dtype="float32")
+    assert with_libraries.peaks[0].peak == without.peaks[0].peak + 64 * 2 ** 20
+    assert with_libraries.peaks[0].kinds[cuda_extras.LIBRARIES] == 64 * 2 ** 20
+    assert "cuBLAS workspaces" in "\n".join(with_libraries.lines())
+    assert cuda_extras.LIBRARIES not in without.peaks[0].kinds
