@@ -196,3 +196,11 @@ def test_the_backoff_recovers_from_the_stand_ins_out_of_memory_error_losing_no_s
     assert trainer.amp_step.micro_batches >= 2
     # after the backoff every iteration's forwards add up to the batch exactly once
     assert sum(seen[attempts[2]:]) == 2 * n
+
+
+def test_the_memory_module_examples_run():
+    import ignite_amp.core.memory
+    from conftest import assert_doctests_pass
+
+    assert_doctests_pass(ignite_amp.core.memory)
+

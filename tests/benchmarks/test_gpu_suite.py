@@ -261,3 +261,20 @@ def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite,
     on, off = ctx.result["tables"][0]["rows"]
     assert on["check_split"] and on["checked"] and not off["checked"] and on["first_step_ms"] > 0
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"]
+
+
+def test_section_b_reads_an_interval_and_a_verdict_from_its_rounds(monkeypatch):
+    """The GPU suite's overhead section (b): the median per-round ratio with a bootstrap interval, and a verdict
+    only where the interval is on one side of the target (the H100's per-repeat ratios ran 0.87-1.44)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from gpu_sections.hand_loop_overhead import ratio_interval, verdict_of
+
+    rng = torch.Generator().manual_seed(0)
+    hand = (1 + 0.1 * torch.rand(60, generator=rng)).tolist()
+    same = [h * (1 + 0.002 * (i % 3 - 1)) for i, h in enumerate(hand)]  # within 0.2%, round by round
+    slower = [h * 1.05 for h in hand]
+    median, low, high = ratio_interval(same, hand)
+    assert low <= median <= high and high - low < 0.01 and verdict_of(low, high, 1.01) is True
+    assert verdict_of(*ratio_interval(slower, hand)[1:], 1.01) is False
+    noisy = [h * (0.8 if i % 2 else 1.22) for i, h in enumerate(hand)]  # +-20% a round: can't tell 1%
+    assert verdict_of(*ratio_interval(noisy, hand)[1:], 1.01) == "inconclusive"
