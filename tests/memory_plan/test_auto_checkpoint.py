@@ -1,5 +1,7 @@
 """activation_checkpointing auto: the cheapest choice (none, selective, full on some blocks) that makes the planned
 step fit, priced in memory and recompute FLOPs; the block rule's runs."""
+import json
+
 import pytest
 import torch
 import yaml
@@ -166,6 +168,20 @@ def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the
     out = capsys.readouterr().out
     assert "activation checkpointing auto: selective on 1 of 4 blocks (selective: 0): planned peak" in out, out
     assert "recompute 0.40% of the step's FLOPs" in out, out
+    # and the table of the choices, which --checkpointing shows for any config (and --json writes)
+    assert "activation checkpointing choices at batch 32" in out, out
+    table = out[out.index("activation checkpointing choices at batch 32"):].splitlines()
+    assert [row.split(" | ")[0] for row in table[3:]] == ["| none", "| selective 1/4", "| selective 2/4",
+                                                          "| selective 3/4", "| selective 4/4", "| full 1/4",
+                                                          "| full 2/4", "| full 3/4", "| full 4/4"], table
+    assert table[3].endswith("| 0.0% | no |") and table[-1].endswith("| yes |")
+    cfg["amp"]["activation_checkpointing"] = False
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(path), "--batch-sizes", "32", "--checkpointing", "--json", str(tmp_path / "p.json")]) == 0
+    options = json.load(open(tmp_path / "p.json"))["checkpoint_options"]
+    assert [(o["full"], o["selective"]) for o in options][::4] == [(0, 0), (0, 4), (4, 0)]
+    assert options[-1]["recompute"] > 0.1 and options[-1]["peak"] < options[0]["peak"]
+    cfg["amp"]["activation_checkpointing"] = "auto"
     cfg["data"]["batch_size"] = "auto"
     with pytest.raises(ValueError, match="auto fits the blocks to data.batch_size, which is auto too"):
         build_run(cfg, print_fn=lines.append)
