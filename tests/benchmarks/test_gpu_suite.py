@@ -260,3 +260,19 @@ def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite,
     on, off = ctx.result["tables"][0]["rows"]
     assert on["check_split"] and on["checked"] and not off["checked"] and on["first_step_ms"] > 0
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"]
+
+
+def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
+    """Issue 52: none, selective and full on section h's models (CPU stand-ins); auto needs measured GPU peaks."""
+    assert "m_checkpointing_policies" in [s.key for s in suite.OPT_IN]
+    assert "m_checkpointing_policies" not in [s.key for s in suite.SECTIONS]
+    from gpu_sections.activation_checkpointing import checkpointing_policies
+
+    ctx = suite.Context("m_checkpointing_policies", "m", smoke=True, cuda=False, budget_s=120,
+                        path=str(tmp_path / "m.json"), workdir=str(tmp_path))
+    checkpointing_policies(ctx)
+    rows = ctx.result["tables"][0]["rows"]
+    assert [(r["checkpointing"], r.get("blocks")) for r in rows] == [
+        (False, 0), ("selective", 2), (True, 2), ("auto", None), (False, 0), ("selective", 8), (True, 8)]
+    assert rows[3]["status"].startswith("skipped: needs CUDA") and all(r["step_ms"] > 0 for r in rows if "step_ms" in r)
+    assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"] * 3
