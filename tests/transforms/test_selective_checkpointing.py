@@ -114,6 +114,34 @@ def test_compile_traces_the_selective_checkpoints():
     assert relative_difference(selective, plain) < 1e-6
 
 
+@pytest.mark.parametrize("float8", [False, True])
+def test_selective_checkpoints_compile_in_one_graph(float8):
+    """As full checkpointing (issue 39): dynamo captures the selective checkpoints (torch's own contexts, read by
+    the partitioner as save/recompute marks), float8 layers included; fullgraph=True: a graph break is an error."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
+                                                             for _ in range(3)]), nn.Linear(32, 4))
+    if float8:
+        pytest.importorskip("torchao")
+        from ignite_amp.transforms.float8 import convert_to_float8
+
+        convert_to_float8(model)
+    checkpoint_blocks(model, policy="selective")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=float8):
+        out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(8, 16))
+    out.float().sum().backward()
+    assert len(graphs) == 1 and checkpointed_blocks(model) == ["1.0", "1.1", "1.2"]
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_float8_and_selective_checkpointing_compose_exactly():
     """float8, then checkpointing (the transforms' order): the blocks' float8 matmuls (_scaled_mm) are kept."""
     pytest.importorskip("torchao")
