@@ -69,7 +69,7 @@ class StepPeak:
     batch_size: int  #: samples per batch
     peak: int  #: bytes at the step's peak
     kinds: Dict[str, int]  #: bytes of each of :data:`~ignite_amp.memory_plan.plan.KINDS` at that moment
-    flops: Optional[int] = None  #: FLOPs of the step (:mod:`ignite_amp.memory_plan.flops`)
+    flops: Optional[int] = None  #: FLOPs of the step (``ignite_amp.memory_plan.flops``)
 
 
 @dataclasses.dataclass

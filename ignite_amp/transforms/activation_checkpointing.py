@@ -119,7 +119,8 @@ def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None, 
     Args:
         model: the model (unwrapped: not DDP, not sharded).
         blocks: class names of the blocks (default: the repeated blocks, as FSDP2's sharding).
-        policy: ``"full"`` (recompute every op of a block) or ``"selective"`` (keep :data:`SAVED_OPS`' outputs).
+        policy: ``"full"`` (recompute every op of a block) or ``"selective"`` (keep the outputs of ``SAVED_OPS``:
+            matmuls, convolutions, attention).
 
     Returns:
         The module paths of the checkpointed blocks.
