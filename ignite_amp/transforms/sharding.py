@@ -87,6 +87,9 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
     import ignite.distributed as idist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if activation_checkpointing not in (False, True, "selective"):
+        raise ValueError(f"Argument activation_checkpointing should be True, False or 'selective', got "
+                         f"{activation_checkpointing!r}.")
     device = torch.device(device) if device is not None else idist.device()
     dtype = resolve_dtype(dtype, device)
     if is_sharded(model):

@@ -12,6 +12,7 @@ import ignite_amp.memory_plan.auto_checkpoint as auto_checkpoint
 from ignite_amp import create_amp_trainer, load_config
 from ignite_amp.memory_plan.auto_checkpoint import _ladder, checkpoint_to_fit
 from ignite_amp.memory_plan.choices import OptionPlanner
+from ignite_amp.step.facts import step_facts
 from ignite_amp.transforms.blocks import block_names
 from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpoint_policies, checkpointed_blocks
 
@@ -122,9 +123,10 @@ def test_auto_takes_the_cheapest_choice_that_fits(planner):
     assert "full on 2 and selective on 4 of 6 blocks (full: 2-3; selective: 4-7)" in choice.line()
     assert "| full 2 + selective 4/6 (chosen) |" in "\n".join(choice.lines())
     # create_amp_trainer keeps them; with enough memory none; with too little all full, and the line says so.
-    create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
-                       dtype="float32")
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float32")
     assert checkpointed_blocks(model) == [str(i) for i in range(2, 8)]
+    assert step_facts(trainer.amp_step)["checkpointed_blocks"] == "2-7 (selective: 4-7)"
     model, roomy = fit(2 * planner(0, 0).peak)
     assert roomy.checkpointed == [] and "none of 6 blocks needed" in roomy.line()
     model, tight = fit(planner(6, 0).peak // 2)

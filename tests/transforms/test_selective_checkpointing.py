@@ -15,6 +15,7 @@ from ignite_amp import create_amp_trainer
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
 from ignite_amp.step.facts import step_facts
+from ignite_amp.transforms.sharding import shard_model
 from ignite_amp.transforms.activation_checkpointing import (SAVED_OPS, checkpoint_blocks, checkpoint_policies,
                                                             checkpointed_blocks)
 from test_checkpointing import Block, batches, block_calls, net, relative_difference, train
@@ -103,6 +104,12 @@ def test_training_is_the_same_from_the_factory(options, dropout):
     assert facts["activation_checkpointing"] is True and facts["checkpointed_blocks"] == "blocks.0-2 (selective)"
     with pytest.raises(ValueError, match="Argument policy should be one of full, selective, got 'some'"):
         checkpoint_blocks(net(), policy="some")
+    with pytest.raises(ValueError, match="Argument activation_checkpointing should be true or false or auto or "
+                                         "selective, got 'some'"):
+        train(net(), "some", data)
+    with pytest.raises(ValueError, match="Argument activation_checkpointing should be True, False or 'selective', "
+                                         "got 'auto'"):
+        shard_model(net(), "float32", device="cpu", activation_checkpointing="auto")
 
 
 def test_compile_traces_the_selective_checkpoints():
