@@ -91,7 +91,10 @@ def test_the_recompute_runs_no_matmul_again():
     assert "addmm" in SAVED_OPS and "native_layer_norm" not in SAVED_OPS
 
 
-@pytest.mark.parametrize("options, dropout", [({}, 0.0), ({"micro_batches": 2}, 0.3), ({"dtype": "bfloat16"}, 0.0)])
+@pytest.mark.parametrize("options, dropout", [
+    ({}, 0.0), ({"micro_batches": 2}, 0.3), ({"dtype": "bfloat16"}, 0.0),
+    ({"dtype": "float16", "micro_batches": 2, "accumulation_steps": 2}, 0.0),  # with the GradScaler
+])
 def test_training_is_the_same_from_the_factory(options, dropout):
     data = batches()
     plain, selective = net(dropout=dropout), net(dropout=dropout)
