@@ -3,7 +3,8 @@
 For each policy: the plan's peak and recompute (``ignite_amp.memory_plan.choices``: the step on fake tensors, its FLOPs
 counted), the real step's peak under the same ``MemTracker`` the plan uses, and the real step's median wall time
 and process CPU time (all of torch's threads; less moved by other processes on a shared machine than the wall
-clock), the policies interleaved round by round. float32, SGD with momentum.
+clock), the policies interleaved round by round. float32, SGD with momentum. ``auto``: ``checkpoint_to_fit`` with a
+memory halfway between none's and full's planned peaks (margin 0), as GPU section m does with measured peaks.
 
     python benchmarks/checkpointing_cpu.py [--rounds 5]
 """
@@ -17,10 +18,11 @@ import torch
 from float8_gpt import GPT, next_token_loss
 
 from ignite_amp import create_amp_trainer
+from ignite_amp.memory_plan.auto_checkpoint import checkpoint_to_fit
 from ignite_amp.memory_plan.choices import OptionPlanner
 from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer
 
-POLICIES = {"none": False, "selective": "selective", "full": True}
+POLICIES = {"none": False, "selective": "selective", "full": True, "auto": False}
 
 
 def main() -> None:
@@ -46,6 +48,12 @@ def main() -> None:
     for name, on in POLICIES.items():
         model = copy.deepcopy(base)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if name == "auto":
+            limit = (planned["none"].peak + planned["full"].peak) // 2
+            choice = checkpoint_to_fit(model, optimizer, next_token_loss, batch, args.batch, memory=limit, margin=0.0,
+                                       device="cpu", dtype="float32")
+            planned["auto"] = next(o for o in choice.options if o.peak == choice.peak)
+            print(choice.line())
         trainer = create_amp_trainer(model, optimizer, next_token_loss, device="cpu", dtype="float32",
                                      activation_checkpointing=on)
         warm_optimizer(optimizer)
