@@ -31,6 +31,8 @@ k. the memory plan (fake tensors) against ``torch.cuda.max_memory_allocated`` fo
 l. the split check's cost on the first step, and its extra peak memory (``split_check_cost.py``; ~30 s).
 m. section c's other rows: IEEE float32 (TF32 off) and bfloat16 + channels_last + torch.compile (~1.5 min).
 n. issue 13's ResNet-50 search test (``pytest -m gpu -k resnet50_search``; ~2 min).
+s. activation checkpointing policies: none, selective and full on section h's models, and auto in a memory limit
+   between none's and full's peaks (``gpu_sections/activation_checkpointing.py``; ``--only s``, ~1 min).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it (``gpu_sections/runner.py``). Each has a
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; the opt-in i, k, l, m and n only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; the opt-in i, k, l, m, n and s only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - seconds_since_start()  # the imports count against the 6 minutes too

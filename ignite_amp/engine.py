@@ -52,10 +52,12 @@ class AmpConfig:
     compile: bool = setting(None, Boolean(nullable=True),
                             "torch.compile the forward (null: on for float8 on a GPU, else off)")
     activation_checkpointing: bool = setting(
-        False, Boolean(also=("auto",)), "the model's repeated blocks (distributed.blocks, or the rule FSDP2 shards "
-        "by) keep only their inputs and run their forward again in the backward: less activation memory, same "
-        "gradients, about one more forward of compute; auto: the fewest blocks that make the planned step fit the "
-        "GPU's memory at data.batch_size (ignite-amp plan); may change on resume")
+        False, Boolean(also=("auto", "selective")), "the model's repeated blocks (distributed.blocks, or the rule "
+        "FSDP2 shards by) keep only their inputs and run their forward again in the backward: less activation memory, "
+        "same gradients, about one more forward of compute; selective: they keep the outputs of their matmuls, "
+        "convolutions and attention too and recompute only the rest (less recompute, less memory saved); auto: the "
+        "cheapest of none, selective and full on some or all blocks that makes the planned step fit the GPU's "
+        "memory at data.batch_size (ignite-amp plan); may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
     check_split: bool = setting(True, Boolean(), "check once, where a batch is cut or combined (micro-batches, "
                                 "accumulation, an out-of-memory retry, DDP), that its weighted chunks give its gradient; "
@@ -183,7 +185,7 @@ def create_amp_trainer(
     dtype: Union[str, torch.dtype] = "auto",
     accumulation_steps: int = 1,
     num_items: Optional[Callable[[Any, Any], Any]] = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: Union[bool, str] = False,
     **kwargs: Any,
 ) -> Engine:
     """An Ignite ``Engine`` whose process function is an :class:`AmpStep` (``trainer.amp_step``).
@@ -199,7 +201,7 @@ def create_amp_trainer(
     ``model_fn(model, x)``, ``model_transform(output)`` and ``output_transform(x, y, y_pred, loss)``
     are Ignite's hooks with Ignite's names; ``num_items(x, y)`` counts what a mean loss averages
     over. ``activation_checkpointing=True`` checkpoints the model's repeated blocks in place before the
-    step compiles it (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`; a model sharded with FSDP2
+    step compiles it (``"selective"``: they keep their matmuls', convolutions' and attention's outputs) (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`; a model sharded with FSDP2
     has them checkpointed by ``shard_model(..., activation_checkpointing=True)``). Other keyword
     arguments go to :class:`AmpStep` (``micro_batches``, ``channels_last``, ``compile``, ``fp32_modules``,
     ``scaler_kwargs``, ``batch_size``, ``split_batch``); an unknown one is a TypeError naming the closest
@@ -231,7 +233,7 @@ def create_amp_trainer(
         raise ValueError("Argument activation_checkpointing='auto' needs a batch and a memory to plan for: call "
                          "ignite_amp.checkpoint_to_fit(model, optimizer, loss_fn, batch, batch_size) first")
     if activation_checkpointing:
-        _checkpoint_activations(unwrap(model))
+        _checkpoint_activations(unwrap(model), "selective" if activation_checkpointing == "selective" else "full")
     step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype,
                    accumulation_steps=accumulation(accumulation_steps, gradient_accumulation_steps),
                    non_blocking=non_blocking, prepare_batch=prepare_batch, model_fn=model_fn,
@@ -247,14 +249,14 @@ def create_amp_trainer(
     return engine
 
 
-def _checkpoint_activations(model: nn.Module) -> None:
+def _checkpoint_activations(model: nn.Module, policy: str) -> None:
     """The factory's activation checkpointing: blocks checkpointed already (by the user or shard_model) stay."""
     if checkpointed_blocks(model):
         return
     if is_sharded(model):
         raise ValueError("Argument activation_checkpointing: the model is sharded already, and checkpointing must "
                          "come before sharding; pass activation_checkpointing=True to shard_model instead")
-    checkpoint_blocks(model)
+    checkpoint_blocks(model, policy=policy)
 
 
 def create_amp_evaluator(

@@ -6,7 +6,7 @@ from float8_gpt import float8_section
 from memory_plan_gpu import memory_plan_section
 from split_check_cost import split_check_section
 
-from .activation_checkpointing import activation_checkpointing
+from .activation_checkpointing import activation_checkpointing, checkpointing_policies
 from .amp_vs_fp32 import amp_more, amp_vs_fp32
 from .batch_size_and_oom import batch_size_and_oom
 from .common import Section
@@ -42,4 +42,7 @@ OPT_IN = (
             split_check_section, 60, 30),
     Section("m_amp_more", "m. IEEE float32 and torch.compile (section c's other rows)", amp_more, 120, 90),
     Section("n_resnet50_search_test", "n. Issue 13's ResNet-50 search test (pytest)", resnet50_search_test, 150, 120),
+    # Expected on one H100: section h's 25 s for none and full, ~15 s more for selective and ~8 s for GPT auto
+    Section("s_checkpointing_policies", "s. Activation checkpointing policies: none, selective, full, auto (GPT, "
+            "ResNet-50)", checkpointing_policies, 90, 50),
 )

@@ -21,9 +21,13 @@ def add_plan_parser(sub, add_config) -> None:
     plan.add_argument("--margin", type=float, default=None,
                       help="share of the memory kept free for what the plan does not count (default 0.15)")
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
+    plan.add_argument("--checkpointing", action="store_true",
+                      help="also the table of activation checkpointing choices (none, selective, full per number of "
+                           "blocks) with their peak and recompute (shown for activation_checkpointing: auto too)")
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from ignite_amp.config.tree import load_config
@@ -59,10 +63,20 @@ def plan_command(args: argparse.Namespace) -> int:
         safe_print(line)
     if plan.memory is None:
         safe_print("for the largest batch that fits: --memory SIZE (e.g. --memory 80GiB)")
+    options = None
+    if args.checkpointing or cfg["amp"]["activation_checkpointing"] == "auto":
+        from ignite_amp.run.plan import config_batch_sizes
+        from ignite_amp.run.plan_choices import checkpoint_options_lines, config_checkpoint_options
+
+        size = max(args.batch_sizes or config_batch_sizes(cfg))  # as auto chooses: at the largest size asked
+        options = config_checkpoint_options(cfg, size)
+        for line in checkpoint_options_lines(options, size, plan.budget):
+            safe_print(line)
     if args.json:
         try:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"config": cfg["name"], **plan.to_dict()}, f, indent=2)
+                extra = {} if options is None else {"checkpoint_options": [dataclasses.asdict(o) for o in options]}
+                json.dump({"config": cfg["name"], **plan.to_dict(), **extra}, f, indent=2)
         except OSError as exc:
             raise ConfigError(f"--json {args.json}: cannot write ({exc.strerror or exc})") from None
     return 0

@@ -9,7 +9,7 @@ import contextlib
 import copy
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -17,8 +17,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ignite_amp.batching import batch_size_of
-from ignite_amp.transforms.activation_checkpointing import checkpoint_modules, checkpointed_blocks
+from ignite_amp.transforms.activation_checkpointing import POLICIES, checkpoint_modules, checkpointed_blocks
 from ignite_amp.engine import create_amp_trainer
+from ignite_amp.memory_plan.flops import count_flops
 from ignite_amp.core.nested import map_tensors
 
 __all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
@@ -162,15 +163,17 @@ class FakeStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, batch: Any,
-                 device: torch.device, step_kwargs: dict, checkpoint: Sequence[str] = ()):
+                 device: torch.device, step_kwargs: dict, checkpoint: Union[Sequence[str], Mapping[str, str]] = ()):
         self.model, self.optimizer, self.loss_fn, self.batch = model, optimizer, loss_fn, batch
-        self.device, self.kwargs, self.checkpoint = device, step_kwargs, list(checkpoint)
+        self.device, self.kwargs = device, step_kwargs
+        self.checkpoint = dict(checkpoint) if isinstance(checkpoint, Mapping) else dict.fromkeys(checkpoint, "full")
         self.checkpointed: List[str] = []
 
     def _build(self, mode: Any) -> tuple:
         model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device,
                                         self.kwargs.get("channels_last", False))
-        checkpoint_modules(model, self.checkpoint)  # blocks chosen for the plan (activation_checkpointing auto)
+        for policy in POLICIES:  # blocks chosen for the plan (activation_checkpointing auto), with their policy
+            checkpoint_modules(model, [name for name, p in self.checkpoint.items() if p == policy], policy)
         with mode, _NoHostReads():
             trainer = create_amp_trainer(model, optimizer, self.loss_fn, device=self.device,
                                          **{**self.kwargs, "compile": False})
@@ -195,7 +198,7 @@ class FakeStep:
                 "gradients": size(p for p in params if p.requires_grad), "optimizer state": size(state)}
 
     def trace(self, n: int) -> tuple:
-        """``(peak bytes, {kind: bytes at the peak})`` of the step at batch size ``n``."""
+        """``(peak bytes, {kind: bytes at the peak}, FLOPs of one iteration)`` of the step at batch size ``n``."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
@@ -206,10 +209,11 @@ class FakeStep:
             tracker.track_external(model, optimizer, *_tensors_of(batch))
             acc = self.kwargs.get("accumulation_steps", 1)
             trainer.state.epoch_length = acc
-            with mode, _NoHostReads(), tracker:
+            iterations = range(max(1, acc - 1), acc + 1)
+            with mode, _NoHostReads(), count_flops() as flops, tracker:  # the tracker sees the ops first
                 # accumulation: the cycle's last two iterations (the last holds the earlier one's gradients)
-                for iteration in range(max(1, acc - 1), acc + 1):
+                for iteration in iterations:
                     trainer.state.iteration = iteration
                     trainer.amp_step(trainer, batch)
         kinds = _kinds(tracker.get_tracker_snapshot("peak"))
-        return sum(kinds.values()), kinds
+        return sum(kinds.values()), kinds, flops() // len(iterations)

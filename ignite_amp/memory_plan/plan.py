@@ -71,6 +71,7 @@ class StepPeak:
     batch_size: int  #: samples per batch
     peak: int  #: bytes at the step's peak
     kinds: Dict[str, int]  #: bytes of each of :data:`~ignite_amp.memory_plan.plan.KINDS` at that moment
+    flops: Optional[int] = None  #: FLOPs of the step (``ignite_amp.memory_plan.flops``)
 
 
 @dataclasses.dataclass
@@ -143,7 +144,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
                     batch: Any, batch_sizes: Sequence[int] = (1, 8, 32), memory: Union[None, int, str] = None,
                     margin: float = DEFAULT_MARGIN, device: Union[str, torch.device] = "auto",
                     fit: bool = True, progress: Optional[Callable[[StepPeak], None]] = None,
-                    checkpoint: Sequence[str] = (),
+                    checkpoint: Union[Sequence[str], Dict[str, str]] = (),
                     **step_kwargs: Any) -> MemoryPlan:
     """The peak memory of one training step of this model, optimizer and step settings, per batch size.
 
@@ -163,8 +164,8 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             backward fails).
         fit: with a memory, trace further sizes to find :attr:`~ignite_amp.memory_plan.plan.MemoryPlan.largest_fit`.
         progress: called with each :class:`~ignite_amp.memory_plan.plan.StepPeak` as it is traced.
-        checkpoint: module paths of blocks planned as checkpointed (on the copy; see
-            :func:`~ignite_amp.memory_plan.auto_checkpoint.checkpoint_to_fit`).
+        checkpoint: module paths of blocks planned as checkpointed, or ``{path: "full" | "selective"}`` (on the
+            copy; see :func:`~ignite_amp.memory_plan.auto_checkpoint.checkpoint_to_fit`).
         step_kwargs: :func:`~ignite_amp.create_amp_trainer`'s arguments (``dtype``, ``accumulation_steps``,
             ``micro_batches``, ``activation_checkpointing``, ``channels_last``, ``fp32_modules``, ``float8_recipe``,
             ``prepare_batch``, ``model_fn``, ...); ``compile`` is planned as off.

@@ -119,9 +119,10 @@ def checkpoint_activations(cfg: dict, model: torch.nn.Module, device: torch.devi
                               fsdp_all_gather=cfg["distributed"]["strategy"] == "fsdp" and is_distributed())
         except ValueError as exc:
             raise ConfigError(f"amp: {exc}") from None
-    if amp["activation_checkpointing"] is True:  # auto: once the optimizer is built (ignite_amp.run.plan)
+    if amp["activation_checkpointing"] in (True, "selective"):  # auto: once the optimizer is built (run.plan)
         try:
-            checkpoint_blocks(model, cfg["distributed"]["blocks"] or None)
+            checkpoint_blocks(model, cfg["distributed"]["blocks"] or None,
+                              "selective" if amp["activation_checkpointing"] == "selective" else "full")
         except ValueError as exc:
             raise ConfigError(f"distributed.{exc}") from None
 

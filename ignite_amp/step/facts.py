@@ -13,7 +13,7 @@ import ignite
 import ignite.distributed as idist
 import torch
 
-from ignite_amp.transforms.activation_checkpointing import checkpointed_blocks, describe_blocks
+from ignite_amp.transforms.activation_checkpointing import checkpoint_policies, describe_blocks
 from ignite_amp.core.collectives import unwrap
 from ignite_amp.core.device import auto_dtype_reason, describe_device, dtype_name
 from ignite_amp.version import __version__
@@ -47,12 +47,14 @@ def step_facts(step: Any) -> Dict[str, Any]:
 
     ``init_scale`` is the GradScaler's scale at the time of the call (its ``init_scale`` on a
     fresh run, the checkpoint's on a resume); None without a scaler. ``checkpointed_blocks``: the
-    blocks under activation checkpointing, in short (``blocks.0-5``), or ``none``.
+    blocks under activation checkpointing, in short (``blocks.0-5``; ``blocks.0-5 (selective)``), or ``none``.
     """
     scaler = step.scaler.is_enabled()
     world = idist.get_world_size()
     sharded = hasattr(step.model, "set_requires_gradient_sync")  # FSDP2 (fully_shard)
-    checkpointed = checkpointed_blocks(unwrap(step.model))
+    policies = checkpoint_policies(unwrap(step.model))
+    checkpointed = list(policies)
+    selective = [name for name, policy in policies.items() if policy == "selective"]
     float8 = step.float8.facts() if getattr(step, "float8", None) is not None else {}
     return {
         "dtype": dtype_name(step.dtype),
@@ -65,7 +67,9 @@ def step_facts(step: Any) -> Dict[str, Any]:
         "micro_batches": step.micro_batches,
         "accumulation_steps": step.accumulation_steps,
         "activation_checkpointing": bool(checkpointed),
-        "checkpointed_blocks": describe_blocks(checkpointed) or "none",
+        "checkpointed_blocks": (describe_blocks(checkpointed) or "none") + (
+            " (selective)" if selective == checkpointed and selective else
+            f" (selective: {describe_blocks(selective)})" if selective else ""),
         **float8,
         "torch": str(torch.__version__),  # a str subclass: plain str for the HParams plugin
         "ignite": str(ignite.__version__),

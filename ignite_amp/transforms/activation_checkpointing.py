@@ -7,6 +7,12 @@ a checkpoint of the model loads with or without it). The backward runs each bloc
 (dropout draws the same masks), so gradients are those of the model without it; BatchNorm layers
 update their running statistics once, in the forward, as without it.
 
+Two policies: ``"full"`` (``activation_checkpointing=True``) recomputes every op of a block; ``"selective"``
+(``activation_checkpointing="selective"``) keeps the outputs of the ops costly to recompute, :data:`SAVED_OPS`
+(matmuls, convolutions, attention), and recomputes only the rest (norms, activations, dropout, additions), through
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (as torchtitan's selective checkpointing): more
+memory than full, far less recompute.
+
 Order of the model transforms (as torchtitan): float8 conversion, then activation checkpointing,
 then FSDP2 sharding (:func:`ignite_amp.transforms.sharding.shard_model`) and ``torch.compile``: checkpointing
 wraps the blocks' forwards as they will compute, and sharding and compile then see the wrapped
@@ -18,14 +24,41 @@ import warnings
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.transforms.blocks import block_names
 
-__all__ = ["checkpoint_blocks", "checkpoint_modules", "checkpointed_blocks", "describe_blocks"]
+__all__ = ["checkpoint_blocks", "checkpoint_modules", "checkpointed_blocks", "checkpoint_policies", "describe_blocks",
+           "POLICIES", "SAVED_OPS"]
 
-_MARK = "_ignite_amp_checkpointed"
+_MARK = "_ignite_amp_checkpointed"  # the block's policy
+#: The checkpointing policies: every op of a block recomputed, or all but :data:`SAVED_OPS`.
+POLICIES = ("full", "selective")
+#: The ops (``torch.ops.aten`` names, every overload) whose outputs ``"selective"`` checkpointing keeps for the
+#: backward: those whose recompute costs the most per byte kept. The rest of a block is recomputed.
+SAVED_OPS = (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",  # matmuls: nn.Linear, attention's products, float8's matmul
+    "convolution", "_convolution", "cudnn_convolution", "convolution_overrideable",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+    "max",  # float8's scales are absolute maxima (a scalar each; torchtitan keeps them too)
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_packets() -> frozenset:
+    return frozenset(getattr(torch.ops.aten, name) for name in SAVED_OPS if hasattr(torch.ops.aten, name))
+
+
+def _save_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective policy: keep the outputs of :data:`SAVED_OPS`, recompute the rest. MUST_SAVE: compile keeps
+    them too."""
+    if getattr(op, "overloadpacket", None) in _saved_packets():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextlib.contextmanager
@@ -43,23 +76,41 @@ def _running_stats_kept(block: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def _contexts(block: nn.Module) -> tuple:
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def _contexts(block: nn.Module, policy: str) -> tuple:
     """The forward's context and the recompute's (``checkpoint``'s ``context_fn``)."""
+    if policy == "selective":  # the forward keeps SAVED_OPS' outputs; the recompute reads them back
+        forward, recompute = create_selective_checkpoint_contexts(_save_costly)
+        return forward, _both(_running_stats_kept(block), recompute)  # the statistics kept outside the replay
     return contextlib.nullcontext(), _running_stats_kept(block)
 
 
-def _checkpointed_forward(block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_forward(block: nn.Module, forward: Callable, policy: str, *args: Any, **kwargs: Any) -> Any:
     # Non-reentrant: any inputs (keyword ones, inputs that need no grad), nesting, and autograd hooks work.
     if torch.compiler.is_compiling():
         # Traced: AOTAutograd's recompute replays no buffer update (they are functionalized into the forward's
         # graph), so no context is needed, and a context or any state kept outside the block would stop dynamo
-        # from capturing the checkpoint ("HOP: Unsafe side effect"): the whole model would run eager.
+        # from capturing the checkpoint ("HOP: Unsafe side effect"): the whole model would run eager. Selective:
+        # torch's own contexts, which compile reads as the partitioner's save/recompute marks.
+        if policy == "selective":
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_costly)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
-                                             context_fn=functools.partial(_contexts, block), **kwargs)
+                                             context_fn=functools.partial(_contexts, block, policy), **kwargs)
 
 
-def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> List[str]:
+def _check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"Argument policy should be one of {', '.join(POLICIES)}, got {policy!r}.")
+    return policy
+
+
+def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None, policy: str = "full") -> List[str]:
     """Run each block of ``model`` (its repeated children: ``ignite_amp.transforms.blocks.block_names``) under activation checkpointing.
 
     In place, before sharding and compile; calling it again leaves checkpointed blocks as they are.
@@ -68,6 +119,8 @@ def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) 
     Args:
         model: the model (unwrapped: not DDP, not sharded).
         blocks: class names of the blocks (default: the repeated blocks, as FSDP2's sharding).
+        policy: ``"full"`` (recompute every op of a block) or ``"selective"`` (keep the outputs of ``SAVED_OPS``:
+            matmuls, convolutions, attention).
 
     Returns:
         The module paths of the checkpointed blocks.
@@ -76,34 +129,44 @@ def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) 
         >>> import torch
         >>> from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
-        >>> checkpoint_blocks(model)
+        >>> checkpoint_blocks(model, policy="selective")
         ['0', '1', '2']
+        >>> checkpoint_policies(model)
+        {'0': 'selective', '1': 'selective', '2': 'selective'}
     """
+    _check_policy(policy)
     names = block_names(model, blocks)
     if not names:
         warnings.warn(f"activation checkpointing: {type(model).__name__} has no repeated blocks (two or more "
                       f"children in a row of one class in a ModuleList or Sequential); nothing is checkpointed; name its block "
                       f"classes (distributed.blocks, or checkpoint_blocks(model, blocks=[...]))", UserWarning,
                       stacklevel=2)
-    return checkpoint_modules(model, names)
+    return checkpoint_modules(model, names, policy)
 
 
-def checkpoint_modules(model: nn.Module, names: Sequence[str]) -> List[str]:
+def checkpoint_modules(model: nn.Module, names: Sequence[str], policy: str = "full") -> List[str]:
     """Run the submodules of ``model`` at the module paths ``names`` under activation checkpointing, in place
     (those checkpointed already stay as they are): :func:`checkpoint_blocks` on chosen blocks, as
-    ``activation_checkpointing: auto`` chooses them (:mod:`ignite_amp.memory_plan.auto_checkpoint`). Returns ``names``."""
+    ``activation_checkpointing: auto`` chooses them (:mod:`ignite_amp.memory_plan.auto_checkpoint`), with ``policy``
+    (one of :data:`POLICIES`). Returns ``names``."""
+    _check_policy(policy)
     names = list(names)
     for name in names:
         module = model.get_submodule(name)
         if not getattr(module, _MARK, False):
-            module.forward = functools.partial(_checkpointed_forward, module, module.forward)
-            setattr(module, _MARK, True)
+            module.forward = functools.partial(_checkpointed_forward, module, module.forward, policy)
+            setattr(module, _MARK, policy)
     return names
 
 
 def checkpointed_blocks(model: nn.Module) -> List[str]:
     """The module paths of ``model``'s blocks that :func:`checkpoint_blocks` checkpointed."""
-    return [name for name, module in model.named_modules() if getattr(module, _MARK, False)]
+    return list(checkpoint_policies(model))
+
+
+def checkpoint_policies(model: nn.Module) -> dict:
+    """``{module path: policy}`` of ``model``'s checkpointed blocks, in module order."""
+    return {name: getattr(module, _MARK) for name, module in model.named_modules() if getattr(module, _MARK, False)}
 
 
 def describe_blocks(names: Sequence[str]) -> str:

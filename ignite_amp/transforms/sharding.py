@@ -63,7 +63,7 @@ def check_shardable(model: nn.Module, blocks: Optional[Sequence[str]] = None,
 def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
                 blocks: Optional[Sequence[str]] = None, reshard_after_forward: bool = True,
                 fp32_modules: Iterable[str] = (), device: Union[str, torch.device, None] = None,
-                activation_checkpointing: bool = False) -> nn.Module:
+                activation_checkpointing: Union[bool, str] = False) -> nn.Module:
     """Shard ``model`` over the process group with FSDP2 and return it (sharded in place).
 
     Call it inside a process group (``torchrun``, ``idist.Parallel``) before building the optimizer
@@ -81,11 +81,15 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
             layers always are (their running statistics are float32).
         device: where the model goes first (default: ``idist.device()``).
         activation_checkpointing: checkpoint the same blocks first
-            (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`): they keep only their inputs for the backward.
+            (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`): they keep only their inputs for the backward
+            (``"selective"``: their matmuls', convolutions' and attention's outputs too).
     """
     import ignite.distributed as idist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if activation_checkpointing not in (False, True, "selective"):
+        raise ValueError(f"Argument activation_checkpointing should be True, False or 'selective', got "
+                         f"{activation_checkpointing!r}.")
     device = torch.device(device) if device is not None else idist.device()
     dtype = resolve_dtype(dtype, device)
     if is_sharded(model):
@@ -95,7 +99,7 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
     full_precision = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     units = check_shardable(model, blocks, fp32_modules)  # before any fully_shard: it renames the classes
     if activation_checkpointing:  # before sharding (see ignite_amp.transforms.activation_checkpointing for the order)
-        checkpoint_blocks(model, blocks)
+        checkpoint_blocks(model, blocks, "selective" if activation_checkpointing == "selective" else "full")
     fp32 = set(fp32_modules)
     if policy.param_dtype is not None:  # BatchNorm computes with float32 running statistics: float32 parameters
         fp32.update(name for name, m in model.named_modules() if isinstance(m, _BatchNorm))

@@ -278,3 +278,19 @@ def test_section_b_reads_an_interval_and_a_verdict_from_its_rounds(monkeypatch):
     assert verdict_of(*ratio_interval(slower, hand)[1:], 1.01) is False
     noisy = [h * (0.8 if i % 2 else 1.22) for i, h in enumerate(hand)]  # +-20% a round: can't tell 1%
     assert verdict_of(*ratio_interval(noisy, hand)[1:], 1.01) == "inconclusive"
+
+
+def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
+    """Issue 52: none, selective and full on section h's models (CPU stand-ins); auto needs measured GPU peaks."""
+    assert "s_checkpointing_policies" in [s.key for s in suite.OPT_IN]
+    assert "s_checkpointing_policies" not in [s.key for s in suite.SECTIONS]
+    from gpu_sections.activation_checkpointing import checkpointing_policies
+
+    ctx = suite.Context("s_checkpointing_policies", "s", smoke=True, cuda=False, budget_s=120,
+                        path=str(tmp_path / "m.json"), workdir=str(tmp_path))
+    checkpointing_policies(ctx)
+    rows = ctx.result["tables"][0]["rows"]
+    assert [(r["checkpointing"], r.get("blocks")) for r in rows] == [
+        (False, 0), ("selective", 2), (True, 2), ("auto", None), (False, 0), ("selective", 8), (True, 8)]
+    assert rows[3]["status"].startswith("skipped: needs CUDA") and all(r["step_ms"] > 0 for r in rows if "step_ms" in r)
+    assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"] * 3

@@ -1,4 +1,7 @@
-"""activation_checkpointing auto: the fewest blocks that make the planned step fit; the block rule's runs."""
+"""activation_checkpointing auto: the cheapest choice (none, selective, full on some blocks) that makes the planned
+step fit, priced in memory and recompute FLOPs; the block rule's runs."""
+import json
+
 import pytest
 import torch
 import yaml
@@ -7,10 +10,11 @@ from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan.auto_checkpoint as auto_checkpoint
 from ignite_amp import create_amp_trainer, load_config
-from ignite_amp.memory_plan.auto_checkpoint import checkpoint_to_fit
+from ignite_amp.memory_plan.auto_checkpoint import _ladder, checkpoint_to_fit
+from ignite_amp.memory_plan.choices import OptionPlanner
+from ignite_amp.step.facts import step_facts
 from ignite_amp.transforms.blocks import block_names
-from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
-from ignite_amp.memory_plan.plan import estimate_memory
+from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpoint_policies, checkpointed_blocks
 
 from conftest import assert_doctests_pass, tiny_config
 
@@ -68,38 +72,79 @@ class _no_warning:
         assert not [w for w in self.seen if "activation checkpointing" in str(w.message)]
 
 
+class GeluBlock(Block):
+    """GELU keeps its input for the backward, the next Linear its output: selective checkpointing saves the latter."""
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def gelu_blocks():
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), *[GeluBlock() for _ in range(6)], nn.LayerNorm(64),
+                         nn.Linear(64, 10))
+
+
+def fit(memory, model=None):
+    model = model or gelu_blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, checkpoint_to_fit(model, opt, cross_entropy, features, 512, memory=int(memory / 0.85), device="cpu",
+                                    dtype="float32")
+
+
 @pytest.fixture(scope="module")
-def peaks():
-    """The planned peak at batch 512 with the first k blocks checkpointed, k = 0..6."""
-    model = stem_blocks_head()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    names = block_names(model)
-    return {k: estimate_memory(model, opt, cross_entropy, features, [512], device="cpu", dtype="float32", fit=False,
-                               checkpoint=names[:k]).peaks[0].peak for k in (0, 2, 3, 6)}
+def planner():
+    """The choices at batch 512, each traced once."""
+    model = gelu_blocks()
+    return OptionPlanner(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, features, 512,
+                         device="cpu", dtype="float32")
 
 
-def test_auto_checkpoints_the_fewest_blocks_that_fit(peaks):
-    assert peaks[0] > peaks[2] > peaks[3] > peaks[6]
-    memory = (peaks[2] + peaks[3]) / 2 / 0.85  # 3 blocks fit, 2 do not
-    model = stem_blocks_head()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    choice = checkpoint_to_fit(model, opt, cross_entropy, features, 512, memory=int(memory), device="cpu",
-                               dtype="float32")
-    assert choice.checkpointed == ["2", "3", "4"] == checkpointed_blocks(model) and choice.fits
-    assert choice.peak == peaks[3] and choice.peak_without == peaks[0]
-    assert "3 of 6 blocks (2-4)" in choice.line()
-    # create_amp_trainer keeps them; with enough memory none; with too little all, and the line says so.
-    create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32")
-    assert checkpointed_blocks(model) == ["2", "3", "4"]
-    roomy = checkpoint_to_fit(model, opt, cross_entropy, features, 512, memory=2 * peaks[0], device="cpu",
-                              dtype="float32")
-    assert roomy.checkpointed == [] and "none of 3 blocks needed" in roomy.line()  # 3 left unchecked
-    small = stem_blocks_head()
-    tight = checkpoint_to_fit(small, torch.optim.SGD(small.parameters(), lr=0.1), cross_entropy, features, 512,
-                              memory=peaks[6] // 2, device="cpu", dtype="float32")
-    assert len(tight.checkpointed) == 6 and not tight.fits and "does not fit even so" in tight.line()
+def test_the_choices_price_memory_and_recompute(planner):
+    none, selective, full = planner(0, 0), planner(0, 6), planner(6, 0)
+    assert none.peak > selective.peak > full.peak
+    assert none.recompute == 0 and 0 < selective.recompute < 0.01 < 0.1 < full.recompute < 0.5
+    assert [planner(0, k).peak for k in range(7)] == sorted((planner(0, k).peak for k in range(7)), reverse=True)
+    # selective saves more per FLOP than going on to full: selective on 1..6 blocks, then full on 1..6 of them
+    assert _ladder(planner) == [(0, k) for k in range(7)] + [(k, 6 - k) for k in range(1, 7)]
+    assert planner(2, 4).name == "full 2 + selective 4/6" and planner(0, 0).name == "none"
+
+
+def test_auto_takes_the_cheapest_choice_that_fits(planner):
+    # Between selective on 2 and on 3 blocks: selective on the first 3, a fraction of a percent of recompute.
+    model, choice = fit((planner(0, 2).peak + planner(0, 3).peak) / 2)
+    assert checkpoint_policies(model) == dict.fromkeys(["2", "3", "4"], "selective") and choice.fits
+    assert choice.peak == planner(0, 3).peak and choice.peak_without == planner(0, 0).peak
+    assert choice.recompute == planner(0, 3).recompute < 0.01
+    assert "selective on 3 of 6 blocks (selective: 2-4): planned peak" in choice.line()
+    # Below all selective: the first blocks full, the rest selective; cheaper than full on all of them.
+    model, choice = fit((planner(1, 5).peak + planner(2, 4).peak) / 2)
+    assert checkpoint_policies(model) == {"2": "full", "3": "full", **dict.fromkeys(["4", "5", "6", "7"], "selective")}
+    assert choice.fits and choice.recompute == planner(2, 4).recompute < planner(6, 0).recompute
+    assert "full on 2 and selective on 4 of 6 blocks (full: 2-3; selective: 4-7)" in choice.line()
+    assert "| full 2 + selective 4/6 (chosen) |" in "\n".join(choice.lines())
+    # create_amp_trainer keeps them; with enough memory none; with too little all full, and the line says so.
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float32")
+    assert checkpointed_blocks(model) == [str(i) for i in range(2, 8)]
+    assert step_facts(trainer.amp_step)["checkpointed_blocks"] == "2-7 (selective: 4-7)"
+    model, roomy = fit(2 * planner(0, 0).peak)
+    assert roomy.checkpointed == [] and "none of 6 blocks needed" in roomy.line()
+    model, tight = fit(planner(6, 0).peak // 2)
+    assert set(checkpoint_policies(model).values()) == {"full"} and len(tight.checkpointed) == 6
+    assert not tight.fits and "does not fit even so" in tight.line()
     with pytest.raises(ValueError, match="checkpoint_to_fit"):
-        create_amp_trainer(small, opt, cross_entropy, device="cpu", activation_checkpointing="auto")
+        create_amp_trainer(gelu_blocks(), torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                           activation_checkpointing="auto")
+
+
+def test_a_model_whose_selective_checkpointing_saves_nothing_gets_full(planner):
+    """ReLU keeps its output, which the next Linear needs anyway: selective keeps more than none (the Linears'
+    outputs), so the ladder is full checkpointing alone."""
+    model = stem_blocks_head()
+    relu = OptionPlanner(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, features, 512,
+                         device="cpu", dtype="float32")
+    assert relu(0, 6).peak >= relu(0, 0).peak
+    assert _ladder(relu) == [(k, 0) for k in range(7)]
 
 
 def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the_blocks(tmp_path, capsys):
@@ -108,7 +153,7 @@ def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the
 
     cfg = tiny_config(tmp_path, amp={"dtype": "bfloat16", "activation_checkpointing": "auto"})
     assert load_config(cfg)["amp"]["activation_checkpointing"] == "auto"
-    with pytest.raises(ValueError, match="amp.activation_checkpointing: expected true or false or auto, got \"some\""):
+    with pytest.raises(ValueError, match="amp.activation_checkpointing: expected true or false or auto or selective, got \"some\""):
         load_config(tiny_config(tmp_path, amp={"activation_checkpointing": "some"}))
     lines = []
     run = build_run(cfg, print_fn=lines.append)
@@ -123,7 +168,22 @@ def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the
     peak = float(full.split("| 32 | ")[1].split(" MiB")[0]) * 2 ** 20
     assert main(["plan", str(path), "--batch-sizes", "32", "--memory", str(int(peak * 0.9 / 0.85))]) == 0
     out = capsys.readouterr().out
-    assert "activation checkpointing auto: 1 of 4 blocks (0): planned peak" in out, out
+    assert "activation checkpointing auto: selective on 1 of 4 blocks (selective: 0): planned peak" in out, out
+    assert "recompute 0.40% of the step's FLOPs" in out, out
+    # and the table of the choices, which --checkpointing shows for any config (and --json writes)
+    assert "activation checkpointing choices at batch 32" in out, out
+    table = out[out.index("activation checkpointing choices at batch 32"):].splitlines()
+    assert [row.split(" | ")[0] for row in table[3:]] == ["| none", "| selective 1/4", "| selective 2/4",
+                                                          "| selective 3/4", "| selective 4/4", "| full 1/4",
+                                                          "| full 2/4", "| full 3/4", "| full 4/4"], table
+    assert table[3].endswith("| 0.0% | no |") and table[-1].endswith("| yes |")
+    cfg["amp"]["activation_checkpointing"] = False
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(path), "--batch-sizes", "32", "--checkpointing", "--json", str(tmp_path / "p.json")]) == 0
+    options = json.load(open(tmp_path / "p.json"))["checkpoint_options"]
+    assert [(o["full"], o["selective"]) for o in options][::4] == [(0, 0), (0, 4), (4, 0)]
+    assert options[-1]["recompute"] > 0.1 and options[-1]["peak"] < options[0]["peak"]
+    cfg["amp"]["activation_checkpointing"] = "auto"
     cfg["data"]["batch_size"] = "auto"
     with pytest.raises(ValueError, match="auto fits the blocks to data.batch_size, which is auto too"):
         build_run(cfg, print_fn=lines.append)

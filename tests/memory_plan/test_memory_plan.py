@@ -11,6 +11,7 @@ from ignite_amp import create_amp_trainer
 from ignite_amp.batch_search import MemoryMeter
 from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer
 from ignite_amp.memory_plan.plan import estimate_memory, parse_bytes
+from ignite_amp.models import small_cnn
 
 from conftest import assert_doctests_pass
 
@@ -78,6 +79,9 @@ CASES = {
     "cnn": (cnn, images, 8, {"dtype": "bfloat16", "channels_last": True}),
     "transformer": (Transformer, tokens, 8, {"dtype": "bfloat16"}),
     "transformer, checkpointed": (Transformer, tokens, 8, {"dtype": "bfloat16", "activation_checkpointing": True}),
+    "transformer, selective": (Transformer, tokens, 8, {"dtype": "bfloat16", "activation_checkpointing": "selective"}),
+    "small cnn, selective, float32": (lambda: small_cnn(10, 8), images, 8,
+                                      {"dtype": "float32", "activation_checkpointing": "selective"}),
     "transformer, 4 micro-batches, float16": (Transformer, tokens, 8, {"dtype": "float16", "micro_batches": 4}),
     "transformer, accumulation 2": (Transformer, tokens, 8, {"dtype": "bfloat16", "accumulation_steps": 2}),
     "float8 (emulated)": (mlp, features, 16, {"dtype": "float8"}),
@@ -114,12 +118,14 @@ def transformer_plans():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return {name: estimate_memory(model, opt, cross_entropy, tokens, [16], device="cpu", dtype="bfloat16", **kw)
             for name, kw in {"plain": {}, "checkpointed": {"activation_checkpointing": True},
+                             "selective": {"activation_checkpointing": "selective"},
                              "micro": {"micro_batches": 4}}.items()}
 
 
 def test_checkpointing_and_micro_batches_lower_the_planned_activations(transformer_plans):
     act = {name: plan.peaks[0].kinds["activations"] for name, plan in transformer_plans.items()}
     assert act["checkpointed"] < act["plain"] / 2 and act["micro"] < act["plain"] / 2
+    assert act["checkpointed"] < act["selective"] < act["plain"]  # selective keeps the matmuls' outputs
     assert transformer_plans["checkpointed"].checkpointed == ["layers.0", "layers.1", "layers.2"]
     lines = "\n".join(transformer_plans["plain"].lines())
     assert "| 16 |" in lines and "not counted: the CUDA caching allocator" in lines

@@ -205,7 +205,7 @@ def test_blocks_checkpointed_already_stay_as_they_are_and_bad_arguments():
     train(model, True, batches(1))  # the factory keeps the user's choice
     kept = checkpointed_blocks(model)
     assert kept[:3] == ["inp", "head", "blocks.0.fc1"] and "blocks.0" not in kept
-    with pytest.raises(ValueError, match="Argument activation_checkpointing should be true or false or auto, got 'yes'"):
+    with pytest.raises(ValueError, match="Argument activation_checkpointing should be true or false or auto or selective, got 'yes'"):
         train(net(), "yes", batches(1))
     with pytest.raises(ValueError, match="blocks: the model has no submodule of class 'Layer'"):
         checkpoint_blocks(net(), ["Layer"])
@@ -332,11 +332,12 @@ def _ranks(rank, out):
         train(torch.nn.parallel.DistributedDataParallel(model), checkpointing, data, **options)
         ddp[checkpointing] = model
     sharded = {}
-    for checkpointing in (False, True):
+    for checkpointing in (False, True, "selective"):  # selective (issue 52): FSDP2 gathers for its recompute too
         model = shard_model(net(), "float32", device="cpu", activation_checkpointing=checkpointing)
         train(model, checkpointing, data, **options)  # the factory keeps shard_model's blocks
         sharded[checkpointing] = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    fsdp = max(float((sharded[True][k] - v).abs().max() / v.abs().max()) for k, v in sharded[False].items())
+    fsdp = max(float((sharded[on][k] - v).abs().max() / v.abs().max()) for k, v in sharded[False].items()
+               for on in (True, "selective"))
     try:
         train(shard_model(net(), "float32", device="cpu"), True, data)
         refused = None
