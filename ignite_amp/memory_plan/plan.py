@@ -197,10 +197,10 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
 
     def trace(n: int) -> StepPeak:
         if n not in traced:
-            peak, kinds = tracer.trace(n)
+            peak, kinds, flops = tracer.trace(n)
             if libraries:
                 peak, kinds = peak + libraries, {**kinds, LIBRARIES: libraries}
-            traced[n] = StepPeak(n, peak, kinds)
+            traced[n] = StepPeak(n, peak, kinds, flops)
             if progress is not None:
                 progress(traced[n])
         return traced[n]
