@@ -131,13 +131,16 @@ class BatchChunks:
                 part, weight = loss.detach() * share, share / self.cycle_length
         else:
             weights = self.weights
-            weight = count / weights.item_ref if weights.by_items else 1
-            part = loss.detach() * count
-            # A chunk of padding only has no mean (0/0): it adds nothing to the batch's.
+            # A chunk that counts no items weighs as one: a loss divided by count.clamp(min=1) (a focal loss over
+            # the positives, on background-only images) still has a gradient there, and the cycle divides by the
+            # items it counted; a padding-only mean (0/0, no gradient) adds nothing either way.
+            least = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+            weight = least / weights.item_ref if weights.by_items else 1
+            part = loss.detach() * least
             if torch.is_tensor(count):
-                part = torch.where(count > 0, part, torch.zeros_like(part))
-            elif count == 0:
-                part = torch.zeros_like(part)
+                part = torch.where((count > 0) | torch.isfinite(part), part, torch.zeros_like(part))
+            elif count == 0:  # (no host read: the loss stays on its device)
+                part = torch.where(torch.isfinite(part), part, torch.zeros_like(part))
             self.items = self.items + count
         self.total = part if self.total is None else self.total + part
         return weight

@@ -356,14 +356,15 @@ def test_the_flop_count_leaves_out_the_split_check():
         trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
                                      dtype="float32", micro_batches=2, check_split=check)
         trainer.amp_step.count_flops()
-        trainer.run(noisy_batches(count=2), max_epochs=1)
+        trainer.run(noisy_batches(count=5), max_epochs=1)  # checked on the first 3: counted on the 4th
         return trainer.amp_step.flops_per_sample
 
     assert flops(True) == flops(False) > 0
 
 
 def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_differently():
-    """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off)."""
+    """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off).
+    Chunks padded as the batch is ([32, 40] and [32, 40]) are exact."""
     from test_third_party import detection_prepare, tiny_detector
 
     def run(sizes):
@@ -374,5 +375,6 @@ def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_di
                      prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x))
 
     assert run([32, 32, 32, 32]).amp_step._split_check.last < 1e-5
+    assert run([32, 40, 32, 40]).amp_step._split_check.last < 1e-4  # float32 rounding of a larger part
     with pytest.raises(SplitCheckError, match="padded to the chunk's largest one, as torchvision detection"):
-        run([32, 40, 32, 40])
+        run([32, 32, 40, 40])

@@ -1,0 +1,136 @@
+"""The split check, round 2 (issue 49): inconclusive is not a pass, enough of the data is seen, 0-item chunks,
+batchmean, a batch the check cannot cut, randomness and state held still, the diagnosis of two means."""
+import copy
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import hand_loop
+from ignite_amp import create_amp_trainer
+from ignite_amp.errors import SplitCheckError
+from ignite_amp.split_check.check import REPEATS, TRIES
+
+
+def trainer_for(model, loss_fn, micro_batches=2, **kwargs):
+    return create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device="cpu",
+                              dtype="float32", micro_batches=micro_batches, **kwargs)
+
+
+def one_line(info):
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("split check: "), text
+    return text
+
+
+def assert_same_weights(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- 1. an inconclusive check is tried again ---------------------------------------------------------------------
+def hinge(z, y):
+    """A margin between each sample and its nearest other sample: pairs met across the chunks."""
+    return F.relu(0.5 - (torch.cdist(z, z) + 1e9 * torch.eye(len(z)))).sum(1).mean()
+
+
+def test_pairs_split_across_the_chunks_are_seen_not_taken_for_a_pass():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g) * 100
+    x = torch.cat([x, x + 0.01])  # sample i pairs with sample i + 4: each chunk alone has a zero loss
+    torch.manual_seed(0)
+    with pytest.raises(SplitCheckError, match="rows interact") as info:
+        trainer_for(nn.Linear(4, 4), hinge).run([(x, torch.arange(8))])
+    one_line(info)
+
+
+def test_a_zero_gradient_is_inconclusive_and_the_next_batch_is_checked():
+    total = lambda out, y: F.relu(out - y).sum()  # noqa: E731  (a sum, with a zero gradient while out < y)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, generator=g)
+    met, unmet = torch.full((6, 2), 1e3), torch.full((6, 2), -1e3)
+    trainer = trainer_for(nn.Linear(3, 2), total, check_split=True)
+    with pytest.raises(SplitCheckError, match="so the loss is a sum"):
+        trainer.run([(x, met), (x, unmet)])
+    assert trainer.state.iteration == 2  # the first batch was inconclusive, the second decided
+
+
+def test_a_loss_that_never_gives_a_gradient_is_said_unchecked(caplog):
+    zero = lambda out, y: (out * 0).sum() / len(out)  # noqa: E731
+    trainer = trainer_for(nn.Linear(3, 2), zero)
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        trainer.run([(torch.ones(4, 3), None)] * (TRIES + 2))
+    assert [r.getMessage() for r in caplog.records if "inconclusive" in r.getMessage()] == [
+        f"split check: inconclusive on {TRIES} batches (the part's gradient was zero, tiny or not finite each "
+        f"time): the weighting of the chunks is not checked"]
+    assert trainer.amp_step._split_check.tries == TRIES
+
+
+# -- 2. more samples, on a few batches ---------------------------------------------------------------------------
+def test_class_weighted_cross_entropy_is_stopped_with_its_count_and_exact_with_it():
+    crit = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0]))
+    torch.manual_seed(0)
+    model = nn.Linear(10, 2)
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0])
+    with pytest.raises(SplitCheckError, match=re.escape("num_items=lambda x, y: weight[y].sum() (weight: the loss's "
+                                                        "class weights) fits")) as info:
+        trainer_for(copy.deepcopy(model), crit).run([(x, y)])
+    one_line(info)
+    counted, reference = copy.deepcopy(model), copy.deepcopy(model)
+    trainer_for(counted, crit, num_items=lambda x, y: crit.weight[y].sum()).run([(x, y)])
+    hand_loop(reference, [(x, y)], lambda m, b: crit(m(b[0]), b[1]))
+    assert_same_weights(counted, reference)
+
+
+def test_the_check_is_repeated_on_the_first_batches():
+    """The first batch's pieces happen to hold the same class weight: the next batch's do not."""
+    crit = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0]))
+    g = torch.Generator().manual_seed(1)
+    even, uneven = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 1, 1, 1])
+    trainer = trainer_for(nn.Linear(10, 2), crit)
+    with pytest.raises(SplitCheckError, match=re.escape("weight[y].sum()")):
+        trainer.run([(torch.randn(4, 10, generator=g), even), (torch.randn(4, 10, generator=g), uneven)])
+    assert trainer.state.iteration == 2
+
+
+def test_a_mean_is_checked_on_a_few_batches_then_left_alone():
+    calls = []
+
+    def mean(out, y):
+        calls.append(len(out))
+        return F.cross_entropy(out, y)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(REPEATS + 2)]
+    trainer = trainer_for(nn.Linear(5, 3), mean)
+    trainer.run(batches)
+    assert trainer.amp_step._split_check.passes == REPEATS
+    # each checked batch: its part (the step's two chunks joined) and the two chunks, then the step's 2 chunks
+    # (the first batch's first chunk doubled too: the step's check for a sum)
+    assert calls == [8, 4, 4, 4, 8, 4] + [8, 4, 4, 4, 4] * (REPEATS - 1) + [4, 4] * 2
+
+
+# -- 3. a chunk that counts no items -----------------------------------------------------------------------------
+def test_a_chunk_without_positives_keeps_its_gradient():
+    """A focal loss normalised by the positives (torchvision's RetinaNet: / max(1, positives)): background-only
+    images have no positive and still push the negatives down."""
+    from torchvision.ops import sigmoid_focal_loss
+
+    focal = lambda p, t: sigmoid_focal_loss(p, t, reduction="sum") / t.sum().clamp(min=1)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g)
+    y = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0], [0.0] * 6, [0.0] * 6])
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    reference, start = copy.deepcopy(model), copy.deepcopy(model)
+    trainer = trainer_for(model, focal, num_items=lambda x, y: y.sum())
+    trainer.run([(x, y)])
+    hand_loop(reference, [(x, y)], lambda m, b: focal(m(b[0]), b[1]))
+    assert_same_weights(model, reference)
+    assert trainer.amp_step._split_check.last < 1e-5  # checked, not skipped
+    with torch.no_grad():  # the batch's loss is the whole batch's too
+        torch.testing.assert_close(trainer.amp_step.loss, focal(start(x), y))
