@@ -2,8 +2,9 @@
 
 - the optimizer holds the model's parameters;
 - the loss is a scalar and a mean (over samples, or over the items ``num_items`` counts): a
-  ``reduction`` attribute or keyword other than ``"mean"`` is refused when the step is built, and
-  a loss that doubles when the first batch is doubled is refused at the first iteration.
+  ``reduction`` attribute or keyword ``"sum"`` or ``"none"`` is refused when the step is built (any other,
+  ``"batchmean"`` included, is judged by the split check), and a loss that doubles when the first batch is
+  doubled is refused at the first iteration.
 """
 import functools
 import logging
@@ -32,14 +33,22 @@ def check_optimizer(optimizer: Any, model: nn.Module) -> None:
                          "model, or before the model was copied?)")
 
 
+#: Reductions that are not a mean, refused when the step is built; any other name (``"mean"``, KLDivLoss's
+#: ``"batchmean"``, a zoo's own) is judged by what the loss does: the split check.
+NOT_A_MEAN = {"sum": "a sum over the samples", "none": "one loss per element, not a scalar"}
+
+
 def check_mean_reduction(loss_fn: Callable) -> None:
-    """Micro-batches and accumulation weight each chunk's loss by its share: they need a mean."""
+    """Micro-batches and accumulation weight each chunk's loss by its share: they need a mean. A reduction that
+    says it is not one is refused here; the rest is judged by its behaviour (the split check)."""
     reduction = getattr(loss_fn, "reduction", None)
     if reduction is None and isinstance(loss_fn, functools.partial):
         reduction = loss_fn.keywords.get("reduction")
-    if reduction is not None and reduction != "mean":
-        raise ValueError(f"loss_fn: reduction={reduction!r}; the step needs a mean-reduced loss (micro-batches "
-                         f"and accumulation weight each chunk's mean by its share of the samples)")
+    if reduction in NOT_A_MEAN:
+        mean = ("reduction='batchmean' (the mean over the samples; 'mean' would also divide by the classes)"
+                if isinstance(loss_fn, nn.KLDivLoss) else "reduction='mean'")
+        raise ValueError(f"loss_fn: reduction={reduction!r} is {NOT_A_MEAN[reduction]}; the step needs a mean "
+                         f"(micro-batches and accumulation weight each chunk's mean by its share): use {mean}")
 
 
 def check_scalar(loss: Any) -> None:

@@ -134,3 +134,26 @@ def test_a_chunk_without_positives_keeps_its_gradient():
     assert trainer.amp_step._split_check.last < 1e-5  # checked, not skipped
     with torch.no_grad():  # the batch's loss is the whole batch's too
         torch.testing.assert_close(trainer.amp_step.loss, focal(start(x), y))
+
+
+# -- 4. batchmean ------------------------------------------------------------------------------------------------
+def test_kl_div_batchmean_is_a_per_sample_mean_and_its_sum_gets_the_right_advice():
+    """Distillation's loss: KLDivLoss(reduction="batchmean") is exact under micro-batches, checked, not refused."""
+    kl = nn.KLDivLoss(reduction="batchmean")
+    loss_fn = lambda out, teacher: kl(F.log_softmax(out, -1), teacher)  # noqa: E731
+    loss_fn.reduction = "batchmean"  # as a wrapper that forwards the attribute would say it
+    g = torch.Generator().manual_seed(0)
+    x, teacher = torch.randn(6, 5, generator=g), torch.softmax(torch.randn(6, 3, generator=g), -1)
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    reference = copy.deepcopy(model)
+    for fn in (kl, loss_fn):  # the module itself takes log-probabilities: a model giving them
+        trainer_for(copy.deepcopy(model), fn)  # built, not refused
+    trainer = trainer_for(model, loss_fn)
+    trainer.run([(x, teacher)])
+    hand_loop(reference, [(x, teacher)], lambda m, b: loss_fn(m(b[0]), b[1]))
+    assert_same_weights(model, reference)
+    assert trainer.amp_step._split_check.last < 1e-5
+    with pytest.raises(ValueError, match=r"reduction='sum' is a sum .* use reduction='batchmean' \(the mean over "
+                                         r"the samples; 'mean' would also divide by the classes\)"):
+        trainer_for(nn.Linear(5, 3), nn.KLDivLoss(reduction="sum"))
