@@ -101,7 +101,9 @@ class Measured:
                 "on the other samples of its chunk (in-batch negatives or pairs, a contrastive or batch-hard loss; "
                 "inputs padded to the chunk's largest one, as torchvision detection pads images of different "
                 "sizes), and micro-batches and accumulation change the objective: use micro_batches=1 and "
-                "accumulation_steps=1 for this loss")
+                "accumulation_steps=1 for this loss; or rows that belong together were cut apart (views of one "
+                "image stacked, as AugMix's JsdCrossEntropy takes them): pass split_batch=fn(x, y, chunks) that "
+                "keeps them together")
 
     def two_means(self) -> str:
         """The loss's terms each fit a weighting but not the same one: two means of different counts."""

@@ -157,3 +157,42 @@ def test_kl_div_batchmean_is_a_per_sample_mean_and_its_sum_gets_the_right_advice
     with pytest.raises(ValueError, match=r"reduction='sum' is a sum .* use reduction='batchmean' \(the mean over "
                                          r"the samples; 'mean' would also divide by the classes\)"):
         trainer_for(nn.Linear(5, 3), nn.KLDivLoss(reduction="sum"))
+
+
+# -- 7. a batch the check cannot cut -----------------------------------------------------------------------------
+def augmix_batch(images, seed=0):
+    """AugMix's batch: three views of each image stacked (clean, then two augmentations), the targets repeated."""
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randn(images, 6, generator=g)
+    x = torch.cat([clean, clean + 0.1 * torch.randn(images, 6, generator=g), clean.flip(1)])
+    return x, torch.randint(0, 3, (images,), generator=g).repeat(3)
+
+
+def by_views(x, y, chunks):
+    """Each chunk the same images of every view, stacked as the loss expects them."""
+    xs, ys = [torch.tensor_split(v, chunks) for v in x.chunk(3)], [torch.tensor_split(v, chunks) for v in y.chunk(3)]
+    return [(torch.cat([v[i] for v in xs]), torch.cat([v[i] for v in ys])) for i in range(chunks)]
+
+
+def test_stacked_views_the_default_cut_breaks_are_one_line_naming_split_batch(caplog):
+    from timm.loss import JsdCrossEntropy
+
+    jsd = JsdCrossEntropy(num_splits=3, smoothing=0.0)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):  # accumulation keeps each batch whole: it trains
+        trainer = trainer_for(copy.deepcopy(model), jsd, micro_batches=1, accumulation_steps=2)
+        trainer.run([augmix_batch(3, seed) for seed in range(4)])
+    said = [r.getMessage() for r in caplog.records if "split check" in r.getMessage()]
+    assert len(said) == 1 and "AssertionError" in said[0] and "split_batch=fn(x, y, chunks)" in said[0], said
+    assert "\n" not in said[0] and trainer.state.iteration == 4
+    with pytest.raises(SplitCheckError, match=r"AssertionError\): the batch cannot be cut there; pass split_batch"
+                       ) as info:  # the step would cut it as the check did
+        trainer_for(copy.deepcopy(model), jsd).run([augmix_batch(3)])
+    one_line(info)
+    cut, reference = copy.deepcopy(model), copy.deepcopy(model)
+    trainer = trainer_for(cut, jsd, split_batch=by_views)
+    trainer.run([augmix_batch(4)])
+    hand_loop(reference, [augmix_batch(4)], lambda m, b: jsd(m(b[0]), b[1]))
+    assert_same_weights(cut, reference)
+    assert trainer.amp_step._split_check.last < 1e-5
