@@ -196,3 +196,92 @@ def test_stacked_views_the_default_cut_breaks_are_one_line_naming_split_batch(ca
     hand_loop(reference, [augmix_batch(4)], lambda m, b: jsd(m(b[0]), b[1]))
     assert_same_weights(cut, reference)
     assert trainer.amp_step._split_check.last < 1e-5
+
+
+# -- 9. randomness held still, or detected -----------------------------------------------------------------------
+class Random(nn.Module):
+    """Every kind of draw the issue found stopped as "rows interact": RReLU, normal(mean, std), normal(0, s, size),
+    poisson, log_normal_, Gamma.rsample, and a NumPy and a Python draw once per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(5, 8), nn.Linear(8, 3), nn.RReLU()
+
+    def forward(self, x):
+        import random
+
+        import numpy
+
+        h = self.act(self.a(x))
+        h = h + torch.normal(h.detach(), 0.1) * 0.01 + torch.normal(0.0, 0.1, h.shape) + torch.poisson(h.detach().abs())
+        h = h * torch.empty_like(h).log_normal_(0.0, 0.1) * torch.distributions.Gamma(h.abs() + 1, 1.0).rsample()
+        return self.b(h) * (1 + numpy.random.rand() + random.random())
+
+
+def test_every_random_operator_and_a_draw_per_forward_raise_no_alarm_and_change_nothing():
+    import random
+
+    import numpy
+
+    torch.manual_seed(0)
+    start = Random()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+    ends = []
+    for check in (True, False):
+        torch.manual_seed(1), numpy.random.seed(1), random.seed(1)
+        model = copy.deepcopy(start)
+        trainer = trainer_for(model, F.cross_entropy, check_split=check)
+        trainer.run(batches)
+        ends.append((model.state_dict(), torch.get_rng_state(), numpy.random.rand(), random.random()))
+        if check:
+            assert trainer.amp_step._split_check.passes == REPEATS
+    (ours, *draws), (theirs, *draws2) = ends
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert torch.equal(draws[0], draws2[0]) and draws[1:] == draws2[1:]
+
+
+class CountsCalls(nn.Module):
+    """A forward that changes its own state: a count of its calls in a buffer, and one in a Python attribute."""
+
+    def __init__(self, in_buffer):
+        super().__init__()
+        self.net, self.in_buffer, self.calls = nn.Linear(5, 3), in_buffer, 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += 1
+        self.calls += 1
+        return self.net(x) * (self.seen if self.in_buffer else self.calls)
+
+
+def test_state_in_buffers_is_held_still_and_state_outside_them_is_detected():
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
+    model = CountsCalls(in_buffer=True)
+    trainer = trainer_for(model, F.cross_entropy)
+    trainer.run([batch] * 2)
+    assert trainer.amp_step._split_check.last < 1e-5 and model.seen.item() == 4  # the step's 4 chunks, not the check's
+    with pytest.raises(SplitCheckError, match="gives another gradient on the same samples at each call") as info:
+        trainer_for(CountsCalls(in_buffer=False), F.cross_entropy).run([batch])
+    assert "rows interact" not in one_line(info) and "num_items" not in str(info.value)
+
+
+# -- 8. a forward that changes the model's state -----------------------------------------------------------------
+def test_legacy_spectral_norm_is_checked_from_its_state_and_left_as_it_was():
+    """torch.nn.utils.spectral_norm runs a power iteration per training forward (GAN discriminators): the check's
+    forwards each start from the state the step's will, and leave weights and buffers as a run without it."""
+    torch.manual_seed(0)
+    start = nn.Sequential(nn.utils.spectral_norm(nn.Linear(5, 8)), nn.LeakyReLU(0.2),
+                          nn.utils.spectral_norm(nn.Linear(8, 1)))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 5, generator=g), torch.rand(6, 1, generator=g)) for _ in range(4)]
+    ends = []
+    for check in (True, False):
+        model = copy.deepcopy(start)
+        trainer = trainer_for(model, F.mse_loss, check_split=check)
+        trainer.run(batches)
+        ends.append(model.state_dict())
+        if check:
+            assert trainer.amp_step._split_check.passes == REPEATS and trainer.amp_step._split_check.last < 1e-4
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[1])
