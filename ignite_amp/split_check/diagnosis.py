@@ -97,13 +97,14 @@ class Measured:
         means = self.two_means()
         if means:
             return means
-        return ("no weighting of the chunks gives the batch's gradient, so its rows interact: a sample's loss depends "
-                "on the other samples of its chunk (in-batch negatives or pairs, a contrastive or batch-hard loss; "
-                "inputs padded to the chunk's largest one, as torchvision detection pads images of different "
-                "sizes), and micro-batches and accumulation change the objective: use micro_batches=1 and "
-                "accumulation_steps=1 for this loss; or rows that belong together were cut apart (views of one "
-                "image stacked, as AugMix's JsdCrossEntropy takes them): pass split_batch=fn(x, y, chunks) that "
-                "keeps them together")
+        return ("no one weighting of the chunks gives the batch's gradient: its rows interact (a sample's loss "
+                "depends on the other samples of its chunk: in-batch negatives or pairs, a contrastive or batch-hard "
+                "loss, inputs padded to the chunk's largest one as torchvision detection pads images of different "
+                "sizes), or it adds means over different counts (a per-sample and a per-token mean in one loss: "
+                "weigh each term inside it), and micro-batches and accumulation change the objective: use "
+                "micro_batches=1 and accumulation_steps=1 for this loss; or rows that belong together were cut "
+                "apart (views of one image stacked, as AugMix's JsdCrossEntropy takes them): pass "
+                "split_batch=fn(x, y, chunks) that keeps them together")
 
     def two_means(self) -> str:
         """The loss's terms each fit a weighting but not the same one: two means of different counts."""
@@ -115,8 +116,7 @@ class Measured:
             if w is None or _residual(w, products) > self.tol or w[0] + w[1] <= 0:
                 return ""  # a term whose rows interact: that is the cause
             found.append((name, w[0] / (w[0] + w[1])))
-        shares_found = sorted({round(s, 2) for _, s in found})
-        if len(shares_found) < 2:
+        if len(found) < 2 or max(s for _, s in found) - min(s for _, s in found) < 0.02:
             return ""
         listed = ", ".join(f"{name} {share:.0%}" for name, share in found)
         return (f"the loss adds means over different counts: each of its terms is a mean, but the first chunk holds "

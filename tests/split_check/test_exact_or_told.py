@@ -285,3 +285,70 @@ def test_legacy_spectral_norm_is_checked_from_its_state_and_left_as_it_was():
         if check:
             assert trainer.amp_step._split_check.passes == REPEATS and trainer.amp_step._split_check.last < 1e-4
     assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[1])
+
+
+# -- 6. two means in one loss ------------------------------------------------------------------------------------
+def tiny_mask_rcnn():
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.ops import MultiScaleRoIAlign
+
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, padding=1), nn.ReLU())
+    backbone.out_channels = 8
+    return MaskRCNN(backbone, num_classes=3, min_size=32, max_size=32, image_mean=[0.5] * 3, image_std=[0.25] * 3,
+                    rpn_anchor_generator=AnchorGenerator(sizes=((8, 16),), aspect_ratios=((1.0,),)),
+                    box_roi_pool=MultiScaleRoIAlign(["0"], 3, 2), mask_roi_pool=MultiScaleRoIAlign(["0"], 4, 2),
+                    representation_size=32, mask_layers=(8,), mask_dilation=1)
+
+
+def mask_batch(objects):
+    """Images of one size, ``objects[i]`` boxes and masks on image i."""
+    g = torch.Generator().manual_seed(0)
+    images, targets = [torch.rand(3, 32, 32, generator=g) for _ in objects], []
+    for k in objects:
+        masks = torch.zeros(k, 32, 32, dtype=torch.uint8)
+        for j in range(k):
+            masks[j, 4:24, 2 + 6 * j:14 + 6 * j] = 1
+        targets.append({"boxes": torch.tensor([[2.0 + 6 * j, 4.0, 14.0 + 6 * j, 24.0] for j in range(k)]),
+                        "labels": torch.ones(k, dtype=torch.long), "masks": masks})
+    return images, targets
+
+
+def test_mask_rcnn_is_told_it_adds_means_over_different_counts_not_rows_or_sizes():
+    """Its mask loss averages over the batch's positive RoIs, its other losses per image: images of one size."""
+    def run(objects):
+        model = tiny_mask_rcnn()
+        trainer = trainer_for(model, lambda losses, y: sum(losses.values()), model_fn=lambda m, x: m(*x),
+                              prepare_batch=lambda b, device, non_blocking: (tuple(b), None))
+        trainer.run([mask_batch(objects)])
+        return trainer
+
+    assert run([1, 3, 1, 3]).amp_step._split_check.last < 1e-4  # each chunk holds as many objects
+    with pytest.raises(SplitCheckError, match=r"adds means over different counts: .*'loss_mask' 2\d%") as info:
+        run([1, 1, 3, 3])
+    text = one_line(info)
+    assert "rows interact" not in text and "one size" not in text
+
+
+def test_a_per_sample_and_a_per_token_mean_in_one_loss_are_named_among_the_causes():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.cls, self.tok = nn.Embedding(10, 8), nn.Linear(8, 2), nn.Linear(8, 10)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            return self.cls(h.mean(1)), self.tok(h)
+
+    def multitask(out, y):
+        labels, tags = y
+        return F.cross_entropy(out[0], labels) + F.cross_entropy(out[1].flatten(0, 1), tags.flatten())
+
+    g = torch.Generator().manual_seed(0)
+    ids, tags = torch.randint(0, 10, (4, 6), generator=g), torch.randint(0, 10, (4, 6), generator=g)
+    tags[:2, 2:] = -100  # the first chunk's tokens are fewer
+    torch.manual_seed(0)
+    with pytest.raises(SplitCheckError, match="adds means over different counts") as info:
+        trainer_for(TwoHeads(), multitask).run([(ids, (torch.tensor([0, 1, 1, 0]), tags))])
+    assert "one size" not in one_line(info)
