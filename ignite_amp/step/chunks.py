@@ -58,8 +58,8 @@ class ChunkWeights:
 
     def start(self, step: Any, batch: tuple, sizes: Sequence[int], cycle: Cycle, keep: bool) -> "BatchChunks":
         """A batch of chunks of ``sizes`` samples starts at this place of its cycle; ``keep``: its chunks' outputs
-        are joined for an ``output_transform``. A cut or combined batch: the step's split check (once per chunk
-        count), and a warning, once, of what it may get wrong."""
+        are joined for an ``output_transform``. A cut or combined batch: the step's split check (on its first
+        batches, per chunk count), and a warning, once, of what it may get wrong."""
         chunks = len(sizes)
         counted = step.num_items is not None
         if cycle.first:
@@ -69,7 +69,9 @@ class ChunkWeights:
             warn_batch_norm(step._module)
         self.by_items = counted and (chunks > 1 or cycle.length > 1 or is_distributed())
         step._split_check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
-        if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1):
+        # Without the check (which decides from the loss's behaviour), a warning of padding weighed by samples.
+        if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1) and \
+                not step._split_check.enabled:
             self._padding_checked = True
             warn_padding_without_items(*batch, step.loss_fn, step._module)
         return BatchChunks(self, step._batch_size, sizes, cycle.length, counted, keep)

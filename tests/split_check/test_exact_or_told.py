@@ -352,3 +352,45 @@ def test_a_per_sample_and_a_per_token_mean_in_one_loss_are_named_among_the_cause
     with pytest.raises(SplitCheckError, match="adds means over different counts") as info:
         trainer_for(TwoHeads(), multitask).run([(ids, (torch.tensor([0, 1, 1, 0]), tags))])
     assert "one size" not in one_line(info)
+
+
+# -- 5. the causal-LM count from the loss's behaviour ------------------------------------------------------------
+def test_a_causal_lm_that_does_not_shift_its_labels_is_told_the_count_its_loss_takes():
+    """BartForCausalLM (TrOCR's and XLNet's heads too) averages over labels it does not shift: the shifted count
+    documented for most *ForCausalLM is stopped, and the unshifted one named and exact."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=64, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+                                     decoder_ffn_dim=32, encoder_layers=1, encoder_attention_heads=2,
+                                     encoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0)
+    model = transformers.BartForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 64, (8, 10), generator=g)
+    labels = ids.clone()
+    labels[4, 3:], labels[5, 8:], labels[7, 5:] = -100, -100, -100  # the first chunk unpadded, the second padded
+    batch = {"input_ids": ids, "labels": labels}
+    unshifted = 'num_items=lambda x, y: (x["labels"] != -100).sum() fits'
+    for count in (None, lambda x, y: (x["labels"][..., 1:] != -100).sum()):
+        with pytest.raises(SplitCheckError, match=re.escape(unshifted)) as info:
+            trainer_for(copy.deepcopy(model), lambda out, y: out.loss, model_fn=lambda m, x: m(**x),
+                        num_items=count).run([batch])
+        one_line(info)
+    ours, reference = copy.deepcopy(model), copy.deepcopy(model)
+    trainer_for(ours, lambda out, y: out.loss, model_fn=lambda m, x: m(**x),
+                num_items=lambda x, y: (x["labels"] != -100).sum()).run([batch])
+    hand_loop(reference, [batch], lambda m, b: m(**b).loss)
+    assert_same_weights(ours, reference)
+
+
+def test_the_padding_warning_gives_no_shift_it_has_not_seen(caplog):
+    """With the check off, labels a model reads itself get what to count (no lambda: the shift is the loss's)."""
+    transformers = pytest.importorskip("transformers")
+    from ignite_amp.step.contracts import warn_padding_without_items
+
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8)
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        warn_padding_without_items({"input_ids": torch.zeros(2, 4).long(), "labels": torch.tensor([[1, -100]] * 2)},
+                                   None, lambda out, y: out.loss, transformers.LlamaForCausalLM(config))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "lambda" not in said[0] and "check_split=True, names the count that fits" in said[0]
