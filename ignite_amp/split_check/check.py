@@ -192,14 +192,15 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool) -> Any:
     w1, w2 = shares(counts if counts is not None else sizes)
 
     def grads(x: Any, y: Any) -> Optional[List[torch.Tensor]]:
-        loss = step.loss_fn(step.model_transform(step.model_fn(module, x)), y)
+        with held.forward():  # the backward runs without the dispatch modes (nothing random in it)
+            loss = step.loss_fn(step.model_transform(step.model_fn(module, x)), y)
         if not (torch.is_tensor(loss) and loss.ndim == 0 and loss.requires_grad):
             return None  # the step itself says what is wrong with this loss
         return list(torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True))
 
     step._extra_passes += 1  # a FLOP count of this iteration would include the check's: the step counts the next
     m = sum(sizes)
-    with _full_float32(), still(module) as held:
+    with _full_float32(), still(module, forwards_only=True) as held:
         try:
             held.reset()
             whole = grads(*part)
@@ -286,7 +287,8 @@ def _terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held
     outputs = []
     for i, (x, _) in enumerate([part, *pieces]):
         held.reset(replay=i < 2)
-        out = step.model_transform(step.model_fn(module, x))
+        with held.forward():
+            out = step.model_transform(step.model_fn(module, x))
         if not (isinstance(out, dict) and len(out) > 1 and all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):
             return []
         outputs.append(out)

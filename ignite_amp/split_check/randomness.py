@@ -187,6 +187,12 @@ class Still:
         if replay:
             self.replay()
 
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Dropout off and torch's random operators constant (the dispatch modes), for a forward."""
+        with _NoDropout(), _Middle(self.unheld):
+            yield
+
     def changed(self) -> List[str]:
         """The buffers whose values differ from their state on entry (a forward that changes its own state)."""
         return [name for name, b, saved in self._buffers if not torch.equal(b, saved)]
@@ -235,16 +241,21 @@ def _no_spec_augment(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def still(module: nn.Module) -> Iterator[Still]:
+def still(module: nn.Module, forwards_only: bool = False) -> Iterator[Still]:
     """Randomness and BatchNorm held still in ``module`` (see the module's docstring); every generator's and
-    buffer's state restored on exit."""
+    buffer's state restored on exit. ``forwards_only``: the random operators are held still only inside
+    :meth:`Still.forward` (a backward outside it runs without the Python dispatch modes' cost per operator)."""
     rng = get_rng_state()
     numpy_state = numpy.random.get_state()
     buffers = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
     held = Still(buffers)
     try:
-        with _batch_norm_fixed(module), _no_spec_augment(module), _NoDropout(), _Middle(held.unheld):
-            yield held
+        with _batch_norm_fixed(module), _no_spec_augment(module):
+            if forwards_only:
+                yield held
+            else:
+                with held.forward():
+                    yield held
     finally:
         with torch.no_grad():
             for _, b, saved in buffers:
