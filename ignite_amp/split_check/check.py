@@ -8,7 +8,8 @@ number of micro-batches changes), so that a loss whose weights depend on the bat
 
 1. a part of the prepared batch and its two pieces, cut where the step cuts it: the step's first two chunks
    (uneven ones included) joined, with the default ``split_batch``; the batch and its two halves, where the step
-   only combines batches (accumulation, DDP). With the user's ``split_batch`` (which may not be undone by
+   only combines batches (accumulation, DDP). After a first pass, the repeats take the first half of each piece
+   (half the cost). With the user's ``split_batch`` (which may not be undone by
    joining), or after an out-of-memory error, the part is the step's first chunk, cut in two by the hook;
 2. the gradient with respect to the parameters (``torch.autograd.grad``: ``.grad`` and an accumulation in
    progress are untouched) of the part's loss, and of each piece's, through the step's own hooks
@@ -98,7 +99,7 @@ class SplitCheck:
         oom = False
         if step.batch_size >= 2:
             try:
-                found = _measure(step, batch, chunks, self._small or step.oom_count > 0)
+                found = _measure(step, batch, chunks, self._small or step.oom_count > 0, self.passes > 0)
             except RuntimeError as exc:
                 if not is_oom_error(exc):
                     raise
@@ -149,14 +150,18 @@ def _full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
-def _cut(step: Any, batch: tuple, chunks: int, small: bool) -> Optional[Tuple[tuple, List[tuple]]]:
-    """The part and its two pieces, cut where the step cuts (see the module); None when there is nothing to cut."""
+def _cut(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> Optional[Tuple[tuple, List[tuple]]]:
+    """The part and its two pieces, cut where the step cuts (see the module); None when there is nothing to cut.
+    ``half``: the first half of each piece only (a repeat: half the cost)."""
     n = step.batch_size
-    if chunks == 1 and not small:  # accumulation, DDP: the batch, and its halves standing for two batches
+    if chunks == 1 and not (small or half):  # accumulation, DDP: the batch, and its halves standing for two batches
         return batch, step._split_pieces(*batch, n, 2)
     firsts = step._split_pieces(*batch, n, max(chunks, 2))[:2]
-    if step.split_batch is split_batch and not small:  # the step's first two chunks, joined
+    if step.split_batch is split_batch and not small:  # the step's first two chunks (or their first halves), joined
         sizes = [step._count_samples(*c) for c in firsts]
+        if half:
+            firsts = [step._split_pieces(*c, size, 2)[0] if size > 1 else c for c, size in zip(firsts, sizes)]
+            sizes = [step._count_samples(*c) for c in firsts]
         part = (join_chunks([c[0] for c in firsts], sizes), join_chunks([c[1] for c in firsts], sizes))
         if step._count_samples(*part) == sum(sizes):
             return part, firsts
@@ -170,11 +175,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _measure(step: Any, batch: tuple, chunks: int, small: bool) -> Any:
+def _measure(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> Any:
     """A :class:`Measured` (failed), a difference (passed), :data:`_INCONCLUSIVE`, or ``(code, message)`` for a
     batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn)."""
     try:
-        cut = _cut(step, batch, chunks, small)
+        cut = _cut(step, batch, chunks, small, half)
     except Exception as exc:  # noqa: BLE001 (a hook's error, said in one line)
         return _uncut(chunks, f"split check: split_batch cannot cut the batch in two ({_first_line(exc)}): "
                               f"{SPLIT_HOOK}")

@@ -109,9 +109,9 @@ def test_a_mean_is_checked_on_a_few_batches_then_left_alone():
     trainer = trainer_for(nn.Linear(5, 3), mean)
     trainer.run(batches)
     assert trainer.amp_step._split_check.passes == REPEATS
-    # each checked batch: its part (the step's two chunks joined) and the two chunks, then the step's 2 chunks
-    # (the first batch's first chunk doubled too: the step's check for a sum)
-    assert calls == [8, 4, 4, 4, 8, 4] + [8, 4, 4, 4, 4] * (REPEATS - 1) + [4, 4] * 2
+    # the first checked batch: its part (the step's two chunks joined) and the two chunks, then the step's 2 chunks
+    # (its first chunk doubled too: the step's check for a sum); the repeats: the first half of each chunk
+    assert calls == [8, 4, 4, 4, 8, 4] + [4, 2, 2, 4, 4] * (REPEATS - 1) + [4, 4] * 2
 
 
 # -- 3. a chunk that counts no items -----------------------------------------------------------------------------
@@ -394,3 +394,33 @@ def test_the_padding_warning_gives_no_shift_it_has_not_seen(caplog):
                                    None, lambda out, y: out.loss, transformers.LlamaForCausalLM(config))
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "lambda" not in said[0] and "check_split=True, names the count that fits" in said[0]
+
+
+def test_mixup_on_the_batch_before_the_step_is_exact_under_micro_batches_and_accumulation():
+    """timm's Mixup mixes each batch with itself flipped (one draw per batch, from NumPy): done in prepare_batch,
+    the step cuts the mixed batch, so its chunks and the cycle give the mixed batches' mean gradient."""
+    import numpy
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    mix, soft = Mixup(mixup_alpha=1.0, num_classes=3, label_smoothing=0.0), SoftTargetCrossEntropy()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    reference = copy.deepcopy(model)
+    numpy.random.seed(0)
+    trainer = trainer_for(model, soft, accumulation_steps=2,
+                          prepare_batch=lambda b, device, non_blocking: mix(b[0].clone(), b[1]))
+    trainer.run(batches)
+    assert trainer.amp_step._split_check.passes == REPEATS
+    numpy.random.seed(0)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches):  # the hand-written accumulation: the mean of the two batches' means
+        if i % 2 == 0:
+            opt.zero_grad()
+        mixed, targets = mix(x.clone(), y)
+        (soft(reference(mixed), targets) / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+    assert_same_weights(model, reference)
