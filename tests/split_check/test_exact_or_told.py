@@ -424,3 +424,24 @@ def test_mixup_on_the_batch_before_the_step_is_exact_under_micro_batches_and_acc
         if i % 2 == 1:
             opt.step()
     assert_same_weights(model, reference)
+
+
+def test_randomness_is_held_still_in_the_check_after_an_out_of_memory_retry():
+    from ignite_amp.handlers import OOMBackoff
+
+    class RandomOutOfMemoryAbove(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.act = nn.Linear(5, 3), nn.RReLU()
+
+        def forward(self, x):
+            if len(x) > 3:
+                raise torch.OutOfMemoryError(f"CUDA out of memory: {len(x)} samples (stand-in)")
+            return self.act(self.net(x)) + torch.normal(0.0, 0.1, (len(x), 3))
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+    trainer = trainer_for(RandomOutOfMemoryAbove(), F.cross_entropy, micro_batches=1)
+    OOMBackoff().attach(trainer)
+    trainer.run(batches)  # cut at the retry, checked inside one chunk (3 samples): no alarm
+    assert trainer.amp_step.micro_batches == 2 and trainer.amp_step._split_check.passes == REPEATS
