@@ -116,8 +116,9 @@ class SplitCheck:
         if worst == _INCONCLUSIVE:
             self.tries += 1
             if self.tries == TRIES and not self.passes:
-                logger.warning("split check: inconclusive on %d batches (the part's gradient was zero, tiny or not "
-                               "finite each time): the weighting of the chunks is not checked", TRIES)
+                logger.warning("split check: inconclusive on %d batches (a zero, tiny or non-finite gradient, a batch "
+                               "of one sample, or out of memory, each time): the weighting of the chunks is not "
+                               "checked", TRIES)
             return
         if worst == _UNCUT:  # the batch cannot be cut, and the step does not cut it: nothing to check
             self.tries = TRIES

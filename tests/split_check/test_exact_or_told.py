@@ -64,8 +64,8 @@ def test_a_loss_that_never_gives_a_gradient_is_said_unchecked(caplog):
     with caplog.at_level(logging.WARNING, logger="ignite_amp"):
         trainer.run([(torch.ones(4, 3), None)] * (TRIES + 2))
     assert [r.getMessage() for r in caplog.records if "inconclusive" in r.getMessage()] == [
-        f"split check: inconclusive on {TRIES} batches (the part's gradient was zero, tiny or not finite each "
-        f"time): the weighting of the chunks is not checked"]
+        f"split check: inconclusive on {TRIES} batches (a zero, tiny or non-finite gradient, a batch of one sample, "
+        f"or out of memory, each time): the weighting of the chunks is not checked"]
     assert trainer.amp_step._split_check.tries == TRIES
 
 
