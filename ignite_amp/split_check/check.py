@@ -33,7 +33,7 @@ the ranks agree on each verdict (one all-reduce).
 import contextlib
 import logging
 import math
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -64,6 +64,15 @@ LOW_PRECISION_TOLERANCE = 5e-2
 #: batch's, so a chunk rounds differently (~10%); a sum (50% off in two halves) or a contrastive loss still shows.
 FLOAT8_TOLERANCE = 0.25
 _INCONCLUSIVE, _UNCUT = -1.0, -0.5  # verdicts the ranks agree on (max): a measured difference is >= 0
+
+
+class _Said(NamedTuple):
+    """A verdict without a diagnosis: a pass (``message`` None), or a stop or warning said in ``message``."""
+
+    rel: float  # the measured difference; inf: stop; _UNCUT: warn
+    tol: float = TOLERANCE
+    message: Optional[str] = None
+
 SPLIT_HOOK = ("pass split_batch=fn(x, y, chunks) that cuts it where its samples are (timm's JsdCrossEntropy: each "
               "chunk holding the same rows of every view), or micro_batches=1")
 
@@ -108,7 +117,7 @@ class SplitCheck:
             free_memory(step.device)
             self._small, found = True, _INCONCLUSIVE
             logger.warning("split check: out of memory on a part of the batch: the next try cuts inside one chunk")
-        rel = found.rel if isinstance(found, Measured) else found[0] if isinstance(found, tuple) else found
+        rel = found if isinstance(found, float) else found.rel
         worst = max_across_ranks(rel)  # every rank calls it (DDP): the verdict is the same everywhere
         self._conclude(step, found, worst, chunks)
 
@@ -122,12 +131,12 @@ class SplitCheck:
             return
         if worst == _UNCUT:  # the batch cannot be cut, and the step does not cut it: nothing to check
             self.tries = TRIES
-            if isinstance(found, tuple):
-                logger.warning("%s (the step only combines whole batches: not checked)", found[1])
+            if isinstance(found, _Said) and found.message:
+                logger.warning("%s (the step only combines whole batches: not checked)", found.message)
             return
-        if isinstance(found, tuple) and math.isinf(found[0]):
-            raise SplitCheckError(found[1])
-        tol = found.tol if isinstance(found, Measured) else TOLERANCE
+        if isinstance(found, _Said) and found.message:
+            raise SplitCheckError(found.message)
+        tol = _tolerance(step)  # the same on every rank: a pass on another rank is judged as there
         if worst <= tol:
             self.passes, self.last = self.passes + 1, worst
             return
@@ -177,8 +186,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _measure(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> Any:
-    """A :class:`Measured` (failed), a difference (passed), :data:`_INCONCLUSIVE`, or ``(code, message)`` for a
-    batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn)."""
+    """A :class:`Measured` (failed), :data:`_INCONCLUSIVE`, or a :class:`_Said`: passed, or a forward the check
+    could not hold still, or a batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn)."""
     try:
         cut = _cut(step, batch, chunks, small, half)
     except Exception as exc:  # noqa: BLE001 (a hook's error, said in one line)
@@ -226,20 +235,19 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> A
         rel, conclusive = _difference(whole, first, second, (w1, w2))
         if not conclusive:
             return _INCONCLUSIVE
-        low = any(p.dtype not in (torch.float32, torch.float64) for p in params)
-        tol = FLOAT8_TOLERANCE if step.float8 is not None else LOW_PRECISION_TOLERANCE if low else TOLERANCE
+        tol = _tolerance(step)
         if rel <= tol:
-            return rel
+            return _Said(rel, tol)
         drew = held.drew()
         if drew:  # a draw per forward rather than per row: the second piece from the entry state too
             held.reset()
             again, _ = _difference(whole, first, grads(*pieces[1]), (w1, w2))
             if again <= tol:
-                return again
+                return _Said(again, tol)
         held.reset()
         unsteady = _difference(whole, grads(*part), [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
         if unsteady > tol:
-            return (math.inf, _unsteady(m, rel, tol, sorted(held.unheld), drew, changed))
+            return _Said(math.inf, tol, _unsteady(m, rel, tol, sorted(held.unheld), drew, changed))
         dtype = torch.float32 if step.device.type == "mps" else torch.float64
         products = dots(whole, first, second, dtype)
         del whole, first, second
@@ -247,8 +255,16 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> A
     return Measured(products, sizes, counts, tol, candidates(step.loss_fn, pieces), terms)
 
 
-def _uncut(chunks: int, message: str) -> Tuple[float, str]:
-    return (math.inf if chunks > 1 else _UNCUT), message
+def _tolerance(step: Any) -> float:
+    """The largest difference accepted for the step's model (its parameters' precision, float8 layers)."""
+    if step.float8 is not None:
+        return FLOAT8_TOLERANCE
+    low = any(p.dtype not in (torch.float32, torch.float64) for p in step._module.parameters() if p.requires_grad)
+    return LOW_PRECISION_TOLERANCE if low else TOLERANCE
+
+
+def _uncut(chunks: int, message: str) -> _Said:
+    return _Said(math.inf if chunks > 1 else _UNCUT, TOLERANCE, message)
 
 
 def _cannot(m: int, exc: BaseException) -> str:

@@ -445,3 +445,20 @@ def test_randomness_is_held_still_in_the_check_after_an_out_of_memory_retry():
     OOMBackoff().attach(trainer)
     trainer.run(batches)  # cut at the retry, checked inside one chunk (3 samples): no alarm
     assert trainer.amp_step.micro_batches == 2 and trainer.amp_step._split_check.passes == REPEATS
+
+
+def test_bfloat16_parameters_pass_at_their_own_tolerance():
+    """A model kept in bfloat16 rounds its gradients to ~1e-2: judged at LOW_PRECISION_TOLERANCE, not float32's."""
+    from ignite_amp.split_check.check import LOW_PRECISION_TOLERANCE, TOLERANCE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 16, generator=g).bfloat16(), torch.randint(0, 3, (32,), generator=g))
+               for _ in range(REPEATS)]
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 lambda out, y: F.cross_entropy(out.float(), y), device="cpu", dtype="bfloat16",
+                                 micro_batches=2)
+    trainer.run(batches)
+    check = trainer.amp_step._split_check
+    assert check.passes == REPEATS and TOLERANCE < check.last <= LOW_PRECISION_TOLERANCE
