@@ -9,8 +9,9 @@ Under :func:`still` a model computes the same function of each sample whatever e
   range, ``randn``/``normal_``/``normal(mean, std)`` their mean, ``randint``/``random_`` their lower bound,
   ``randperm(n)`` the identity, ``multinomial`` the most likely outcomes, ``RReLU`` its evaluation slope,
   ``poisson``/``binomial``/``Gamma``/``Dirichlet`` their mean, ``log_normal_``/``cauchy_`` their median,
-  ``geometric_`` its mean; any other operator torch tags as seeded runs as it is and is named in
-  :attr:`Still.unheld` (the check then says it could not hold it still);
+  ``geometric_`` its mean (their out-of-place forms alike); any other operator torch tags as seeded (an RNN's
+  dropout inside cuDNN) runs as it is and is named in :attr:`Still.unheld` (the check says it could not hold
+  it still when it changes the gradient);
 - augmentation inside the model that draws per batch: transformers' SpecAugment (``apply_spec_augment``) is off;
 - BatchNorm layers in training mode normalise with their running statistics (zero mean and unit variance
   where they keep none), so rows do not mix, and update nothing.
@@ -112,14 +113,20 @@ def _middle(func: Any, args: tuple, kwargs: dict) -> Any:
     return _more(packet, func, args, kwargs)
 
 
+_OUT_OF_PLACE = {getattr(aten, name): getattr(aten, name + "_").default
+                 for name in ("uniform", "cauchy", "exponential", "geometric", "log_normal") if hasattr(aten, name)}
+
+
 def _more(packet: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     """:func:`_middle` for the operators of distributions and of RReLU."""
-    if packet is aten.rrelu_with_noise:  # (self, noise, lower, upper, training): the evaluation slope
+    if packet in (aten.rrelu_with_noise, aten.rrelu_with_noise_):  # (self, noise, lower, upper, training)
         x, noise = args[0], args[1]
         lower, upper = (list(args[2:4]) + [kwargs.get("lower", 1 / 8), kwargs.get("upper", 1 / 3)][len(args[2:4]):])
         slope = torch.where(x >= 0, torch.ones_like(x), torch.full_like(x, (lower + upper) / 2))
-        noise.resize_as_(x).copy_(slope)  # the backward reads the noise it was given
-        return x * slope
+        noise.resize_as_(x).copy_(slope)  # the backward reads the noise it was given: the evaluation slope
+        return x.mul_(slope) if packet is aten.rrelu_with_noise_ else x * slope
+    if packet in _OUT_OF_PLACE:  # uniform(self, ...), cauchy(self, ...): the in-place rule on a copy
+        return _middle(_OUT_OF_PLACE[packet], (args[0].clone(), *args[1:]), kwargs)
     if packet is aten.normal:  # normal(mean, std[, size]): the mean
         mean = args[0] if args else kwargs["mean"]
         std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
