@@ -6,11 +6,14 @@ samples, or of the items ``num_items`` counts (a chunk that counts none weighs a
 batches where a batch is cut or combined, until :data:`REPEATS` batches gave a conclusive pass (again whenever the
 number of micro-batches changes), so that a loss whose weights depend on the batch's content is seen on several:
 
-1. a part of the prepared batch and its two pieces, cut where the step cuts it: the step's first two chunks
-   (uneven ones included) joined, with the default ``split_batch``; the batch and its two halves, where the step
-   only combines batches (accumulation, DDP). After a first pass, the repeats take the first half of each piece
-   (half the cost). With the user's ``split_batch`` (which may not be undone by
-   joining), or after an out-of-memory error, the part is the step's first chunk, cut in two by the hook;
+1. a part of the prepared batch and its two pieces, cut where the step cuts it: with the default ``split_batch``,
+   half of each of the step's first two chunks (the batch's halves where the step only combines batches:
+   accumulation, DDP), their last halves on the first try and every other one, their first halves in between,
+   joined. So the part holds at most a chunk's samples (it fits where the chunks fit, in float32, and costs
+   about one step at ``micro_batches=2``), crosses the step's cut (a sample and the one at its place in the next
+   chunk meet in it) and keeps uneven chunks uneven. With the user's ``split_batch`` (which joining may not
+   undo), or after an out-of-memory error, the part is the step's first chunk (or half the batch), cut in two
+   by that hook;
 2. the gradient with respect to the parameters (``torch.autograd.grad``: ``.grad`` and an accumulation in
    progress are untouched) of the part's loss, and of each piece's, through the step's own hooks
    (``model_fn``, ``model_transform``, ``loss_fn``), in float32 (no autocast, no TF32), with randomness, BatchNorm
@@ -108,7 +111,7 @@ class SplitCheck:
         oom = False
         if step.batch_size >= 2:
             try:
-                found = _measure(step, batch, chunks, self._small or step.oom_count > 0, self.passes > 0)
+                found = _measure(step, batch, chunks, self._small or step.oom_count > 0, self.passes % 2 == 0)
             except RuntimeError as exc:
                 if not is_oom_error(exc):
                     raise
@@ -160,24 +163,31 @@ def _full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
-def _cut(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> Optional[Tuple[tuple, List[tuple]]]:
+def _cut(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Optional[Tuple[tuple, List[tuple]]]:
     """The part and its two pieces, cut where the step cuts (see the module); None when there is nothing to cut.
-    ``half``: the first half of each piece only (a repeat: half the cost)."""
+    ``last``: the pieces are the last halves of the two chunks, else their first halves."""
     n = step.batch_size
-    if chunks == 1 and not (small or half):  # accumulation, DDP: the batch, and its halves standing for two batches
-        return batch, step._split_pieces(*batch, n, 2)
-    firsts = step._split_pieces(*batch, n, max(chunks, 2))[:2]
-    if step.split_batch is split_batch and not small:  # the step's first two chunks (or their first halves), joined
-        sizes = [step._count_samples(*c) for c in firsts]
-        if half:
-            firsts = [step._split_pieces(*c, size, 2)[0] if size > 1 else c for c, size in zip(firsts, sizes)]
-            sizes = [step._count_samples(*c) for c in firsts]
-        part = (join_chunks([c[0] for c in firsts], sizes), join_chunks([c[1] for c in firsts], sizes))
+    firsts = step._split_pieces(*batch, n, max(chunks, 2))[:2]  # the step's first two chunks, or the batch's halves
+    if step.split_batch is split_batch and not small:
+        pieces = [_half(step, chunk, i, last) for i, chunk in enumerate(firsts)]
+        sizes = [step._count_samples(*c) for c in pieces]
+        part = (join_chunks([c[0] for c in pieces], sizes), join_chunks([c[1] for c in pieces], sizes))
         if step._count_samples(*part) == sum(sizes):
-            return part, firsts
+            return part, pieces
     part = firsts[0]  # one chunk (it fits), cut in two by the step's split_batch
     m = step._count_samples(*part)
     return (part, step._split_pieces(*part, m, 2)) if m >= 2 else None
+
+
+def _half(step: Any, chunk: tuple, index: int, last: bool) -> tuple:
+    """Half of a chunk: its last floor(s / 2) rows, or its first ceil(s / 2) (the first chunk) or at most
+    floor(s / 2) (the second): the two halves hold at most a chunk's samples."""
+    size = step._count_samples(*chunk)
+    if size < 2:
+        return chunk
+    if last or index == 0:
+        return step._split_pieces(*chunk, size, 2)[1 if last else 0]
+    return step._split_pieces(*chunk, size, -(-size // (size // 2)))[0]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -185,11 +195,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _measure(step: Any, batch: tuple, chunks: int, small: bool, half: bool) -> Any:
+def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Any:
     """A :class:`Measured` (failed), :data:`_INCONCLUSIVE`, or a :class:`_Said`: passed, or a forward the check
     could not hold still, or a batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn)."""
     try:
-        cut = _cut(step, batch, chunks, small, half)
+        cut = _cut(step, batch, chunks, small, last)
     except Exception as exc:  # noqa: BLE001 (a hook's error, said in one line)
         return _uncut(chunks, f"split check: split_batch cannot cut the batch in two ({_first_line(exc)}): "
                               f"{SPLIT_HOOK}")

@@ -87,10 +87,11 @@ def test_class_weighted_cross_entropy_is_stopped_with_its_count_and_exact_with_i
 
 
 def test_the_check_is_repeated_on_the_first_batches():
-    """The first batch's pieces happen to hold the same class weight: the next batch's do not."""
+    """The first batch's pieces (the last half of each chunk) happen to hold the same class weight: the next
+    batch's (the first halves) do not."""
     crit = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0]))
     g = torch.Generator().manual_seed(1)
-    even, uneven = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 1, 1, 1])
+    even, uneven = torch.tensor([0, 0, 1, 0]), torch.tensor([0, 1, 1, 1])
     trainer = trainer_for(nn.Linear(10, 2), crit)
     with pytest.raises(SplitCheckError, match=re.escape("weight[y].sum()")):
         trainer.run([(torch.randn(4, 10, generator=g), even), (torch.randn(4, 10, generator=g), uneven)])
@@ -109,9 +110,9 @@ def test_a_mean_is_checked_on_a_few_batches_then_left_alone():
     trainer = trainer_for(nn.Linear(5, 3), mean)
     trainer.run(batches)
     assert trainer.amp_step._split_check.passes == REPEATS
-    # the first checked batch: its part (the step's two chunks joined) and the two chunks, then the step's 2 chunks
-    # (its first chunk doubled too: the step's check for a sum); the repeats: the first half of each chunk
-    assert calls == [8, 4, 4, 4, 8, 4] + [4, 2, 2, 4, 4] * (REPEATS - 1) + [4, 4] * 2
+    # each checked batch: its part (half of each of the step's two chunks, joined) and the two halves, then the
+    # step's 2 chunks (the first batch's first chunk doubled too: the step's check for a sum); then the chunks only
+    assert calls == [4, 2, 2, 4, 8, 4] + [4, 2, 2, 4, 4] * (REPEATS - 1) + [4, 4] * 2
 
 
 # -- 3. a chunk that counts no items -----------------------------------------------------------------------------

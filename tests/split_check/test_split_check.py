@@ -303,9 +303,10 @@ def test_segmentation_with_ignore_index_is_exact_with_its_count_and_stopped_with
     model = DeepLabV3(TinyBackbone(), DeepLabHead(8, 3))  # ASPP: BatchNorm, dropout 0.5, image pooling
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 3, (4, 16, 16), generator=g)
-    y[0, :10], y[2, :2] = 255, 255  # the recipe's void label, uneven between the halves
+    y[0, :10], y[2, :2] = 255, 255  # the recipe's void label, uneven between the chunks' first rows
     ce = nn.CrossEntropyLoss(ignore_index=255)
-    stopped(re.escape("num_items=lambda x, y: (y != 255).sum() fits"), copy.deepcopy(model), [(x, y)], ce,
+    # the first check takes the last half of each chunk (no void label: it passes), the second the first halves
+    stopped(re.escape("num_items=lambda x, y: (y != 255).sum() fits"), copy.deepcopy(model), [(x, y)] * 2, ce,
             model_transform=lambda out: out["out"])
     trainer = train(copy.deepcopy(model), [(x, y)], ce, model_transform=lambda out: out["out"],
                     num_items=lambda x, y: (y != 255).sum())
