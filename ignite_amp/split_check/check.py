@@ -1,52 +1,64 @@
 """The split check: do the weighted chunks of a batch give the full batch's gradient, on the user's own loss?
 
 Micro-batches, accumulation, out-of-memory retries and DDP weigh each chunk's mean loss by its share: of the
-samples, or of the items ``num_items`` counts. That is one assumption about the loss (a mean over what is
-counted). :class:`SplitCheck` checks it once on the real batch, the first time a batch is cut or combined, and
-again whenever the number of micro-batches changes:
+samples, or of the items ``num_items`` counts (a chunk that counts none weighs as one item, as a loss divided by
+``count.clamp(min=1)`` does). That is one assumption about the loss. :class:`SplitCheck` checks it on the real
+batches where a batch is cut or combined, until :data:`REPEATS` batches gave a conclusive pass (again whenever the
+number of micro-batches changes), so that a loss whose weights depend on the batch's content is seen on several:
 
-1. a part of the prepared batch (its first :data:`SAMPLES` samples, or as many as one of the step's chunks holds
-   when that is fewer, but at least 2, by the step's own ``split_batch``) and that part cut in two by the same hook;
+1. a part of the prepared batch and its two pieces, cut where the step cuts it: with the default ``split_batch``,
+   half of each of the step's first two chunks (the batch's halves where the step only combines batches:
+   accumulation, DDP), their last halves on the first try and every other one, their first halves in between,
+   joined. So the part holds at most a chunk's samples (it fits where the chunks fit, in float32, and costs
+   about one step at ``micro_batches=2``), crosses the step's cut (a sample and the one at its place in the next
+   chunk meet in it) and keeps uneven chunks uneven. With the user's ``split_batch`` (which joining may not
+   undo), or after an out-of-memory error, the part is the step's first chunk (or half the batch), cut in two
+   by that hook;
 2. the gradient with respect to the parameters (``torch.autograd.grad``: ``.grad`` and an accumulation in
-   progress are untouched) of the part's loss, and of each half's, through the step's own hooks
-   (``model_fn``, ``model_transform``, ``loss_fn``), in float32 (no autocast, no TF32), with randomness and
-   BatchNorm held still (:func:`ignite_amp.split_check.randomness.still`: dropout off, random operators constant, BatchNorm
-   on its running statistics; every state restored after);
-3. the halves' gradients weighted as the step weighs them, compared with the part's: the relative
-   difference ``|sum_i w_i g_i - g| / |g|`` must be at most :data:`TOLERANCE` (:data:`LOW_PRECISION_TOLERANCE`
-   for a model whose parameters are not float32, :data:`FLOAT8_TOLERANCE` with float8 layers).
+   progress are untouched) of the part's loss, and of each piece's, through the step's own hooks
+   (``model_fn``, ``model_transform``, ``loss_fn``), in float32 (no autocast, no TF32), with randomness, BatchNorm
+   and the model's buffers held still (:func:`ignite_amp.split_check.randomness.still`; every state restored after);
+3. the pieces' gradients weighted as the step weighs them, compared with the part's: the relative difference
+   ``|w1 g1 + w2 g2 - g| / |g|`` (foreach kernels in the gradients' dtype; float64 dot products only when it
+   fails, for the diagnosis) must be at most :data:`TOLERANCE` (:data:`LOW_PRECISION_TOLERANCE` for parameters
+   that are not float32, :data:`FLOAT8_TOLERANCE` with float8 layers).
 
-Where it is not, :class:`~ignite_amp.errors.SplitCheckError` stops the run in one line, with the measured
-difference and the cause the gradients point at: the halves add up to the part (a sum); they fit by samples
-while the step weighs by ``num_items`` (a per-sample mean); they fit with other weights (the loss averages over
-something other than what is counted; a ``num_items`` that fits is named when one of the usual ones does); or no
-weighting fits (rows interact: in-batch negatives, a contrastive loss). ``check_split=False`` accepts it knowingly.
-
-Not checked: a batch of one sample (nothing to cut; the next batch is), FSDP2-sharded models, a chunk that counts
-no items. An out-of-memory error inside the check skips it with a warning. Under DDP the ranks agree on the
-verdict (one all-reduce).
+A part whose gradient is zero, not finite or too small to compare (``|g| < TINY * (w1 |g1| + w2 |g2|)``) is
+inconclusive: the next cut batch is tried, up to :data:`TRIES` times, then a warning says the loss was not
+checked. A part the loss fails on (a batch of stacked views that the default cut breaks) is one line naming
+``split_batch``: a :class:`~ignite_amp.errors.SplitCheckError` where the step cuts batches, a warning where it only
+combines them. Where the difference is too large, :class:`~ignite_amp.errors.SplitCheckError` stops the run in one
+line with the cause (:mod:`ignite_amp.split_check.diagnosis`); a forward that is not the same function on every
+call (randomness the check could not hold still, state outside its buffers) is detected and named first.
+``check_split=False`` accepts it knowingly. Not checked: a batch of one sample, FSDP2-sharded models. Under DDP
+the ranks agree on each verdict (one all-reduce).
 """
 import contextlib
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ignite_amp.batching import split_batch
 from ignite_amp.core.collectives import is_distributed, max_across_ranks
-from ignite_amp.step.contracts import ignore_index_of
-from ignite_amp.core.device import free_memory, is_oom_error
-from ignite_amp.errors import SplitCheckError
 from ignite_amp.core.config_keys import Boolean
+from ignite_amp.core.device import free_memory, is_oom_error
+from ignite_amp.core.nested import join_chunks
+from ignite_amp.errors import SplitCheckError
+from ignite_amp.split_check.diagnosis import SWITCH, Measured, candidates, dots, shares
 from ignite_amp.split_check.randomness import still
 
-__all__ = ["SplitCheck", "SAMPLES", "TOLERANCE", "LOW_PRECISION_TOLERANCE", "FLOAT8_TOLERANCE"]
+__all__ = ["SplitCheck", "REPEATS", "TRIES", "TINY", "TOLERANCE", "LOW_PRECISION_TOLERANCE", "FLOAT8_TOLERANCE"]
 
 logger = logging.getLogger("ignite_amp")
 
-#: Samples of the real batch the check runs on (cut into two chunks).
-SAMPLES = 4
+#: Batches whose check must pass conclusively (per micro-batch count).
+REPEATS = 3
+#: Inconclusive tries (zero gradient, out of memory) before the check gives up with a warning.
+TRIES = 20
+#: A part's gradient smaller than this fraction of its weighted pieces' is inconclusive (it would compare rounding).
+TINY = 1e-2
 #: Largest relative gradient difference accepted, float32 parameters (rounding is ~1e-6).
 TOLERANCE = 1e-3
 #: Largest relative gradient difference accepted for parameters in a lower precision (bfloat16, float16).
@@ -54,9 +66,18 @@ LOW_PRECISION_TOLERANCE = 5e-2
 #: Largest relative gradient difference accepted with float8 layers: their tensorwise scales are the whole
 #: batch's, so a chunk rounds differently (~10%); a sum (50% off in two halves) or a contrastive loss still shows.
 FLOAT8_TOLERANCE = 0.25
-#: Labels with at most this many distinct values have each tried as the ignored one when naming a num_items.
-MAX_CLASSES = 32
-SWITCH = "or pass check_split=False (config: amp.check_split: false) to accept it knowingly"
+_INCONCLUSIVE, _UNCUT = -1.0, -0.5  # verdicts the ranks agree on (max): a measured difference is >= 0
+
+
+class _Said(NamedTuple):
+    """A verdict without a diagnosis: a pass (``message`` None), or a stop or warning said in ``message``."""
+
+    rel: float  # the measured difference; inf: stop; _UNCUT: warn
+    tol: float = TOLERANCE
+    message: Optional[str] = None
+
+SPLIT_HOOK = ("pass split_batch=fn(x, y, chunks) that cuts it where its samples are (timm's JsdCrossEntropy: each "
+              "chunk holding the same rows of every view), or micro_batches=1")
 
 
 class SplitCheck:
@@ -64,151 +85,69 @@ class SplitCheck:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = Boolean().argument(enabled, "check_split")
-        self.checked: Optional[int] = None  # the micro-batch count the last check ran for
-        self.last: Optional[float] = None  # the relative difference it measured
+        self.checked: Optional[int] = None  # the micro-batch count the checks run for
+        self.passes = 0  # conclusive passes at that count
+        self.tries = 0  # inconclusive tries at that count
+        self.last: Optional[float] = None  # the relative difference the last conclusive check measured
+        self._small = False  # after an out-of-memory error: a part inside one chunk
+
+    @property
+    def done(self) -> bool:
+        """Whether the check has nothing left to do at the current micro-batch count."""
+        return self.passes >= REPEATS or self.tries >= TRIES
 
     def __call__(self, step: Any, batch: tuple, chunks: int, cycle_length: int) -> None:
-        # Keyed by the micro-batch setting, which every rank shares (a rank's short last batch may be cut in fewer).
-        if not self.enabled or step.micro_batches == self.checked or not (chunks > 1 or cycle_length > 1 or
-                                                                          is_distributed()):
+        if not self.enabled or not (chunks > 1 or cycle_length > 1 or is_distributed()):
+            return
+        if step.micro_batches != self.checked:  # keyed by the setting every rank shares
+            self.checked, self.passes, self.tries = step.micro_batches, 0, 0
+        if self.done:
             return
         if getattr(step, "fsdp", None) is not None:
-            self.checked = step.micro_batches
+            self.passes = REPEATS
             logger.info("split check: not run on a model sharded with FSDP2")
             return
-        found = None
+        found: Any = _INCONCLUSIVE
+        oom = False
         if step.batch_size >= 2:
             try:
-                found = _measure(step, batch, chunks)
+                found = _measure(step, batch, chunks, self._small or step.oom_count > 0, self.passes % 2 == 0)
             except RuntimeError as exc:
                 if not is_oom_error(exc):
                     raise
-                found = _SKIP
-                logger.warning("split check: skipped, out of memory on a part of the batch")
-        if found is _SKIP:
+                oom = True
+        if oom:
             free_memory(step.device)
-        rel = found.rel if isinstance(found, _Measured) else (-1.0 if found is None else 0.0)
+            self._small, found = True, _INCONCLUSIVE
+            logger.warning("split check: out of memory on a part of the batch: the next try cuts inside one chunk")
+        rel = found if isinstance(found, float) else found.rel
         worst = max_across_ranks(rel)  # every rank calls it (DDP): the verdict is the same everywhere
-        if worst < 0:  # nobody could compare (one sample, or a chunk without items): the next batch is
+        self._conclude(step, found, worst, chunks)
+
+    def _conclude(self, step: Any, found: Any, worst: float, chunks: int) -> None:
+        if worst == _INCONCLUSIVE:
+            self.tries += 1
+            if self.tries == TRIES and not self.passes:
+                logger.warning("split check: inconclusive on %d batches (a zero, tiny or non-finite gradient, a batch "
+                               "of one sample, or out of memory, each time): the weighting of the chunks is not "
+                               "checked", TRIES)
             return
-        self.checked, self.last = step.micro_batches, worst
-        tol = found.tol if isinstance(found, _Measured) else TOLERANCE
+        if worst == _UNCUT:  # the batch cannot be cut, and the step does not cut it: nothing to check
+            self.tries = TRIES
+            if isinstance(found, _Said) and found.message:
+                logger.warning("%s (the step only combines whole batches: not checked)", found.message)
+            return
+        if isinstance(found, _Said) and found.message:
+            raise SplitCheckError(found.message)
+        tol = _tolerance(step)  # the same on every rank: a pass on another rank is judged as there
         if worst <= tol:
+            self.passes, self.last = self.passes + 1, worst
             return
-        if isinstance(found, _Measured) and found.rel > found.tol:
+        self.last = worst
+        if isinstance(found, Measured) and found.rel > found.tol:
             raise SplitCheckError(found.message(step.num_items is not None))
         raise SplitCheckError(f"split check: on another process the weighted chunks' gradient is {worst:.1%} off "
                               f"the full batch's (tolerance {tol:g}); {SWITCH}")
-
-
-_SKIP = object()  # checked and passed: no gradient to compare (zero or not finite), or out of memory
-
-
-class _Measured:
-    """The three gradients' dot products, and what fits them."""
-
-    def __init__(self, dots: List[float], sizes: Sequence[int], counts: Optional[List[float]], tol: float,
-                 candidates: List[Tuple[str, List[float]]]):
-        (self.a11, self.a12, self.a22, self.b1, self.b2, self.c), self.sizes, self.counts = dots, sizes, counts
-        self.tol, self.candidates = tol, candidates
-        self.weights = _shares(counts if counts is not None else sizes)
-        self.rel = self.residual(self.weights)
-
-    def residual(self, w: Sequence[float]) -> float:
-        """``|w1 g1 + w2 g2 - g| / |g|`` from the dot products (float64: no cancellation at these sizes)."""
-        w1, w2 = w
-        r2 = (w1 * w1 * self.a11 + 2 * w1 * w2 * self.a12 + w2 * w2 * self.a22 - 2 * (w1 * self.b1 + w2 * self.b2)
-              + self.c)
-        return math.sqrt(max(r2, 0.0) / self.c)
-
-    def fitted(self) -> Optional[Tuple[float, float]]:
-        """The weights that fit best (least squares), or None when the halves' gradients are parallel."""
-        det = self.a11 * self.a22 - self.a12 ** 2
-        if det <= 1e-9 * self.a11 * self.a22:
-            return None
-        return ((self.b1 * self.a22 - self.b2 * self.a12) / det, (self.b2 * self.a11 - self.b1 * self.a12) / det)
-
-    def message(self, items: bool) -> str:
-        n, (s1, s2) = sum(self.sizes), self.sizes
-        rule = "num_items" if items else "samples"
-        head = (f"split check: {n} samples of the batch cut into {s1} + {s2} and weighted by {rule} "
-                f"({self.weights[0]:.0%} / {self.weights[1]:.0%}) give a gradient {self.rel:.1%} off the {n} "
-                f"samples' at once (tolerance {self.tol:g})")
-        return f"{head}: {self.cause(items)}; {SWITCH}"
-
-    def cause(self, items: bool) -> str:
-        tol = self.tol
-        if self.residual((1.0, 1.0)) <= tol:
-            return ("the chunks' gradients add up to the batch's, so the loss is a sum, not a mean: make it a mean "
-                    "(reduction='mean'; a transformers CTC head: ctc_loss_reduction='mean'), or divide it by the "
-                    "samples or items it adds up")
-        samples = _shares(self.sizes)
-        if items and self.residual(samples) <= tol:
-            return ("the loss is a mean over the samples (each sample's loss weighs the same, as CTC's "
-                    "reduction='mean' does), not over what num_items counts: drop num_items")
-        fits = [text for text, counts in self.candidates if self.residual(_shares(counts)) <= tol]
-        if fits:
-            return (f"the loss averages over other items than the step weighs by: num_items={fits[0]} fits (checked "
-                    f"on this batch)")
-        w = self.fitted()
-        if w is not None and self.residual(w) <= tol and w[0] + w[1] > 0:
-            share = w[0] / (w[0] + w[1])
-            what = ("pass num_items=fn(x, y) counting what the loss averages over (its labels that are not its "
-                    "ignore_index, after any shift the model makes: a causal LM counts labels[..., 1:])" if not items
-                    else "make num_items count exactly what the loss averages over (a causal LM shifts its labels "
-                    "inside: count labels[..., 1:]; the loss's own ignore_index; a per-sample mean needs none)")
-            return (f"the loss averages over something other than what the step weighs by: the first chunk holds "
-                    f"{share:.0%} of it, the step gave it {self.weights[0]:.0%}; {what}")
-        return ("no weighting of the chunks gives the batch's gradient, so its rows interact: a sample's loss depends "
-                "on the other samples of its chunk (in-batch negatives, a contrastive loss such as CLIP's; or inputs "
-                "padded to the chunk's largest one, as torchvision detection pads images of different sizes), and "
-                "micro-batches and accumulation change the objective: use micro_batches=1 and accumulation_steps=1 "
-                "for this loss, or inputs of one size")
-
-
-def _shares(values: Sequence[float]) -> Tuple[float, float]:
-    total = float(sum(values))
-    return (values[0] / total, values[1] / total) if total else (0.5, 0.5)
-
-
-def _labels(x: Any, y: Any) -> Tuple[str, Any]:
-    if isinstance(x, Mapping) and torch.is_tensor(x.get("labels")):
-        return 'x["labels"]', x["labels"]
-    return "y", y
-
-
-def _candidates(step: Any, parts: list) -> List[Tuple[str, List[float]]]:
-    """The usual num_items counted in each half: the labels that are not the loss's ignore_index (or -100, or,
-    among a few classes, any one value), with and without a causal LM's shift."""
-    name, first = _labels(*parts[0])
-    every = [_labels(x, y)[1] for x, y in parts]
-    if not all(torch.is_tensor(t) and not t.is_floating_point() and t.dim() == first.dim() for t in every):
-        return []
-    found = []
-    values = [ignore_index_of(step.loss_fn), -100]
-    distinct = torch.unique(torch.cat([t.reshape(-1) for t in every]))
-    if len(distinct) <= MAX_CLASSES:  # a few classes (segmentation): any one of them may be the ignored one
-        values += distinct.tolist()
-    for ignore in dict.fromkeys(values):
-        if ignore is None:
-            continue
-        for shift in ("", "[..., 1:]") if first.dim() > 1 else ("",):
-            counts = []
-            for labels in every:
-                labels = labels[..., 1:] if shift else labels
-                counts.append(float((labels != ignore).sum()))
-            if all(counts):
-                found.append((f"lambda x, y: ({name}{shift} != {ignore}).sum()", counts))
-    return found
-
-
-def _dot(a: Sequence[Optional[torch.Tensor]], b: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Any:
-    total = None
-    for u, v in zip(a, b):
-        if u is not None and v is not None:
-            d = torch.dot(u.reshape(-1).to(dtype), v.reshape(-1).to(dtype))
-            total = d if total is None else total + d
-    return total if total is not None else torch.zeros((), dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -224,49 +163,170 @@ def _full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
-def _measure(step: Any, batch: tuple, chunks: int) -> Any:
-    """The part's and its halves' gradients, compared as the step would combine them; None: nothing to compare."""
+def _cut(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Optional[Tuple[tuple, List[tuple]]]:
+    """The part and its two pieces, cut where the step cuts (see the module); None when there is nothing to cut.
+    ``last``: the pieces are the last halves of the two chunks, else their first halves."""
     n = step.batch_size
-    size = max(2, min(SAMPLES, -(-n // chunks)))  # no larger than the step's chunks: it fits where they fit
-    part = batch if n <= size else step._split_pieces(*batch, n, -(-n // size))[0]
+    firsts = step._split_pieces(*batch, n, max(chunks, 2))[:2]  # the step's first two chunks, or the batch's halves
+    if step.split_batch is split_batch and not small:
+        pieces = [_half(step, chunk, i, last) for i, chunk in enumerate(firsts)]
+        sizes = [step._count_samples(*c) for c in pieces]
+        part = (join_chunks([c[0] for c in pieces], sizes), join_chunks([c[1] for c in pieces], sizes))
+        if step._count_samples(*part) == sum(sizes):
+            return part, pieces
+    part = firsts[0]  # one chunk (it fits), cut in two by the step's split_batch
     m = step._count_samples(*part)
-    if m < 2:
-        return None
-    halves = step._split_pieces(*part, m, 2)
-    sizes = [step._count_samples(*h) for h in halves]
-    counts = None
-    if step.num_items is not None:
-        counts = [float(step.num_items(*h)) for h in halves]
-        if not all(c > 0 for c in counts):
-            return None  # a half without items has no mean: another batch will be checked
+    return (part, step._split_pieces(*part, m, 2)) if m >= 2 else None
+
+
+def _half(step: Any, chunk: tuple, index: int, last: bool) -> tuple:
+    """Half of a chunk: its last floor(s / 2) rows, or its first ceil(s / 2) (the first chunk) or at most
+    floor(s / 2) (the second): the two halves hold at most a chunk's samples."""
+    size = step._count_samples(*chunk)
+    if size < 2:
+        return chunk
+    if last or index == 0:
+        return step._split_pieces(*chunk, size, 2)[1 if last else 0]
+    return step._split_pieces(*chunk, size, -(-size // (size // 2)))[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Any:
+    """A :class:`Measured` (failed), :data:`_INCONCLUSIVE`, or a :class:`_Said`: passed, or a forward the check
+    could not hold still, or a batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn)."""
+    try:
+        cut = _cut(step, batch, chunks, small, last)
+    except Exception as exc:  # noqa: BLE001 (a hook's error, said in one line)
+        return _uncut(chunks, f"split check: split_batch cannot cut the batch in two ({_first_line(exc)}): "
+                              f"{SPLIT_HOOK}")
+    if cut is None:
+        return _INCONCLUSIVE
+    part, pieces = cut
     module = step._module
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
-        return None
+        return _INCONCLUSIVE
+    sizes = [step._count_samples(*p) for p in pieces]
+    counts = None if step.num_items is None else [float(step.num_items(*p)) for p in pieces]
+    if counts is not None and not all(c >= 0 for c in counts):
+        return _INCONCLUSIVE  # a negative or NaN count: the step's own check says so
+    w1, w2 = shares(counts if counts is not None else sizes)
 
-    def grads(x: Any, y: Any) -> Optional[list]:
-        loss = step.loss_fn(step.model_transform(step.model_fn(module, x)), y)
+    def grads(x: Any, y: Any) -> Optional[List[torch.Tensor]]:
+        with held.forward():  # the backward runs without the dispatch modes (nothing random in it)
+            loss = step.loss_fn(step.model_transform(step.model_fn(module, x)), y)
         if not (torch.is_tensor(loss) and loss.ndim == 0 and loss.requires_grad):
             return None  # the step itself says what is wrong with this loss
-        return list(torch.autograd.grad(loss, params, allow_unused=True))
+        return list(torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True))
 
-    dtype = torch.float32 if step.device.type == "mps" else torch.float64
     step._extra_passes += 1  # a FLOP count of this iteration would include the check's: the step counts the next
-    with _full_float32(), still(module) as held:
-        held.replay()
-        whole = grads(*part)
-        if whole is None:
-            return None
-        held.replay()  # the first half draws what the part's first rows drew (NumPy, Python)
-        first = grads(*halves[0])
-        a11, b1 = _dot(first, first, dtype), _dot(first, whole, dtype)
-        second = grads(*halves[1])  # continues where the first half stopped
-        dots = [a11, _dot(first, second, dtype), _dot(second, second, dtype), b1, _dot(second, whole, dtype),
-                _dot(whole, whole, dtype)]
+    m = sum(sizes)
+    with _full_float32(), still(module, forwards_only=True) as held:
+        try:
+            held.reset()
+            whole = grads(*part)
+            if whole is None:
+                return _INCONCLUSIVE
+            changed = held.changed()
+            held.reset()  # the first piece draws what the part's first rows drew (NumPy, Python)
+            first = grads(*pieces[0])
+            held.reset(replay=False)  # the second piece continues where the first stopped
+            second = grads(*pieces[1])
+        except RuntimeError as exc:
+            if is_oom_error(exc):
+                raise
+            return _uncut(chunks, _cannot(m, exc))
+        except Exception as exc:  # noqa: BLE001 (the loss on a cut it cannot take, said in one line)
+            return _uncut(chunks, _cannot(m, exc))
+        rel, conclusive = _difference(whole, first, second, (w1, w2))
+        if not conclusive:
+            return _INCONCLUSIVE
+        tol = _tolerance(step)
+        if rel <= tol:
+            return _Said(rel, tol)
+        drew = held.drew()
+        if drew:  # a draw per forward rather than per row: the second piece from the entry state too
+            held.reset()
+            again, _ = _difference(whole, first, grads(*pieces[1]), (w1, w2))
+            if again <= tol:
+                return _Said(again, tol)
+        held.reset()
+        unsteady = _difference(whole, grads(*part), [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
+        if unsteady > tol:
+            return _Said(math.inf, tol, _unsteady(m, rel, tol, sorted(held.unheld), drew, changed))
+        dtype = torch.float32 if step.device.type == "mps" else torch.float64
+        products = dots(whole, first, second, dtype)
         del whole, first, second
-    dots = torch.stack([d.to(dots[0].device) for d in dots]).tolist()  # the check's one host sync
-    if not all(map(math.isfinite, dots)) or dots[5] == 0:
-        return _SKIP  # a non-finite loss is the guard's to report; a zero gradient has no direction to compare
-    low = any(p.dtype not in (torch.float32, torch.float64) for p in params)
-    tol = FLOAT8_TOLERANCE if step.float8 is not None else LOW_PRECISION_TOLERANCE if low else TOLERANCE
-    return _Measured(dots, sizes, counts, tol, _candidates(step, halves))
+        terms = _terms(step, module, params, part, pieces, held, dtype)
+    return Measured(products, sizes, counts, tol, candidates(step.loss_fn, pieces), terms)
+
+
+def _tolerance(step: Any) -> float:
+    """The largest difference accepted for the step's model (its parameters' precision, float8 layers)."""
+    if step.float8 is not None:
+        return FLOAT8_TOLERANCE
+    low = any(p.dtype not in (torch.float32, torch.float64) for p in step._module.parameters() if p.requires_grad)
+    return LOW_PRECISION_TOLERANCE if low else TOLERANCE
+
+
+def _uncut(chunks: int, message: str) -> _Said:
+    return _Said(math.inf if chunks > 1 else _UNCUT, TOLERANCE, message)
+
+
+def _cannot(m: int, exc: BaseException) -> str:
+    return (f"split check: the loss fails on {m} samples of the batch cut by split_batch ({_first_line(exc)}): the "
+            f"batch cannot be cut there; {SPLIT_HOOK}")
+
+
+def _difference(whole: List[torch.Tensor], first: List[torch.Tensor], second: List[torch.Tensor],
+                w: Tuple[float, float]) -> Tuple[float, bool]:
+    """``|w1 g1 + w2 g2 - g| / |g|`` and whether it is conclusive (``g`` finite, and not small beside the weighted
+    pieces'), with foreach kernels and one host read."""
+    diff = torch._foreach_mul(first, w[0])
+    torch._foreach_add_(diff, second, alpha=w[1])
+    torch._foreach_sub_(diff, whole)
+    norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)))
+             for ts in (diff, whole, first, second)]
+    d, g, n1, n2 = torch.stack([t.to(norms[0].device) for t in norms]).tolist()
+    if not all(map(math.isfinite, (d, g, n1, n2))) or g == 0 or g < TINY * (w[0] * n1 + w[1] * n2):
+        return math.inf, False
+    return d / g, True
+
+
+def _unsteady(m: int, rel: float, tol: float, unheld: List[str], drew: List[str], changed: List[str]) -> str:
+    if unheld:
+        what = f"draws randomness with torch operators the check cannot hold still ({', '.join(unheld)})"
+    elif drew:
+        what = (f"draws from {' and '.join(drew)} random generator in a way the check cannot hold still (neither "
+                f"per sample nor once per forward)")
+    else:
+        kept = f"; it changes its buffers {', '.join(changed[:3])} too" if changed else ""
+        what = f"gives another gradient on the same samples at each call (state kept outside its buffers{kept})"
+    return (f"split check: {m} samples of the batch cut in two give a gradient {rel:.1%} off theirs at once "
+            f"(tolerance {tol:g}), but the forward {what}, so the check cannot tell whether the chunks are exact: "
+            f"hold that randomness or state still in training, or pass check_split=False (config: "
+            f"amp.check_split: false) if the loss is a mean over what the step weighs by")
+
+
+def _terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held: Any, dtype: torch.dtype
+           ) -> List[Tuple[str, List[float]]]:
+    """The dot products of each loss term, where the model returns its losses as a dict of 0-d tensors
+    (torchvision detection) that the loss adds: for the diagnosis of two means."""
+    outputs = []
+    for i, (x, _) in enumerate([part, *pieces]):
+        held.reset(replay=i < 2)
+        with held.forward():
+            out = step.model_transform(step.model_fn(module, x))
+        if not (isinstance(out, dict) and len(out) > 1 and all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):
+            return []
+        outputs.append(out)
+    found = []
+    for name in outputs[0]:
+        g = [list(torch.autograd.grad(o[name], params, allow_unused=True, materialize_grads=True, retain_graph=True))
+             if o[name].requires_grad else [torch.zeros_like(p) for p in params] for o in outputs]
+        found.append((repr(name), dots(g[0], g[1], g[2], dtype)))
+    return found

@@ -58,8 +58,8 @@ class ChunkWeights:
 
     def start(self, step: Any, batch: tuple, sizes: Sequence[int], cycle: Cycle, keep: bool) -> "BatchChunks":
         """A batch of chunks of ``sizes`` samples starts at this place of its cycle; ``keep``: its chunks' outputs
-        are joined for an ``output_transform``. A cut or combined batch: the step's split check (once per chunk
-        count), and a warning, once, of what it may get wrong."""
+        are joined for an ``output_transform``. A cut or combined batch: the step's split check (on its first
+        batches, per chunk count), and a warning, once, of what it may get wrong."""
         chunks = len(sizes)
         counted = step.num_items is not None
         if cycle.first:
@@ -69,7 +69,9 @@ class ChunkWeights:
             warn_batch_norm(step._module)
         self.by_items = counted and (chunks > 1 or cycle.length > 1 or is_distributed())
         step._split_check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
-        if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1):
+        # Without the check (which decides from the loss's behaviour), a warning of padding weighed by samples.
+        if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1) and \
+                not step._split_check.enabled:
             self._padding_checked = True
             warn_padding_without_items(*batch, step.loss_fn, step._module)
         return BatchChunks(self, step._batch_size, sizes, cycle.length, counted, keep)
@@ -131,13 +133,16 @@ class BatchChunks:
                 part, weight = loss.detach() * share, share / self.cycle_length
         else:
             weights = self.weights
-            weight = count / weights.item_ref if weights.by_items else 1
-            part = loss.detach() * count
-            # A chunk of padding only has no mean (0/0): it adds nothing to the batch's.
+            # A chunk that counts no items weighs as one: a loss divided by count.clamp(min=1) (a focal loss over
+            # the positives, on background-only images) still has a gradient there, and the cycle divides by the
+            # items it counted; a padding-only mean (0/0, no gradient) adds nothing either way.
+            least = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+            weight = least / weights.item_ref if weights.by_items else 1
+            part = loss.detach() * least
             if torch.is_tensor(count):
-                part = torch.where(count > 0, part, torch.zeros_like(part))
-            elif count == 0:
-                part = torch.zeros_like(part)
+                part = torch.where((count > 0) | torch.isfinite(part), part, torch.zeros_like(part))
+            elif count == 0:  # (no host read: the loss stays on its device)
+                part = torch.where(torch.isfinite(part), part, torch.zeros_like(part))
             self.items = self.items + count
         self.total = part if self.total is None else self.total + part
         return weight

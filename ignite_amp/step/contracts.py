@@ -2,8 +2,9 @@
 
 - the optimizer holds the model's parameters;
 - the loss is a scalar and a mean (over samples, or over the items ``num_items`` counts): a
-  ``reduction`` attribute or keyword other than ``"mean"`` is refused when the step is built, and
-  a loss that doubles when the first batch is doubled is refused at the first iteration.
+  ``reduction`` attribute or keyword ``"sum"`` or ``"none"`` is refused when the step is built (any other,
+  ``"batchmean"`` included, is judged by the split check), and a loss that doubles when the first batch is
+  doubled is refused at the first iteration.
 """
 import functools
 import logging
@@ -32,14 +33,22 @@ def check_optimizer(optimizer: Any, model: nn.Module) -> None:
                          "model, or before the model was copied?)")
 
 
+#: Reductions that are not a mean, refused when the step is built; any other name (``"mean"``, KLDivLoss's
+#: ``"batchmean"``, a zoo's own) is judged by what the loss does: the split check.
+NOT_A_MEAN = {"sum": "a sum over the samples", "none": "one loss per element, not a scalar"}
+
+
 def check_mean_reduction(loss_fn: Callable) -> None:
-    """Micro-batches and accumulation weight each chunk's loss by its share: they need a mean."""
+    """Micro-batches and accumulation weight each chunk's loss by its share: they need a mean. A reduction that
+    says it is not one is refused here; the rest is judged by its behaviour (the split check)."""
     reduction = getattr(loss_fn, "reduction", None)
     if reduction is None and isinstance(loss_fn, functools.partial):
         reduction = loss_fn.keywords.get("reduction")
-    if reduction is not None and reduction != "mean":
-        raise ValueError(f"loss_fn: reduction={reduction!r}; the step needs a mean-reduced loss (micro-batches "
-                         f"and accumulation weight each chunk's mean by its share of the samples)")
+    if reduction in NOT_A_MEAN:
+        mean = ("reduction='batchmean' (the mean over the samples; 'mean' would also divide by the classes)"
+                if isinstance(loss_fn, nn.KLDivLoss) else "reduction='mean'")
+        raise ValueError(f"loss_fn: reduction={reduction!r} is {NOT_A_MEAN[reduction]}; the step needs a mean "
+                         f"(micro-batches and accumulation weight each chunk's mean by its share): use {mean}")
 
 
 def check_scalar(loss: Any) -> None:
@@ -122,46 +131,39 @@ def ignore_index_of(loss_fn: Callable) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _model_kind(module: Optional[nn.Module]) -> str:
-    """``"ctc"``, ``"causal"`` (a transformers causal LM: it shifts its labels inside) or ``""``."""
-    name = type(module).__name__ if module is not None else ""
-    config = getattr(module, "config", None)
-    if name.endswith("ForCTC"):
-        return "ctc"
-    if name.endswith(("ForCausalLM", "LMHeadModel")) and not getattr(config, "is_encoder_decoder", False):
-        return "causal"
-    return ""
+def _is_ctc(module: Optional[nn.Module]) -> bool:
+    """A transformers CTC head (``*ForCTC``): a per-sample mean with ``ctc_loss_reduction="mean"``."""
+    return module is not None and type(module).__name__.endswith("ForCTC")
 
 
 def warn_padding_without_items(x: Any, y: Any, loss_fn: Optional[Callable] = None,
                                module: Optional[nn.Module] = None) -> None:
-    """One warning when a batch cut or accumulated without num_items has labels holding the padding its loss
-    ignores (``loss_fn``'s own ``ignore_index``, else -100, what Hugging Face losses ignore): a sample mean then
-    differs from the token mean. One host read.
+    """One warning when a batch cut or accumulated without num_items (and without the split check, which decides
+    from the loss's behaviour) has labels holding the padding its loss ignores (``loss_fn``'s own
+    ``ignore_index``, else -100, what Hugging Face losses ignore): a sample mean then differs from the token mean.
+    One host read.
 
-    The hint is one the split check passes: a transformers causal LM (``*ForCausalLM``, ``*LMHeadModel``) shifts
-    its labels inside, so it counts ``labels[..., 1:]``; a CTC head (``*ForCTC``) is a per-sample mean with
-    ``ctc_loss_reduction="mean"`` (no num_items; its ``"sum"`` is stopped by the split check), so it is not
-    warned; labels read by a model other than a transformers one, or a ``y`` read by a ``loss_fn`` whose
-    ignore_index is unknown, get what to check, not a lambda."""
+    The hint is one the split check passes: a lambda only where the loss's reading of the labels is known, a
+    ``y`` read as it is by torch's cross-entropy (its ``ignore_index``, no class weights). Labels a model reads
+    itself get what to count, not a lambda: whether it shifts them inside (most ``*ForCausalLM`` do,
+    ``BartForCausalLM`` does not) shows in its loss's behaviour, which the split check measures. A CTC head
+    (``*ForCTC``) is a per-sample mean with ``ctc_loss_reduction="mean"``: not warned."""
     labels = x.get("labels") if isinstance(x, Mapping) else None  # a BatchEncoding is a Mapping, not a dict
     named = "y" if labels is None else 'x["labels"]'
     labels = y if labels is None else labels
-    kind = _model_kind(module) if named != "y" else ""
     ignore = ignore_index_of(loss_fn) if named == "y" else None
     pad = -100 if ignore is None else ignore
-    if kind == "ctc" or not torch.is_tensor(labels) or labels.is_floating_point() or not bool((labels == pad).any()):
+    if (named != "y" and _is_ctc(module)) or not torch.is_tensor(labels) or labels.is_floating_point() or \
+            not bool((labels == pad).any()):
         return
-    shift = "[..., 1:]" if kind == "causal" else ""
-    if named == "y":
-        known = (ignore is not None or _plain_cross_entropy(loss_fn)) and getattr(loss_fn, "weight", None) is None
-    else:  # labels a model reads itself: known for transformers' models only
-        known = type(module).__module__.startswith("transformers.")
+    known = named == "y" and (ignore is not None or _plain_cross_entropy(loss_fn)) and \
+        getattr(loss_fn, "weight", None) is None
     if not known:  # how the loss reads the labels is unknown (or a class-weighted mean): what to check, no lambda
-        hint = (f"pass num_items=fn(x, y) counting the items the loss averages over (the labels it does not ignore, "
-                f"after any shift it makes; the split check verifies it)")
+        hint = ("pass num_items=fn(x, y) counting the items the loss averages over (the labels it does not ignore, "
+                "after any shift the model makes inside; the split check, check_split=True, names the count that "
+                "fits)")
     else:
-        hint = f"pass num_items=lambda x, y: ({named}{shift} != {pad}).sum()"
+        hint = f"pass num_items=lambda x, y: (y != {pad}).sum()"
     logger.warning("micro-batches or accumulation on labels holding %d (padding) without num_items: each chunk's "
                    "mean weighs by samples, not tokens, so the gradient is not the batch's token mean; %s", pad, hint)
 

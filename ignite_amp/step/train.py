@@ -98,8 +98,8 @@ class AmpStep(StepBase, Serializable):
             :func:`ignite_amp.batching.batch_size_of`: the rows its tensors share, or a per-sample list's length).
         split_batch: ``split_batch(x, y, chunks) -> [(x, y), ...]``, a prepared batch cut into micro-batches
             (default :func:`ignite_amp.batching.split_batch`); each sample in exactly one chunk.
-        check_split: check once on the real batch that its weighted chunks give its gradient, where a batch is
-            cut or combined (``ignite_amp.split_check.check``); False accepts a loss that fails it knowingly.
+        check_split: check on the first real batches that their weighted chunks give their gradient, where a batch
+            is cut or combined (``ignite_amp.split_check.check``); False accepts a loss that fails it knowingly.
 
     Besides the properties of every step, handlers may read ``optimizer``, ``scaler``,
     ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`), call

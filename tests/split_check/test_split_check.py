@@ -160,7 +160,7 @@ def test_a_causal_lm_is_exact_with_the_shifted_count_and_stopped_otherwise(llama
     assert_same_weights(model, reference)
 
 
-def test_the_padding_hint_knows_a_causal_lm_a_ctc_head_and_the_loss_ignore_index(llama, caplog):
+def test_the_padding_hint_knows_a_ctc_head_and_the_loss_ignore_index(llama, caplog):
     with caplog.at_level(logging.WARNING, logger="ignite_amp"):
         warn_padding_without_items(lm_batch(), None, own_loss, llama)
         warn_padding_without_items({"input_values": torch.randn(2, 9), "labels": torch.tensor([[3, -100]] * 2)},
@@ -171,7 +171,8 @@ def test_the_padding_hint_knows_a_causal_lm_a_ctc_head_and_the_loss_ignore_index
         warn_padding_without_items(torch.randn(2, 3), labels - 355, lambda p, y: cross_entropy(p, y.clamp(min=0)))
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3, lines  # the CTC head is a per-sample mean: nothing to count; a lambda's 255 is unknown
-    assert lines[0].endswith('num_items=lambda x, y: (x["labels"][..., 1:] != -100).sum()')
+    # a model's own labels: whether it shifts them is its loss's behaviour, which the split check measures (issue 49)
+    assert "after any shift the model makes inside" in lines[0] and "lambda" not in lines[0]
     assert lines[1].endswith("num_items=lambda x, y: (y != 255).sum()")
     assert "holding -100" in lines[2] and "lambda" not in lines[2]  # the lambda's ignore_index is unknown
 
@@ -302,9 +303,10 @@ def test_segmentation_with_ignore_index_is_exact_with_its_count_and_stopped_with
     model = DeepLabV3(TinyBackbone(), DeepLabHead(8, 3))  # ASPP: BatchNorm, dropout 0.5, image pooling
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 3, (4, 16, 16), generator=g)
-    y[0, :10], y[2, :2] = 255, 255  # the recipe's void label, uneven between the halves
+    y[0, :10], y[2, :2] = 255, 255  # the recipe's void label, uneven between the chunks' first rows
     ce = nn.CrossEntropyLoss(ignore_index=255)
-    stopped(re.escape("num_items=lambda x, y: (y != 255).sum() fits"), copy.deepcopy(model), [(x, y)], ce,
+    # the first check takes the last half of each chunk (no void label: it passes), the second the first halves
+    stopped(re.escape("num_items=lambda x, y: (y != 255).sum() fits"), copy.deepcopy(model), [(x, y)] * 2, ce,
             model_transform=lambda out: out["out"])
     trainer = train(copy.deepcopy(model), [(x, y)], ce, model_transform=lambda out: out["out"],
                     num_items=lambda x, y: (y != 255).sum())
@@ -356,14 +358,15 @@ def test_the_flop_count_leaves_out_the_split_check():
         trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
                                      dtype="float32", micro_batches=2, check_split=check)
         trainer.amp_step.count_flops()
-        trainer.run(noisy_batches(count=2), max_epochs=1)
+        trainer.run(noisy_batches(count=5), max_epochs=1)  # checked on the first 3: counted on the 4th
         return trainer.amp_step.flops_per_sample
 
     assert flops(True) == flops(False) > 0
 
 
 def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_differently():
-    """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off)."""
+    """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off).
+    Chunks padded as the batch is ([32, 40] and [32, 40]) are exact."""
     from test_third_party import detection_prepare, tiny_detector
 
     def run(sizes):
@@ -374,5 +377,6 @@ def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_di
                      prepare_batch=detection_prepare, model_fn=lambda m, x: m(*x))
 
     assert run([32, 32, 32, 32]).amp_step._split_check.last < 1e-5
-    with pytest.raises(SplitCheckError, match="padded to the chunk's largest one, as torchvision detection"):
-        run([32, 40, 32, 40])
+    assert run([32, 40, 32, 40]).amp_step._split_check.last < 1e-4  # float32 rounding of a larger part
+    with pytest.raises(SplitCheckError, match="padded to the chunk's largest one as torchvision detection"):
+        run([32, 32, 40, 40])

@@ -350,7 +350,7 @@ def test_wrong_optimizer_or_reduction_is_refused_at_construction():
     with pytest.raises(ValueError, match="optimizer: none of its parameters belong to the model"):
         create_amp_trainer(model, torch.optim.SGD(mlp().parameters(), lr=0.1), cross_entropy, device="cpu")
     for loss_fn in (nn.CrossEntropyLoss(reduction="sum"), functools.partial(cross_entropy, reduction="sum")):
-        with pytest.raises(ValueError, match="reduction='sum'; the step needs a mean-reduced loss"):
+        with pytest.raises(ValueError, match="reduction='sum' is a sum over the samples; the step needs a mean"):
             create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device="cpu")
     trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
                                  device="cpu")

@@ -1,0 +1,186 @@
+"""What a failed split check says: the cause the gradients point at, decided from the measured gradients.
+
+:class:`Measured` holds the dot products of the part's gradient ``g`` and its two pieces' ``g1``, ``g2`` (float64,
+computed only when the check failed) and tells, by the residual ``|w1 g1 + w2 g2 - g| / |g|`` of each weighting:
+
+- ``(1, 1)`` fits: the loss is a sum;
+- the samples' shares fit while the step weighs by ``num_items``: a per-sample mean;
+- one of the usual counts fits (labels that are not the loss's ignore_index, with or without a causal LM's shift;
+  a class-weighted loss's ``weight[y].sum()``): it is named, as the loss behaved on this batch;
+- some other weighting fits: the loss averages over something else (the share it found);
+- none fits, and the loss's terms (a dict of losses, as torchvision detection returns) each fit a weighting of
+  their own: two means of different counts in one loss;
+- none fits: rows interact.
+
+A forward that is not the same function on every call (randomness or state the check could not hold still) is
+detected by the check itself (:mod:`ignite_amp.split_check.check`) and named before any of these.
+"""
+import math
+from collections.abc import Mapping
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from ignite_amp.step.contracts import ignore_index_of
+
+__all__ = ["Measured", "candidates", "shares", "dots", "SWITCH"]
+
+#: Labels with at most this many distinct values have each tried as the ignored one when naming a num_items.
+MAX_CLASSES = 32
+SWITCH = "or pass check_split=False (config: amp.check_split: false) to accept it knowingly"
+
+
+def shares(counts: Sequence[float]) -> Tuple[float, float]:
+    """The weights the step gives two chunks of ``counts`` items (or samples): a chunk that counts none weighs as
+    one item (a loss divided by ``count.clamp(min=1)``), the cycle divides by the items it counted."""
+    total = max(float(sum(counts)), 1.0)
+    return max(float(counts[0]), 1.0) / total, max(float(counts[1]), 1.0) / total
+
+
+def dots(g: Sequence[torch.Tensor], g1: Sequence[torch.Tensor], g2: Sequence[torch.Tensor], dtype: torch.dtype
+         ) -> List[float]:
+    """``[g1.g1, g1.g2, g2.g2, g1.g, g2.g, g.g]`` over all parameters, in ``dtype`` (one host sync)."""
+    def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
+        return sum(torch.dot(u.reshape(-1).to(dtype), v.reshape(-1).to(dtype)) for u, v in zip(a, b))
+    found = [dot(g1, g1), dot(g1, g2), dot(g2, g2), dot(g1, g), dot(g2, g), dot(g, g)]
+    return torch.stack([torch.as_tensor(d, dtype=dtype).to(found[-1].device) for d in found]).tolist()
+
+
+class Measured:
+    """The three gradients' dot products, and what fits them."""
+
+    def __init__(self, products: List[float], sizes: Sequence[int], counts: Optional[List[float]], tol: float,
+                 named: List[Tuple[str, List[float]]], terms: Optional[List[Tuple[str, List[float]]]] = None):
+        (self.a11, self.a12, self.a22, self.b1, self.b2, self.c), self.sizes, self.counts = products, sizes, counts
+        self.tol, self.named, self.terms = tol, named, terms or []
+        self.weights = shares(counts if counts is not None else sizes)
+        self.rel = self.residual(self.weights)
+
+    def residual(self, w: Sequence[float]) -> float:
+        """``|w1 g1 + w2 g2 - g| / |g|`` from the dot products (float64: no cancellation at these sizes)."""
+        return _residual(w, (self.a11, self.a12, self.a22, self.b1, self.b2, self.c))
+
+    def fitted(self) -> Optional[Tuple[float, float]]:
+        """The weights that fit best (least squares), or None when the pieces' gradients are parallel."""
+        return _fitted((self.a11, self.a12, self.a22, self.b1, self.b2, self.c))
+
+    def message(self, items: bool) -> str:
+        n, (s1, s2) = sum(self.sizes), self.sizes
+        rule = "num_items" if items else "samples"
+        head = (f"split check: {n} samples of the batch cut into {s1} + {s2} and weighted by {rule} "
+                f"({self.weights[0]:.0%} / {self.weights[1]:.0%}) give a gradient {self.rel:.1%} off the {n} "
+                f"samples' at once (tolerance {self.tol:g})")
+        return f"{head}: {self.cause(items)}; {SWITCH}"
+
+    def cause(self, items: bool) -> str:
+        tol = self.tol
+        if self.residual((1.0, 1.0)) <= tol:
+            return ("the chunks' gradients add up to the batch's, so the loss is a sum, not a mean: make it a mean "
+                    "(reduction='mean', KLDivLoss's 'batchmean'; a transformers CTC head: ctc_loss_reduction="
+                    "'mean'), or divide it by the samples or items it adds up")
+        if items and self.residual(shares(self.sizes)) <= tol:
+            return ("the loss is a mean over the samples (each sample's loss weighs the same, as CTC's "
+                    "reduction='mean' does), not over what num_items counts: drop num_items")
+        fits = [text for text, counts in self.named if self.residual(shares(counts)) <= tol]
+        if fits:
+            return (f"the loss averages over other items than the step weighs by: num_items={fits[0]} fits (checked "
+                    f"on this batch)")
+        w = self.fitted()
+        if w is not None and self.residual(w) <= tol and w[0] + w[1] > 0:
+            share = w[0] / (w[0] + w[1])
+            what = ("pass num_items=fn(x, y) counting what the loss averages over (the labels it does not ignore, "
+                    "after any shift the model makes inside; class weights: their sum over the labels)" if not items
+                    else "make num_items count exactly what the loss averages over (after any shift the model "
+                    "makes inside; the loss's own ignore_index; a per-sample mean needs none)")
+            return (f"the loss averages over something other than what the step weighs by: the first chunk holds "
+                    f"{share:.0%} of it, the step gave it {self.weights[0]:.0%}; {what}")
+        means = self.two_means()
+        if means:
+            return means
+        return ("no one weighting of the chunks gives the batch's gradient: its rows interact (a sample's loss "
+                "depends on the other samples of its chunk: in-batch negatives or pairs, a contrastive or batch-hard "
+                "loss, inputs padded to the chunk's largest one as torchvision detection pads images of different "
+                "sizes), or it adds means over different counts (a per-sample and a per-token mean in one loss: "
+                "weigh each term inside it), and micro-batches and accumulation change the objective: use "
+                "micro_batches=1 and accumulation_steps=1 for this loss; or rows that belong together were cut "
+                "apart (views of one image stacked, as AugMix's JsdCrossEntropy takes them): pass "
+                "split_batch=fn(x, y, chunks) that keeps them together")
+
+    def two_means(self) -> str:
+        """The loss's terms each fit a weighting but not the same one: two means of different counts."""
+        found = []
+        for name, products in self.terms:
+            if products[5] <= 0:
+                continue
+            w = _fitted(products)
+            if w is None or _residual(w, products) > self.tol or w[0] + w[1] <= 0:
+                return ""  # a term whose rows interact: that is the cause
+            found.append((name, w[0] / (w[0] + w[1])))
+        if len(found) < 2 or max(s for _, s in found) - min(s for _, s in found) < 0.02:
+            return ""
+        listed = ", ".join(f"{name} {share:.0%}" for name, share in found)
+        return (f"the loss adds means over different counts: each of its terms is a mean, but the first chunk holds "
+                f"a different share of what each averages over ({listed}; the step gave it {self.weights[0]:.0%}), "
+                f"so no one num_items weighs them all (torchvision's RoI and mask losses average over the batch's "
+                f"sampled RoIs): use micro_batches=1 and accumulation_steps=1, or weigh each term inside the loss")
+
+
+def _residual(w: Sequence[float], p: Sequence[float]) -> float:
+    a11, a12, a22, b1, b2, c = p
+    w1, w2 = w
+    r2 = w1 * w1 * a11 + 2 * w1 * w2 * a12 + w2 * w2 * a22 - 2 * (w1 * b1 + w2 * b2) + c
+    return math.sqrt(max(r2, 0.0) / c) if c > 0 else math.inf
+
+
+def _fitted(p: Sequence[float]) -> Optional[Tuple[float, float]]:
+    a11, a12, a22, b1, b2, _ = p
+    det = a11 * a22 - a12 ** 2
+    if det <= 1e-9 * a11 * a22:
+        return None
+    return (b1 * a22 - b2 * a12) / det, (b2 * a11 - b1 * a12) / det
+
+
+def _labels(x: Any, y: Any) -> Tuple[str, Any]:
+    if isinstance(x, Mapping) and torch.is_tensor(x.get("labels")):
+        return 'x["labels"]', x["labels"]
+    return "y", y
+
+
+def _class_weight(loss_fn: Any) -> Optional[torch.Tensor]:
+    weight = getattr(loss_fn, "weight", None)
+    if weight is None and hasattr(loss_fn, "keywords"):  # functools.partial(cross_entropy, weight=...)
+        weight = loss_fn.keywords.get("weight")
+    return weight if torch.is_tensor(weight) and weight.dim() == 1 else None
+
+
+def candidates(loss_fn: Any, parts: list) -> List[Tuple[str, List[float]]]:
+    """The usual num_items counted in each piece: the labels that are not the loss's ignore_index (or -100, or,
+    among a few classes, any one value), with and without a causal LM's shift; a class-weighted loss's
+    ``weight[y].sum()``."""
+    name, first = _labels(*parts[0])
+    every = [_labels(x, y)[1] for x, y in parts]
+    if not all(torch.is_tensor(t) and not t.is_floating_point() and t.dim() == first.dim() for t in every):
+        return []
+    found = []
+    ignored = ignore_index_of(loss_fn)
+    weight = _class_weight(loss_fn) if name == "y" else None
+    if weight is not None:
+        skip = -100 if ignored is None else ignored
+        kept = [t[t != skip] for t in every]
+        if all(bool(((k >= 0) & (k < len(weight))).all()) for k in kept):
+            text = "weight[y].sum()" if all(len(k) == t.numel() for k, t in zip(kept, every)) else \
+                f"weight[y[y != {skip}]].sum()"
+            found.append((f"lambda x, y: {text} (weight: the loss's class weights)",
+                          [float(weight.detach().cpu()[k.cpu()].sum()) for k in kept]))
+    values = [ignored, -100]
+    distinct = torch.unique(torch.cat([t.reshape(-1) for t in every]))
+    if len(distinct) <= MAX_CLASSES:  # a few classes (segmentation): any one of them may be the ignored one
+        values += distinct.tolist()
+    for ignore in dict.fromkeys(values):
+        if ignore is None:
+            continue
+        for shift in ("", "[..., 1:]") if first.dim() > 1 else ("",):
+            counts = [float(((labels[..., 1:] if shift else labels) != ignore).sum()) for labels in every]
+            if all(counts):
+                found.append((f"lambda x, y: ({name}{shift} != {ignore}).sum()", counts))
+    return found
