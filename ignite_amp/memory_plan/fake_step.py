@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ignite_amp.batching import batch_size_of
 from ignite_amp.transforms.activation_checkpointing import checkpoint_modules, checkpointed_blocks
 from ignite_amp.engine import create_amp_trainer
+from ignite_amp.step.memory_format import choose_channels_last
 from ignite_amp.core.nested import map_tensors
 
 __all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
@@ -168,8 +169,8 @@ class FakeStep:
         self.checkpointed: List[str] = []
 
     def _build(self, mode: Any) -> tuple:
-        model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device,
-                                        self.kwargs.get("channels_last", False))
+        layout = choose_channels_last(self.kwargs.get("channels_last", "auto"), self.model, self.device)  # as the step
+        model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device, layout.on)
         checkpoint_modules(model, self.checkpoint)  # blocks chosen for the plan (activation_checkpointing auto)
         with mode, _NoHostReads():
             trainer = create_amp_trainer(model, optimizer, self.loss_fn, device=self.device,

@@ -16,6 +16,7 @@ from ignite_amp.core.collectives import any_rank, unwrap
 from ignite_amp.core.device import free_memory, is_oom_error, resolve_device, resolve_dtype
 from ignite_amp.errors import BatchError
 from ignite_amp.step.events import AmpEvents
+from ignite_amp.step.memory_format import choose_channels_last
 from ignite_amp.core.config_keys import POSITIVE_INT
 from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
 
@@ -77,7 +78,7 @@ class StepBase:
         dtype: Union[str, torch.dtype] = "auto",
         micro_batches: int = 1,
         non_blocking: bool = True,
-        channels_last: bool = False,
+        channels_last: Union[bool, str] = "auto",
         compile: bool = False,
         fp32_modules: Sequence[str] = (),
         prepare_batch: Callable = prepare_batch,
@@ -96,7 +97,6 @@ class StepBase:
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} should be a function, got {type(fn).__name__}")
         self.non_blocking = non_blocking
-        self.channels_last = channels_last
         self.prepare_batch = prepare_batch
         self.model_fn = model_fn
         self.model_transform = model_transform
@@ -105,7 +105,9 @@ class StepBase:
         self.split_batch = split_batch
         self._model = model.to(self._device)
         self._module = unwrap(self._model)
-        if channels_last:
+        # "auto": on CUDA for a model of convolutions (ignite_amp.step.memory_format); why says what auto chose
+        self.channels_last, self.channels_last_why = choose_channels_last(channels_last, self._module, self._device)
+        if self.channels_last:
             self._model.to(memory_format=torch.channels_last)
         keep_in_fp32(self._model, fp32_modules, self._device.type)
         self.forward = torch.compile(self._model) if compile else self._model

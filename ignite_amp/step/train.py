@@ -74,7 +74,9 @@ class AmpStep(StepBase, Serializable):
             never crosses an epoch boundary: the epoch's last iteration steps.
         micro_batches: chunks each batch is split into; the gradient is the full batch's.
         non_blocking: asynchronous host-to-device copies (pair with a pinned-memory loader).
-        channels_last: model and every 4-d floating-point input tensor in channels-last format.
+        channels_last: model and every 4-d floating-point input tensor in channels-last format; ``"auto"`` (the
+            default): on CUDA for a model whose 2-d convolutions hold most of its weights
+            (:mod:`ignite_amp.step.memory_format`); ``channels_last`` and ``channels_last_why`` say what it chose.
         compile: run the forward through ``torch.compile``.
         fp32_modules: names of submodules run outside autocast with float32 inputs.
         prepare_batch: ``prepare_batch(batch, device, non_blocking) -> (x, y)``; the default takes
@@ -118,7 +120,7 @@ class AmpStep(StepBase, Serializable):
         accumulation_steps: int = 1,
         micro_batches: int = 1,
         non_blocking: bool = True,
-        channels_last: bool = False,
+        channels_last: Union[bool, str] = "auto",
         compile: bool = False,
         fp32_modules: Sequence[str] = (),
         prepare_batch: Callable = prepare_batch,
