@@ -10,6 +10,7 @@ from .amp_vs_fp32 import amp_vs_fp32
 from .batch_size_and_oom import batch_size_and_oom
 from .common import Section
 from .data_path import data_path
+from .fast_defaults import input_path, memory_format_and_fused
 from .gpu_tests import gpu_tests
 from .hand_loop_overhead import overhead
 from .handler_cost import handler_cost
@@ -38,4 +39,9 @@ OPT_IN = (
             memory_plan_section, 240, 120),
     Section("l_split_check", "l. The split check's cost on the first step (GPT 8 x 1024, bfloat16, micro-batches 2)",
             split_check_section, 60, 30),
+    # Issue 51's defaults on a GPU (opt-in while issue 48 rebalances the default budgets):
+    Section("m_memory_format_fused", "m. Memory format and fused step with the defaults (ResNet-50, 224x224, batch "
+            "128)", memory_format_and_fused, 90, 45),
+    Section("n_input_path", "n. The input path with the defaults (the quickstart, num_workers auto against 0)",
+            input_path, 75, 40),
 )

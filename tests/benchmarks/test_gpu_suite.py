@@ -260,3 +260,23 @@ def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite,
     on, off = ctx.result["tables"][0]["rows"]
     assert on["check_split"] and on["checked"] and not off["checked"] and on["first_step_ms"] > 0
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"]
+
+
+def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp_path):
+    """Issue 51: sections m (memory format, fused step) and n (input path) run their code on the CPU stand-in and
+    say NOT MEASURED; they are outside the default budget."""
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "mn", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["m_memory_format_fused", "n_input_path"]
+    assert not set(report["sections"]) & set(report["gpu_budgets_s"])
+    m, n = report["sections"]["m_memory_format_fused"], report["sections"]["n_input_path"]
+    assert m["status"] == n["status"] == "measured", (m.get("reason"), n.get("reason"))
+    table = rows(m)
+    assert [r["status"] for r in table] == ["measured"] * 4 and all(r["images_per_s"] > 0 for r in table)
+    assert not any(r["channels_last"] or r["fused"] for r in table)  # on CPU: NCHW, torch's default step
+    assert [t["value"] for t in m["targets"]][1] == "equal (on CPU: not a GPU figure)"  # the parity, run on CPU
+    assert [(r["num_workers"], r["workers"]) for r in rows(n)] == [("auto", 0), (0, 0)]
+    assert all(r["data_wait_pct"] is not None for r in rows(n))
+    assert {t["verdict"] for t in m["targets"] + n["targets"]} == {"NOT MEASURED"}
