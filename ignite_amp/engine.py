@@ -51,8 +51,10 @@ class AmpConfig:
     fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
     channels_last: bool = setting("auto", CHANNELS_LAST, "channels-last memory format for model and images; auto: "
                                   "on CUDA when 2-d convolutions hold at least half of the model's weights")
-    compile: bool = setting(None, Boolean(nullable=True),
-                            "torch.compile the forward (null: on for float8 on a GPU, else off)")
+    compile: bool = setting(None, Boolean(nullable=True, also=("reduce-overhead",)),
+                            "torch.compile the forward (null: on for float8 on a GPU, else off); reduce-overhead: "
+                            "with CUDA graphs, checked against the eager step first, eager again where shapes change "
+                            "too often or memory runs out")
     activation_checkpointing: bool = setting(
         False, Boolean(also=("auto",)), "the model's repeated blocks (distributed.blocks, or the rule FSDP2 shards "
         "by) keep only their inputs and run their forward again in the backward: less activation memory, same "
