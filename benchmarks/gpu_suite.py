@@ -29,6 +29,8 @@ l. the split check's cost on the first step, and its extra peak memory (``split_
 m. issue 51: ResNet-50 float16 with the defaults (channels_last auto, fused step) against float32 TF32 in NCHW, and
    the fused step's parity with the foreach one (``--only m``, ~45 s).
 n. issue 51: the quickstart's data wait with ``num_workers: auto`` against 0 (``--only n``, ~40 s).
+o. issue 51: ResNet-18 32x32 batch 256 with ``compile: reduce-overhead`` (CUDA graphs) against eager (``--only o``,
+   ~90 s, most of it compiling).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it (``gpu_sections/runner.py``). Each has a
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; i (float8), k (memory plan), l (split check), m and n (issue 51's defaults) only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; i (float8), k (memory plan), l (split check), m, n and o (issue 51) only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - seconds_since_start()  # the imports count against the 9 minutes too

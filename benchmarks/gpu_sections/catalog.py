@@ -10,7 +10,7 @@ from .amp_vs_fp32 import amp_vs_fp32
 from .batch_size_and_oom import batch_size_and_oom
 from .common import Section
 from .data_path import data_path
-from .fast_defaults import input_path, memory_format_and_fused
+from .fast_defaults import cuda_graphs, input_path, memory_format_and_fused
 from .gpu_tests import gpu_tests
 from .hand_loop_overhead import overhead
 from .handler_cost import handler_cost
@@ -44,4 +44,6 @@ OPT_IN = (
             "128)", memory_format_and_fused, 90, 45),
     Section("n_input_path", "n. The input path with the defaults (the quickstart, num_workers auto against 0)",
             input_path, 75, 40),
+    Section("o_cuda_graphs", "o. CUDA graphs against the eager step (CIFAR ResNet-18, 32x32, batch 256, bfloat16)",
+            cuda_graphs, 180, 90),
 )

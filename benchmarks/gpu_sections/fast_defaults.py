@@ -8,6 +8,8 @@ m. Memory format and fused step: ResNet-50 at 224x224, batch 128, data on the GP
 n. The input path: the quickstart config trained by ``build_run`` for two epochs with ``data.num_workers: auto``
    (pinned memory and non-blocking copies on CUDA) and with ``num_workers: 0``; the data-wait share its own health
    summary reports.
+o. CUDA graphs: ResNet-18 (CIFAR stem) at 32x32, batch 256, bfloat16, eager against ``compile="reduce-overhead"``
+   (after its compilation and parity check), both with the fused step; whether the parity check passed.
 """
 import os
 import re
@@ -17,14 +19,14 @@ import time
 import torch
 from torch.nn.functional import cross_entropy
 
-from bench_amp import DTYPES, Timer, resnet50, tf32
+from bench_amp import DTYPES, Timer, resnet18_32, resnet50, tf32
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.run.builders import build_optimizer
 from ignite_amp.run.compose import build_run
 from ignite_amp.run.fused import fused_choice
 
-from .common import Context, recipe, tiny_cnn
+from .common import NEEDS_CUDA, Context, recipe, tiny_cnn
 
 SGD = {"name": "SGD", "lr": 0.01, "kwargs": {"momentum": 0.9}}
 VARIANTS = (  # label, bench_amp dtype, channels_last, optimizer built for the device (fused on CUDA)
@@ -143,3 +145,40 @@ def input_path(ctx: Context) -> None:
     wait = waits.get("auto")
     ctx.target("the quickstart's data wait with the defaults: under 5% of the time (26% with num_workers 0)",
                f"{wait:.1f}%" if wait is not None else "", wait < 5 if wait is not None else None)
+
+
+def cuda_graphs(ctx: Context) -> None:
+    size = ctx.sizes(
+        # Expected on one H100: ~90 s. Eager: 5 warm-up and 3 x 20 timed steps of ~10 ms. Graphs: torch.compile of
+        # the forward and backward (~40-60 s) and the graph recording in the warm-up, then the same timing.
+        gpu=dict(factory=resnet18_32, model="CIFAR ResNet-18", batch=256, image=32, steps=20, repeats=3, warmup=5),
+        smoke=dict(factory=tiny_cnn, model="small_cnn width 8", batch=8, image=16, steps=2, repeats=2, warmup=2))
+    device = ctx.device
+    ctx.result["data"].update(model=size["model"], batch=size["batch"], image=size["image"], dtype="bfloat16")
+    ctx.table("eager against CUDA graphs (compile reduce-overhead)", ["variant", "step_ms", "parity", "fell_back",
+                                                                       "status"])
+    measured = {}
+    for label, compile in (("eager", False), ("compile reduce-overhead", "reduce-overhead")):
+        if compile and not ctx.cuda:
+            ctx.row(variant=label, status=f"skipped: {NEEDS_CUDA} (compiling on this CPU takes longer than the smoke "
+                                          f"run; tests/step/test_graphs.py compiles a small model)")
+            continue
+        torch.manual_seed(0)
+        model = size["factory"](10)
+        optimizer = build_optimizer(SGD, model, device)
+        trainer = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype="bfloat16",
+                                     compile=compile)
+        batches = [(torch.randn(size["batch"], 3, size["image"], size["image"], device=device),
+                    torch.randint(0, 10, (size["batch"],), device=device)) for _ in range(2)]
+        trainer.run([batches[i % 2] for i in range(size["warmup"])], max_epochs=1)
+        timer, steps = Timer(device), [batches[i % 2] for i in range(size["steps"])]
+        step = statistics.median(timer(lambda: trainer.run(steps, max_epochs=1)) / size["steps"]
+                                 for _ in range(size["repeats"]))
+        guard = trainer.amp_step.graphs
+        measured[label] = step
+        ctx.row(variant=label, step_ms=step * 1e3, parity=guard.parity if guard else None,
+                fell_back=guard.off if guard else None, status="measured")
+    eager, graphed = measured.get("eager"), measured.get("compile reduce-overhead")
+    ratio = eager / graphed if eager and graphed else None
+    ctx.target("ResNet-18 32x32 batch 256 with CUDA graphs: >= 2x the eager step (about 10 ms an iteration before)",
+               f"{ratio:.2f}x" if ratio else "", ratio >= 2 if ratio else None)

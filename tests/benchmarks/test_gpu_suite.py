@@ -263,13 +263,14 @@ def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite,
 
 
 def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp_path):
-    """Issue 51: sections m (memory format, fused step) and n (input path) run their code on the CPU stand-in and
+    """Issue 51: sections m (memory format, fused step), n (input path) and o (CUDA graphs) run their code on the CPU
+    stand-in (o's compiled variant needs CUDA) and
     say NOT MEASURED; they are outside the default budget."""
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "mn", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "mno", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
-    assert list(report["sections"]) == ["m_memory_format_fused", "n_input_path"]
+    assert list(report["sections"]) == ["m_memory_format_fused", "n_input_path", "o_cuda_graphs"]
     assert not set(report["sections"]) & set(report["gpu_budgets_s"])
     m, n = report["sections"]["m_memory_format_fused"], report["sections"]["n_input_path"]
     assert m["status"] == n["status"] == "measured", (m.get("reason"), n.get("reason"))
@@ -279,4 +280,6 @@ def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp
     assert [t["value"] for t in m["targets"]][1] == "equal (on CPU: not a GPU figure)"  # the parity, run on CPU
     assert [(r["num_workers"], r["workers"]) for r in rows(n)] == [("auto", 0), (0, 0)]
     assert all(r["data_wait_pct"] is not None for r in rows(n))
-    assert {t["verdict"] for t in m["targets"] + n["targets"]} == {"NOT MEASURED"}
+    o = report["sections"]["o_cuda_graphs"]
+    assert [r["status"][:8] for r in rows(o)] == ["measured", "skipped:"] and rows(o)[0]["step_ms"] > 0
+    assert {t["verdict"] for t in m["targets"] + n["targets"] + o["targets"]} == {"NOT MEASURED"}
