@@ -1,4 +1,4 @@
-"""Sections m and n (opt-in, issue 51): what the GPU defaults give.
+"""Sections m, n and o (opt-in, issue 51): what the GPU defaults and the CUDA graphs opt-in give.
 
 m. Memory format and fused step: ResNet-50 at 224x224, batch 128, data on the GPU; float32 (TF32 on, NCHW, torch's
    foreach step: the reference of the issue's 1.30x) against float16 and bfloat16 with the defaults

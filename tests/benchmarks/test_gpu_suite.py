@@ -264,8 +264,7 @@ def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite,
 
 def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp_path):
     """Issue 51: sections m (memory format, fused step), n (input path) and o (CUDA graphs) run their code on the CPU
-    stand-in (o's compiled variant needs CUDA) and
-    say NOT MEASURED; they are outside the default budget."""
+    stand-in (o's compiled variant needs CUDA) and say NOT MEASURED; they are outside the default budget."""
     proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "mno", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
