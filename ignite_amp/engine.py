@@ -28,7 +28,7 @@ from ignite_amp.core.config_keys import FIXED, POSITIVE_INT, Boolean, Choice, Na
 from ignite_amp.transforms.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
 from ignite_amp.step.factory_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
 from ignite_amp.step.train import AmpStep
-from ignite_amp.step.memory_format import CHANNELS_LAST
+from ignite_amp.transforms.memory_format import CHANNELS_LAST
 from ignite_amp.step.base import StepBase, call_model, identity
 
 __all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "create_amp_trainer",

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ignite_amp.batching import batch_size_of
 from ignite_amp.transforms.activation_checkpointing import checkpoint_modules, checkpointed_blocks
 from ignite_amp.engine import create_amp_trainer
-from ignite_amp.step.memory_format import choose_channels_last
+from ignite_amp.transforms.memory_format import choose_channels_last
 from ignite_amp.core.nested import map_tensors
 
 __all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]

@@ -170,7 +170,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
         if _sharded(cfg):
             trained = model = _shard(cfg, model, device)
-            optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=True)  # sharding replaced the parameters
+            optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=True)  # over the shards
         else:
             trained = idist.auto_model(model)
             optimizer = idist.auto_optim(optimizer)

@@ -1,7 +1,7 @@
 """The speed defaults of a config run (issue 51): what ``auto`` chose for the memory format, the optimizer step and
 the loader's workers, and why: for the start line and the run facts.
 
-Each choice is its own rule (:mod:`ignite_amp.step.memory_format`, :mod:`ignite_amp.run.fused`,
+Each choice is its own rule (:mod:`ignite_amp.transforms.memory_format`, :mod:`ignite_amp.run.fused`,
 :mod:`ignite_amp.data.workers`); this module applies them to a config and says them in one place.
 """
 from typing import Any, Dict
@@ -10,7 +10,7 @@ import torch
 
 from ignite_amp.data.datasets import data_workers
 from ignite_amp.run.fused import fused_choice
-from ignite_amp.step.memory_format import ChannelsLastChoice, choose_channels_last
+from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_channels_last
 
 __all__ = ["config_channels_last", "speed_facts", "speed_words"]
 

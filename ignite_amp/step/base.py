@@ -16,8 +16,8 @@ from ignite_amp.core.collectives import any_rank, unwrap
 from ignite_amp.core.device import free_memory, is_oom_error, resolve_device, resolve_dtype
 from ignite_amp.errors import BatchError
 from ignite_amp.step.events import AmpEvents
-from ignite_amp.step.graphs import REDUCE_OVERHEAD, GraphGuard
-from ignite_amp.step.memory_format import choose_channels_last
+from ignite_amp.transforms.cuda_graphs import REDUCE_OVERHEAD, GraphGuard
+from ignite_amp.transforms.memory_format import choose_channels_last
 from ignite_amp.core.config_keys import POSITIVE_INT
 from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
 
@@ -106,12 +106,12 @@ class StepBase:
         self.split_batch = split_batch
         self._model = model.to(self._device)
         self._module = unwrap(self._model)
-        # "auto": on CUDA for a model of convolutions (ignite_amp.step.memory_format); why says what auto chose
+        # "auto": on CUDA for a convolutional model (ignite_amp.transforms.memory_format); why: what auto chose
         self.channels_last, self.channels_last_why = choose_channels_last(channels_last, self._module, self._device)
         if self.channels_last:
             self._model.to(memory_format=torch.channels_last)
         keep_in_fp32(self._model, fp32_modules, self._device.type)
-        # compile="reduce-overhead": CUDA graphs, with the fallbacks to the eager forward of ignite_amp.step.graphs
+        # compile="reduce-overhead": CUDA graphs, falling back to eager (ignite_amp.transforms.cuda_graphs)
         self.graphs = GraphGuard() if compile == REDUCE_OVERHEAD else None
         self.forward = (torch.compile(self._model, mode=REDUCE_OVERHEAD) if self.graphs is not None
                         else torch.compile(self._model) if compile else self._model)

@@ -76,10 +76,10 @@ class AmpStep(StepBase, Serializable):
         non_blocking: asynchronous host-to-device copies (pair with a pinned-memory loader).
         channels_last: model and every 4-d floating-point input tensor in channels-last format; ``"auto"`` (the
             default): on CUDA for a model whose 2-d convolutions hold most of its weights
-            (``ignite_amp.step.memory_format``); ``channels_last`` and ``channels_last_why`` say what it chose.
+            (``ignite_amp.transforms.memory_format``); ``channels_last`` and ``channels_last_why`` say what it chose.
         compile: run the forward through ``torch.compile``; ``"reduce-overhead"``: with CUDA graphs, checked
             against the eager forward on the first step and given up for it where the graphs cannot follow
-            (``ignite_amp.step.graphs``).
+            (``ignite_amp.transforms.cuda_graphs``).
         fp32_modules: names of submodules run outside autocast with float32 inputs.
         prepare_batch: ``prepare_batch(batch, device, non_blocking) -> (x, y)``; the default takes
             ``(x, y)`` pairs and mappings (x: the mapping, y: None), see :func:`ignite_amp.batching.prepare_batch`.

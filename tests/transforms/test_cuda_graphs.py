@@ -8,13 +8,13 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-import ignite_amp.step.graphs as graphs
+import ignite_amp.transforms.cuda_graphs as graphs
 from conftest import OOMAbove, assert_doctests_pass
 from ignite_amp.config.tree import load_config
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.errors import ConfigError
 from ignite_amp.step.events import AmpEvents
-from ignite_amp.step.graphs import MAX_SHAPES, loss_mismatch
+from ignite_amp.transforms.cuda_graphs import MAX_SHAPES, loss_mismatch
 
 
 class Shifted(nn.Module):

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-import ignite_amp.step.memory_format as memory_format
+import ignite_amp.transforms.memory_format as memory_format
 from conftest import assert_doctests_pass
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
-from ignite_amp.step.memory_format import CONV_SHARE, choose_channels_last, conv_share
+from ignite_amp.transforms.memory_format import CONV_SHARE, choose_channels_last, conv_share
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
