@@ -15,7 +15,7 @@ from ignite_amp.core.collectives import is_distributed
 from ignite_amp.errors import ConfigError, first_line
 from ignite_amp.core.device import is_oom_error, resolve_device
 from ignite_amp.transforms.float8 import convert_to_float8
-from ignite_amp.run.fused import fused_choice
+from ignite_amp.run.fused import fused_choice, keep_kernels
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
@@ -79,10 +79,12 @@ def build_optimizer(opt: dict, model: torch.nn.Module, device: Optional[torch.de
     if device is not None and fused_choice(opt["name"], kwargs, device, sharded).fused and "fused" not in kwargs:
         kwargs["fused"] = True
     try:
-        return cls(model.parameters(), lr=opt["lr"], **kwargs)
+        optimizer = cls(model.parameters(), lr=opt["lr"], **kwargs)
     except Exception as exc:  # TypeError, ValueError, an IndexError for betas=[0.9]...: the kwargs are wrong
         raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc.__class__.__name__}: "
                           f"{exc})") from None
+    keep_kernels(optimizer)  # a resume keeps this run's fused/foreach choice, not the checkpoint's
+    return optimizer
 
 
 def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,

@@ -9,13 +9,17 @@ A fused step under a float16 GradScaler: the step unscales the gradients itself 
 ``GRADS_READY``), reads the inf/NaN flag once and skips ``optimizer.step()`` on an overflow, then calls it without
 ``grad_scale`` or ``found_inf`` (it never calls ``scaler.step``): the fused kernel gets true gradients, as the
 foreach one does, and an overflowed step is skipped the same way.
+
+A resume keeps the kernels this run chose (:func:`keep_kernels`): torch's ``Optimizer.load_state_dict`` takes each
+group's flags from the checkpoint, so a run resumed on a GPU from a checkpoint of a CPU run would otherwise step
+unfused, and the reverse fused.
 """
 import inspect
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["FusedChoice", "fused_devices", "fused_choice"]
+__all__ = ["FusedChoice", "fused_devices", "fused_choice", "keep_kernels"]
 
 
 class FusedChoice(NamedTuple):
@@ -59,3 +63,15 @@ def fused_choice(name: str, kwargs: dict, device: torch.device, sharded: bool = 
     if device.type != "cuda":
         return FusedChoice(None, "auto: CUDA only")  # torch's default step there, as before
     return FusedChoice(True, "auto: on CUDA")
+
+
+def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Keep ``optimizer``'s ``fused`` and ``foreach`` flags as built when a state dict is loaded into it (torch's
+    ``load_state_dict`` would take the saved groups' flags: the kernels are this run's choice, not the checkpoint's)."""
+    built = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
+
+    def restore(loaded: torch.optim.Optimizer) -> None:
+        for group, flags in zip(loaded.param_groups, built):
+            group.update(flags)
+
+    optimizer.register_load_state_dict_post_hook(restore)

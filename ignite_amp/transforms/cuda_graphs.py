@@ -9,8 +9,8 @@ handles by going back to the eager forward for the rest of the run, with a warni
 - parity: on the first training step the compiled forward's loss is checked against the eager forward's on the
   same chunk, parameters, buffers and random state (restored after each); a relative difference over
   :data:`TOLERANCE` for the dtype (a few units of its rounding) falls back. Not checked (and said) for a model with
-  dropout (the compiled and eager forwards draw different random numbers) or under DDP (a forward without its
-  backward would leave its reducer waiting);
+  dropout (the compiled and eager forwards draw different random numbers) or under DDP or FSDP2 (a forward
+  without its backward would leave them waiting for it);
 - shapes the project itself changes: the last short batch of an epoch and a micro-batch count an
   ``OUT_OF_MEMORY`` handler raised give new input shapes, each recorded as graphs of its own; past
   :data:`MAX_SHAPES` distinct shapes the step falls back rather than record more;
@@ -84,8 +84,8 @@ class GraphGuard:
         """The first training chunk's loss, compiled against eager (the state restored after each)."""
         self.checked = True
         model = unwrap(step.model)
-        if model is not step.model:
-            self.parity = "not checked under DDP"
+        if model is not step.model or getattr(step, "fsdp", None) is not None:
+            self.parity = "not checked under DDP or FSDP2"
             return
         if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()):
             self.parity = "not checked: dropout draws other random numbers compiled than eager"

@@ -136,3 +136,17 @@ def test_the_start_line_of_a_cpu_run_says_what_auto_chose(tmp_path):
                           "0 loader workers (auto: 0 off a GPU)")
     assert run.facts["channels_last"] is False and run.facts["num_workers"] == 0
     assert run.train_loader.num_workers == 0
+
+
+def test_a_resume_keeps_the_kernels_this_run_chose_not_the_checkpoints():
+    """torch's load_state_dict takes the saved groups' flags; a CPU run's checkpoint resumed on CUDA stays fused."""
+    model = nn.Linear(4, 2)
+    opt = {"name": "AdamW", "lr": 1e-3, "kwargs": {}}
+    on_cpu, on_cuda = build_optimizer(opt, model, CPU), build_optimizer(opt, model, CUDA)
+    model(torch.randn(3, 4)).sum().backward()
+    on_cpu.step()
+    on_cuda.load_state_dict(on_cpu.state_dict())
+    assert on_cuda.param_groups[0]["fused"] is True and on_cuda.param_groups[0]["foreach"] is None
+    on_cpu.load_state_dict(on_cuda.state_dict())
+    assert not on_cpu.param_groups[0]["fused"]
+    assert on_cuda.state[model.weight]["step"] == 1  # the rest of the state is the checkpoint's
