@@ -33,6 +33,11 @@ m. section c's other rows: IEEE float32 (TF32 off) and bfloat16 + channels_last 
 n. issue 13's ResNet-50 search test (``pytest -m gpu -k resnet50_search``; ~2 min).
 s. activation checkpointing policies: none, selective and full on section h's models, and auto in a memory limit
    between none's and full's peaks (``gpu_sections/activation_checkpointing.py``; ``--only s``, ~1 min).
+m. issue 51: ResNet-50 float16 with the defaults (channels_last auto, fused step) against float32 TF32 in NCHW, and
+   the fused step's parity with the foreach one (``--only p``, ~45 s).
+q. issue 51: the quickstart's data wait with ``num_workers: auto`` against 0 (``--only q``, ~40 s).
+r. issue 51: ResNet-18 32x32 batch 256 with ``compile: reduce-overhead`` (CUDA graphs) against eager (``--only r``,
+   ~90 s, most of it compiling).
 
 Each section runs in its own process, forked from this one (which never touches CUDA), so its GPU
 memory and CUDA settings are its own and a crash ends only it (``gpu_sections/runner.py``). Each has a
@@ -55,7 +60,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; the opt-in i, k, l, m, n and s only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; the opt-in i, k, l, m, n, p, q, r and s only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - seconds_since_start()  # the imports count against the 6 minutes too

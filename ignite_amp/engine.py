@@ -28,6 +28,7 @@ from ignite_amp.core.config_keys import FIXED, POSITIVE_INT, Boolean, Choice, Na
 from ignite_amp.transforms.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
 from ignite_amp.step.factory_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
 from ignite_amp.step.train import AmpStep
+from ignite_amp.transforms.memory_format import CHANNELS_LAST
 from ignite_amp.step.base import StepBase, call_model, identity
 
 __all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "create_amp_trainer",
@@ -48,9 +49,12 @@ class AmpConfig:
     accumulation_steps: int = setting(1, POSITIVE_INT, "batches whose gradients add up to one optimizer step", FIXED)
     micro_batches: int = setting(1, POSITIVE_INT, "chunks each batch is split into (same gradient, less memory)")
     fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
-    channels_last: bool = setting(False, Boolean(), "channels-last memory format for model and images")
-    compile: bool = setting(None, Boolean(nullable=True),
-                            "torch.compile the forward (null: on for float8 on a GPU, else off)")
+    channels_last: bool = setting("auto", CHANNELS_LAST, "channels-last memory format for model and images; auto: "
+                                  "on CUDA when 2-d convolutions hold at least half of the model's weights")
+    compile: bool = setting(None, Boolean(nullable=True, also=("reduce-overhead",)),
+                            "torch.compile the forward (null: on for float8 on a GPU, else off); reduce-overhead: "
+                            "with CUDA graphs, checked against the eager step first, eager again where shapes change "
+                            "too often or memory runs out")
     activation_checkpointing: bool = setting(
         False, Boolean(also=("auto", "selective")), "the model's repeated blocks (distributed.blocks, or the rule "
         "FSDP2 shards by) keep only their inputs and run their forward again in the backward: less activation memory, "

@@ -11,6 +11,7 @@ from .amp_vs_fp32 import amp_more, amp_vs_fp32
 from .batch_size_and_oom import batch_size_and_oom
 from .common import Section
 from .data_path import data_path
+from .fast_defaults import cuda_graphs, input_path, memory_format_and_fused
 from .gpu_tests import gpu_tests, resnet50_search_test
 from .hand_loop_overhead import overhead
 from .handler_cost import handler_cost
@@ -45,4 +46,11 @@ OPT_IN = (
     # Expected on one H100: section h's 25 s for none and full, ~15 s more for selective and ~8 s for GPT auto
     Section("s_checkpointing_policies", "s. Activation checkpointing policies: none, selective, full, auto (GPT, "
             "ResNet-50)", checkpointing_policies, 90, 50),
+    # Issue 51's defaults on a GPU (opt-in: outside the default suite's 6 minutes):
+    Section("p_memory_format_fused", "p. Memory format and fused step with the defaults (ResNet-50, 224x224, batch "
+            "128)", memory_format_and_fused, 90, 45),
+    Section("q_input_path", "q. The input path with the defaults (the quickstart, num_workers auto against 0)",
+            input_path, 75, 40),
+    Section("r_cuda_graphs", "r. CUDA graphs against the eager step (CIFAR ResNet-18, 32x32, batch 256, bfloat16)",
+            cuda_graphs, 180, 90),
 )

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from overhead import timed
 
 from ignite_amp import create_amp_trainer
-from ignite_amp.data.datasets import EpochShuffleSampler, build_datasets
+from ignite_amp.data.datasets import EpochShuffleSampler, build_datasets, data_workers
 from ignite_amp.models import build_model
 
 from .common import NEEDS_CUDA, Context, recipe, sync
@@ -40,9 +40,10 @@ def data_path(ctx: Context) -> None:
         rate = _step_rate(ctx, cfg, size)
         ctx.result["data"][f"{name}: training step samples/s"] = rate
         seed_row = None
-        for workers in size["workers"]:
+        own = data_workers(data, ctx.device).workers  # num_workers auto (issue 51): what it gives on this machine
+        for workers in sorted(set(size["workers"]) | {own}):
             for pin in (False, True):
-                seed_setting = workers == data["num_workers"] and pin == ctx.cuda  # make_loader pins on CUDA
+                seed_setting = workers == own and pin == ctx.cuda  # make_loader pins on CUDA
                 if pin and not ctx.cuda:
                     ctx.row(config=name, num_workers=workers, pin_memory=pin, seed_setting=seed_setting,
                             status=f"skipped: {NEEDS_CUDA} (pinned memory)")
@@ -58,7 +59,7 @@ def data_path(ctx: Context) -> None:
                 ctx.row(config=name, num_workers=workers, pin_memory=pin, samples_per_s=samples, first_epoch_s=first,
                         keeps_up=samples >= rate, seed_setting=seed_setting, status="measured")
                 seed_row = samples if seed_setting else seed_row
-        advice = f"{name}: its own num_workers ({data['num_workers']}) keeps up with its model"
+        advice = f"{name}: its own num_workers ({data['num_workers']}: {own} here) keeps up with its model"
         if seed_row is None:
             ctx.target(advice, "its setting was not in this run's grid", None)
         else:

@@ -79,7 +79,7 @@ class Config:
     @staticmethod
     def check_values(cfg: dict, path: str) -> None:
         """Rules between sections."""
-        if cfg["distributed"]["strategy"] == "fsdp" and cfg["amp"]["channels_last"]:
+        if cfg["distributed"]["strategy"] == "fsdp" and cfg["amp"]["channels_last"] is True:
             raise ConfigError("amp.channels_last: not with distributed.strategy fsdp (FSDP2 shards contiguous "
                               "parameters only)")
         if cfg["distributed"]["strategy"] == "fsdp" and cfg["data"]["batch_size"] == "auto":

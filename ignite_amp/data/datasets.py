@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader, Dataset
 from ignite_amp.core.collectives import adopt_ignite_loggers
 from ignite_amp.errors import ConfigError
 from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
+from ignite_amp.data.workers import WorkersChoice, choose_num_workers, usable_cores
 from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, LockstepBatches, ShuffleShardSampler
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
 
-__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "SHAPE_CLASSES"]
+__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "data_workers", "SHAPE_CLASSES"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -40,7 +41,9 @@ class DataConfig:
                               "the global batch (split over the processes of a distributed run); auto: search for "
                               "the largest that fits", FIXED_UNDER_SCHEDULE)
     eval_batch_size: int = setting(None, Integer(1, 2**20, nullable=True), "default: batch_size")
-    num_workers: int = setting(2, Integer(0, 256), "loader worker processes")
+    num_workers: int = setting("auto", Integer(0, 256, also=("auto",)), "loader worker processes (per machine); "
+                               "auto: 0 off a GPU, on one the cores less one per process, at most 4 per process for "
+                               "an in-memory set and 8 for imagefolder")
     download: bool = setting(False, Boolean(), "cifar only: download when missing")
     augment: bool = setting(False, Boolean(),
                             "cifar: padded random crop + flip; imagefolder: random resized crop + flip")
@@ -207,7 +210,8 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
             raise ConfigError(f"data.root: {root}/val has other classes than {root}/train (missing in val: "
                               f"{', '.join(missing) or 'none'}; only in val: {', '.join(extra) or 'none'}); "
                               f"the labels would not match")
-        check_images([p for p, _ in train_set.samples + val_set.samples], data["num_workers"])
+        threads = usable_cores() if data["num_workers"] == "auto" else data["num_workers"]
+        check_images([p for p, _ in train_set.samples + val_set.samples], threads)
         return train_set, val_set, len(train_set.classes)
     else:  # the config schema already refused other names
         raise ConfigError(f"data.name: unknown data set {name!r}")
@@ -266,6 +270,12 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     )
 
 
+def data_workers(data: dict, device: torch.device) -> WorkersChoice:
+    """``data.num_workers`` for this machine (``auto``: :func:`ignite_amp.data.workers.choose_num_workers`)."""
+    return choose_num_workers(data["num_workers"], device.type, in_memory=data["name"] != "imagefolder",
+                              cores=usable_cores(), processes=idist.get_nproc_per_node())
+
+
 def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False,
                   lockstep: bool = False, micro_batches: int = 1):
     """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here.
@@ -282,6 +292,7 @@ def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int 
         raise ConfigError(f"amp.micro_batches: {micro_batches} micro-batches of a batch of {per_process} (per process) "
                           f"hold 1 sample, but the model has BatchNorm layers, whose training statistics need at "
                           f"least 2: use at most {per_process // 2}, or a larger data.batch_size")
+    data = dict(data, num_workers=data_workers(data, device).workers)
     train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
     train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm,
                         micro_batches=micro_batches)

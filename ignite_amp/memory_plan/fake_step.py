@@ -20,6 +20,7 @@ from ignite_amp.batching import batch_size_of
 from ignite_amp.transforms.activation_checkpointing import POLICIES, checkpoint_modules, checkpointed_blocks
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.memory_plan.flops import count_flops
+from ignite_amp.transforms.memory_format import choose_channels_last
 from ignite_amp.core.nested import map_tensors
 
 __all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
@@ -170,8 +171,8 @@ class FakeStep:
         self.checkpointed: List[str] = []
 
     def _build(self, mode: Any) -> tuple:
-        model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device,
-                                        self.kwargs.get("channels_last", False))
+        layout = choose_channels_last(self.kwargs.get("channels_last", "auto"), self.model, self.device)  # as the step
+        model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device, layout.on)
         for policy in POLICIES:  # blocks chosen for the plan (activation_checkpointing auto), with their policy
             checkpoint_modules(model, [name for name, p in self.checkpoint.items() if p == policy], policy)
         with mode, _NoHostReads():

@@ -15,6 +15,7 @@ from ignite_amp.core.collectives import is_distributed
 from ignite_amp.errors import ConfigError, first_line
 from ignite_amp.core.device import is_oom_error, resolve_device
 from ignite_amp.transforms.float8 import convert_to_float8
+from ignite_amp.run.fused import fused_choice, keep_kernels
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
@@ -64,19 +65,26 @@ def config_device(cfg: dict) -> torch.device:
     return rank_device
 
 
-def build_optimizer(opt: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """``torch.optim.<name>(model.parameters(), lr=lr, **kwargs)``."""
+def build_optimizer(opt: dict, model: torch.nn.Module, device: Optional[torch.device] = None,
+                    sharded: bool = False) -> torch.optim.Optimizer:
+    """``torch.optim.<name>(model.parameters(), lr=lr, **kwargs)``; given the run's ``device``, with ``fused=True``
+    where :func:`ignite_amp.run.fused.fused_choice` turns it on (CUDA)."""
     cls = getattr(torch.optim, opt["name"], None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer.name: unknown torch.optim optimizer {opt['name']!r}")
     if opt["name"] == "LBFGS":
         raise ConfigError("optimizer.name: LBFGS needs a closure that evaluates the loss again, which a training "
                           "step does not give; use a first-order optimizer (AdamW, SGD...)")
+    kwargs = dict(opt["kwargs"])
+    if device is not None and fused_choice(opt["name"], kwargs, device, sharded).fused and "fused" not in kwargs:
+        kwargs["fused"] = True
     try:
-        return cls(model.parameters(), lr=opt["lr"], **opt["kwargs"])
+        optimizer = cls(model.parameters(), lr=opt["lr"], **kwargs)
     except Exception as exc:  # TypeError, ValueError, an IndexError for betas=[0.9]...: the kwargs are wrong
         raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc.__class__.__name__}: "
                           f"{exc})") from None
+    keep_kernels(optimizer)  # a resume keeps this run's fused/foreach choice, not the checkpoint's
+    return optimizer
 
 
 def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,
@@ -147,7 +155,7 @@ def check_model_runs(cfg: dict, step) -> None:
     or a head of the wrong width, is a one-line error now rather than a traceback mid-epoch."""
     model, shape = step.model, (2, *input_shape(cfg["data"]))
     x = torch.zeros(shape, device=step.device)
-    if cfg["amp"]["channels_last"]:
+    if step.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     was_training = model.training
     model.eval()

@@ -12,6 +12,7 @@ from ignite.engine import Engine
 
 from ignite_amp.files.run_directory import RunFiles, RunLayout
 from ignite_amp.step.facts import start_words
+from ignite_amp.run.fast_path import speed_words
 
 __all__ = ["Run"]
 
@@ -83,8 +84,9 @@ class Run:
                 if step.float8 is not None:
                     self.print(step.float8.line())
                 where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", self.dtype_why)
+                speed = f"; {speed_words(self.facts, cfg['optimizer']['name'])}" if "num_workers" in self.facts else ""
                 self.print(f"training {cfg['name']} on {where} with {precision}; "
-                           f"output in {self.output_dir}")
+                           f"output in {self.output_dir}{speed}")
                 try:
                     self.trainer.run(self.train_data, max_epochs=cfg["train"]["epochs"],
                                      epoch_length=cfg["train"]["epoch_length"])

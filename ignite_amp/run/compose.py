@@ -36,6 +36,7 @@ from ignite_amp.files.run_directory import RunFiles, RunLayout, check_run_direct
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.run.built_run import Run
 from ignite_amp.run.epochs import EpochSummary, Validation
+from ignite_amp.run.fast_path import config_channels_last, speed_facts
 
 __all__ = ["train_from_config", "build_run", "Run"]
 
@@ -93,7 +94,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     seed_everything(cfg["seed"])
     model = build_model(**cfg["model"])
     checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
-    optimizer = build_optimizer(cfg["optimizer"], model)
+    optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=_sharded(cfg))  # fused on CUDA (run.fused)
     planned = plan_run(cfg, model, optimizer, device, say)  # activation_checkpointing auto; the planned peak (GPU)
     batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
         else None
@@ -116,6 +117,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned,
                  **({"dtype_auto": dtype_why} if dtype_why else {})}
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
+    run.facts.update(speed_facts(cfg, model, optimizer, device))  # what the auto values chose, and why
     if progress:
         from ignite.handlers import ProgressBar
 
@@ -155,6 +157,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
     optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked)."""
     amp = dict(cfg["amp"])
+    amp["channels_last"] = config_channels_last(cfg, model, device).on  # auto: on CUDA for a convolutional model
     amp["dtype"], dtype_why = config_dtype(cfg, model, device)  # auto on a CPU: a timed probe's choice (dtype_probe)
     accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
     cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
@@ -167,7 +170,7 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
         if _sharded(cfg):
             trained = model = _shard(cfg, model, device)
-            optimizer = build_optimizer(cfg["optimizer"], model)  # sharding replaced the parameters
+            optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=True)  # over the shards
         else:
             trained = idist.auto_model(model)
             optimizer = idist.auto_optim(optimizer)

@@ -16,6 +16,8 @@ from ignite_amp.core.collectives import any_rank, unwrap
 from ignite_amp.core.device import free_memory, is_oom_error, resolve_device, resolve_dtype
 from ignite_amp.errors import BatchError
 from ignite_amp.step.events import AmpEvents
+from ignite_amp.transforms.cuda_graphs import REDUCE_OVERHEAD, GraphGuard
+from ignite_amp.transforms.memory_format import choose_channels_last
 from ignite_amp.core.config_keys import POSITIVE_INT
 from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
 
@@ -77,8 +79,8 @@ class StepBase:
         dtype: Union[str, torch.dtype] = "auto",
         micro_batches: int = 1,
         non_blocking: bool = True,
-        channels_last: bool = False,
-        compile: bool = False,
+        channels_last: Union[bool, str] = "auto",
+        compile: Union[bool, str] = False,
         fp32_modules: Sequence[str] = (),
         prepare_batch: Callable = prepare_batch,
         model_fn: Callable[[nn.Module, Any], Any] = call_model,
@@ -96,7 +98,6 @@ class StepBase:
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} should be a function, got {type(fn).__name__}")
         self.non_blocking = non_blocking
-        self.channels_last = channels_last
         self.prepare_batch = prepare_batch
         self.model_fn = model_fn
         self.model_transform = model_transform
@@ -105,10 +106,15 @@ class StepBase:
         self.split_batch = split_batch
         self._model = model.to(self._device)
         self._module = unwrap(self._model)
-        if channels_last:
+        # "auto": on CUDA for a convolutional model (ignite_amp.transforms.memory_format); why: what auto chose
+        self.channels_last, self.channels_last_why = choose_channels_last(channels_last, self._module, self._device)
+        if self.channels_last:
             self._model.to(memory_format=torch.channels_last)
         keep_in_fp32(self._model, fp32_modules, self._device.type)
-        self.forward = torch.compile(self._model) if compile else self._model
+        # compile="reduce-overhead": CUDA graphs, falling back to eager (ignite_amp.transforms.cuda_graphs)
+        self.graphs = GraphGuard() if compile == REDUCE_OVERHEAD else None
+        self.forward = (torch.compile(self._model, mode=REDUCE_OVERHEAD) if self.graphs is not None
+                        else torch.compile(self._model) if compile else self._model)
         if self._dtype == torch.float32:
             self.autocast = contextlib.nullcontext
         else:
@@ -180,6 +186,8 @@ class StepBase:
 
     def _forward(self, x: Any) -> Any:
         """``model_transform(model_fn(model, x))`` (the caller enters autocast)."""
+        if self.graphs is not None:
+            self.graphs.saw(self, x)
         return self.model_transform(self.model_fn(self.forward, x))
 
     def _chunks(self, batch: tuple) -> tuple:
@@ -267,6 +275,8 @@ class StepBase:
             traceback.clear_frames(error.__traceback__)
             output = None
             self._recover(engine)
+            if self.graphs is not None:
+                self.graphs.fall_back(self, "out of memory: the graphs' memory pools hold what the retry needs")
             free_memory(self._device)
             self._oom_count += 1
             before = min(self._micro_batches, self._batch_size)

@@ -74,8 +74,12 @@ class AmpStep(StepBase, Serializable):
             never crosses an epoch boundary: the epoch's last iteration steps.
         micro_batches: chunks each batch is split into; the gradient is the full batch's.
         non_blocking: asynchronous host-to-device copies (pair with a pinned-memory loader).
-        channels_last: model and every 4-d floating-point input tensor in channels-last format.
-        compile: run the forward through ``torch.compile``.
+        channels_last: model and every 4-d floating-point input tensor in channels-last format; ``"auto"`` (the
+            default): on CUDA for a model whose 2-d convolutions hold most of its weights
+            (``ignite_amp.transforms.memory_format``); ``channels_last`` and ``channels_last_why`` say what it chose.
+        compile: run the forward through ``torch.compile``; ``"reduce-overhead"``: with CUDA graphs, checked
+            against the eager forward on the first step and given up for it where the graphs cannot follow
+            (``ignite_amp.transforms.cuda_graphs``).
         fp32_modules: names of submodules run outside autocast with float32 inputs.
         prepare_batch: ``prepare_batch(batch, device, non_blocking) -> (x, y)``; the default takes
             ``(x, y)`` pairs and mappings (x: the mapping, y: None), see :func:`ignite_amp.batching.prepare_batch`.
@@ -118,8 +122,8 @@ class AmpStep(StepBase, Serializable):
         accumulation_steps: int = 1,
         micro_batches: int = 1,
         non_blocking: bool = True,
-        channels_last: bool = False,
-        compile: bool = False,
+        channels_last: Union[bool, str] = "auto",
+        compile: Union[bool, str] = False,
         fp32_modules: Sequence[str] = (),
         prepare_batch: Callable = prepare_batch,
         model_fn: Callable[[nn.Module, Any], Any] = call_model,
@@ -217,6 +221,8 @@ class AmpStep(StepBase, Serializable):
             self._model.train()
         if cycle.first:
             self._optimizer.zero_grad(set_to_none=True)
+        if self.graphs is not None and not self.graphs.checked:  # compile reduce-overhead: against eager, once
+            self.graphs.check_parity(self, *parts[0])
         self._norm.clear()
         label = phase_label()
         keep = self.output_transform is not None

@@ -294,3 +294,25 @@ def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a
         (False, 0), ("selective", 2), (True, 2), ("auto", None), (False, 0), ("selective", 8), (True, 8)]
     assert rows[3]["status"].startswith("skipped: needs CUDA") and all(r["step_ms"] > 0 for r in rows if "step_ms" in r)
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"] * 3
+
+
+def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp_path):
+    """Issue 51: sections p (memory format, fused step), q (input path) and r (CUDA graphs) run their code on the CPU
+    stand-in (o's compiled variant needs CUDA) and say NOT MEASURED; they are outside the default budget."""
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "pqr", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["p_memory_format_fused", "q_input_path", "r_cuda_graphs"]
+    assert not set(report["sections"]) & set(report["gpu_budgets_s"])
+    m, n = report["sections"]["p_memory_format_fused"], report["sections"]["q_input_path"]
+    assert m["status"] == n["status"] == "measured", (m.get("reason"), n.get("reason"))
+    table = rows(m)
+    assert [r["status"] for r in table] == ["measured"] * 4 and all(r["images_per_s"] > 0 for r in table)
+    assert not any(r["channels_last"] or r["fused"] for r in table)  # on CPU: NCHW, torch's default step
+    assert [t["value"] for t in m["targets"]][1] == "equal (on CPU: not a GPU figure)"  # the parity, run on CPU
+    assert [(r["num_workers"], r["workers"]) for r in rows(n)] == [("auto", 0), (0, 0)]
+    assert all(r["data_wait_pct"] is not None for r in rows(n))
+    o = report["sections"]["r_cuda_graphs"]
+    assert [r["status"][:8] for r in rows(o)] == ["measured", "skipped:"] and rows(o)[0]["step_ms"] > 0
+    assert {t["verdict"] for t in m["targets"] + n["targets"] + o["targets"]} == {"NOT MEASURED"}

@@ -41,7 +41,7 @@ BAD = [
     ({"amp": {"dtype": "half"}}, 'amp.dtype: expected one of auto, float16, bfloat16, float32, float8, got "half"'),
     ({"data": {"batch_size": 0}}, 'data.batch_size: expected an integer from 1 to 1048576 or "auto", got 0'),
     ({"data": {"batch_size": 2.5}}, "data.batch_size: expected an integer from 1 to 1048576"),
-    ({"data": {"num_workers": True}}, "data.num_workers: expected an integer from 0 to 256, got True"),
+    ({"data": {"num_workers": True}}, "data.num_workers: expected an integer from 0 to 256 or \"auto\", got True"),
     ({"data": {"image_size": 100000}}, "data.image_size: expected an integer from 8 to 4096 or null, got 100000"),
     ({"data": {"name": "mnist"}}, "data.name: expected one of"),
     ({"train": {"epochs": "five"}}, "train.epochs: expected a positive integer"),

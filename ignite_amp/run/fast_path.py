@@ -1,0 +1,49 @@
+"""The speed defaults of a config run (issue 51): what ``auto`` chose for the memory format, the optimizer step and
+the loader's workers, and why: for the start line and the run facts.
+
+Each choice is its own rule (:mod:`ignite_amp.transforms.memory_format`, :mod:`ignite_amp.run.fused`,
+:mod:`ignite_amp.data.workers`); this module applies them to a config and says them in one place.
+"""
+from typing import Any, Dict
+
+import torch
+
+from ignite_amp.data.datasets import data_workers
+from ignite_amp.run.fused import fused_choice
+from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_channels_last
+
+__all__ = ["config_channels_last", "speed_facts", "speed_words"]
+
+
+def config_channels_last(cfg: dict, model: torch.nn.Module, device: torch.device) -> ChannelsLastChoice:
+    """``amp.channels_last`` for the config's model on ``device``; ``auto`` is off under FSDP2 (which shards
+    contiguous parameters only; an explicit true is refused there by the config's check)."""
+    requested = cfg["amp"]["channels_last"]
+    if requested == "auto" and cfg["distributed"]["strategy"] == "fsdp":
+        return ChannelsLastChoice(False, "auto: off under distributed.strategy fsdp (contiguous shards only)")
+    return choose_channels_last(requested, model, device)
+
+
+def speed_facts(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device) -> Dict[str, Any]:
+    """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it)."""
+    layout = config_channels_last(cfg, model, device)
+    opt = cfg["optimizer"]
+    fused = fused_choice(opt["name"], opt["kwargs"], device, sharded=cfg["distributed"]["strategy"] == "fsdp")
+    workers = data_workers(cfg["data"], device)
+    return {"channels_last": layout.on, "channels_last_why": layout.why,
+            "fused_optimizer": any(bool(group.get("fused")) for group in optimizer.param_groups),
+            "fused_optimizer_why": fused.why,
+            "num_workers": workers.workers, "num_workers_why": workers.why}
+
+
+def speed_words(facts: Dict[str, Any], optimizer_name: str) -> str:
+    """The start line's words for :func:`speed_facts`:
+    ``channels_last off (auto: ...), AdamW step unfused (...), 0 loader workers (auto: ...)``."""
+    def why(key: str) -> str:
+        return f" ({facts[key]})" if facts.get(key) else ""
+
+    workers = facts["num_workers"]
+    return (f"channels_last {'on' if facts['channels_last'] else 'off'}{why('channels_last_why')}, "
+            f"{optimizer_name} step {'fused' if facts['fused_optimizer'] else 'unfused'}{why('fused_optimizer_why')}, "
+            f"{workers} loader worker{'' if workers == 1 else 's'}{why('num_workers_why')}")

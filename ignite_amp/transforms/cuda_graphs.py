@@ -1,0 +1,114 @@
+"""``compile="reduce-overhead"``: CUDA graphs for launch-bound models, with the fallbacks to the eager forward.
+
+``torch.compile(mode="reduce-overhead")`` records the compiled forward and backward as CUDA graphs (Inductor's
+cudagraph trees) and replays them: one launch where a small model made hundreds (ResNet-18 at 32x32, batch 256:
+about 10 ms an iteration on an H100, mostly waiting for launches; issue 51). The optimizer step stays outside (on
+CUDA it is one fused kernel per group, :mod:`ignite_amp.run.fused`). What the graphs cannot follow, the step
+handles by going back to the eager forward for the rest of the run, with a warning that says why:
+
+- parity: on the first training step the compiled forward's loss is checked against the eager forward's on the
+  same chunk, parameters, buffers and random state (restored after each); a relative difference over
+  :data:`TOLERANCE` for the dtype (a few units of its rounding) falls back. Not checked (and said) for a model with
+  dropout (the compiled and eager forwards draw different random numbers) or under DDP or FSDP2 (a forward
+  without its backward would leave them waiting for it);
+- shapes the project itself changes: the last short batch of an epoch and a micro-batch count an
+  ``OUT_OF_MEMORY`` handler raised give new input shapes, each recorded as graphs of its own; past
+  :data:`MAX_SHAPES` distinct shapes the step falls back rather than record more;
+- an out-of-memory error: the graphs' private memory pools hold memory the retry needs: the retry and the rest of
+  the run are eager.
+
+Off CUDA, torch compiles without graphs (Inductor skips them on a CPU), and the same checks apply.
+"""
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ignite_amp.core.collectives import unwrap
+
+__all__ = ["REDUCE_OVERHEAD", "TOLERANCE", "MAX_SHAPES", "GraphGuard", "loss_mismatch"]
+
+logger = logging.getLogger("ignite_amp")
+
+REDUCE_OVERHEAD = "reduce-overhead"
+#: The largest relative difference of the first loss, compiled against eager, that passes the parity check.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+#: Distinct input shapes recorded as graphs before the step falls back to the eager forward.
+MAX_SHAPES = 8
+
+
+def loss_mismatch(eager: float, compiled: float, dtype: torch.dtype) -> Optional[str]:
+    """Why a compiled loss fails the parity check against the eager one in ``dtype``, or None when it passes.
+
+    Example:
+        >>> loss_mismatch(2.302, 2.303, torch.bfloat16) is None
+        True
+        >>> loss_mismatch(2.302, 2.5, torch.float16)
+        'the compiled loss 2.5 differs from the eager 2.302 by 8.6% (tolerance 0.5% in float16)'
+    """
+    tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    difference = abs(compiled - eager) / max(abs(eager), 1e-12)
+    if difference == difference and difference <= tolerance:  # NaN fails
+        return None
+    return (f"the compiled loss {compiled:.4g} differs from the eager {eager:.4g} by {difference:.1%} (tolerance "
+            f"{tolerance:.1%} in {str(dtype).replace('torch.', '')})")
+
+
+class GraphGuard:
+    """The fallbacks of a step whose forward is compiled with ``mode="reduce-overhead"`` (see the module)."""
+
+    def __init__(self):
+        self.checked = False
+        self.parity: Optional[str] = None  # "passed", or why it was not checked
+        self.off: Optional[str] = None  # why the step went back to the eager forward
+        self._shapes: set = set()
+
+    def fall_back(self, step: Any, why: str) -> None:
+        """The eager forward from now on, said once."""
+        if self.off is None:
+            self.off = why
+            step.forward = step.model
+            logger.warning(f"compile reduce-overhead: back to the eager forward: {why}")
+
+    def saw(self, step: Any, x: Any) -> None:
+        """A chunk's input ``x``: a shape past :data:`MAX_SHAPES` falls back."""
+        if self.off is not None or not torch.is_tensor(x):
+            return
+        self._shapes.add(tuple(x.shape))
+        if len(self._shapes) > MAX_SHAPES:
+            self.fall_back(step, f"{len(self._shapes)} input shapes, each recorded as its own graphs (at most "
+                                 f"{MAX_SHAPES}): the last short batch and micro-batch changes make new ones")
+
+    def check_parity(self, step: Any, x: Any, y: Any) -> None:
+        """The first training chunk's loss, compiled against eager (the state restored after each)."""
+        self.checked = True
+        model = unwrap(step.model)
+        if model is not step.model or getattr(step, "fsdp", None) is not None:
+            self.parity = "not checked under DDP or FSDP2"
+            return
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()):
+            self.parity = "not checked: dropout draws other random numbers compiled than eager"
+            return
+        eager = self._loss(step, step.model, x, y, grad=False)
+        compiled = self._loss(step, step.forward, x, y, grad=True)
+        why = loss_mismatch(eager, compiled, step.dtype)  # one host sync, once
+        self.parity = "passed" if why is None else why
+        if why is not None:
+            self.fall_back(step, f"parity check failed on the first step: {why}")
+
+    @staticmethod
+    def _loss(step: Any, forward: Any, x: Any, y: Any, grad: bool) -> float:
+        """The chunk's loss through ``forward`` in the step's autocast, the buffers and random state kept as they
+        were (grad on for the compiled forward: its training graph, the one the step then runs)."""
+        module = unwrap(step.model)
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        device = step.device
+        devices = [device] if device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.set_grad_enabled(grad), \
+                step.autocast():
+            loss = step.loss_fn(step.model_transform(step.model_fn(forward, x)), y).detach().float().item()
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        return loss
