@@ -63,8 +63,8 @@ class AmpConfig:
         "cheapest of none, selective and full on some or all blocks that makes the planned step fit the GPU's "
         "memory at data.batch_size (ignite-amp plan); may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
-    check_split: bool = setting(True, Boolean(), "check once, where a batch is cut or combined (micro-batches, "
-                                "accumulation, an out-of-memory retry, DDP), that its weighted chunks give its gradient; "
+    check_split: bool = setting(True, Boolean(), "check on the first batches cut or combined (micro-batches, "
+                                "accumulation, an out-of-memory retry, DDP) that their weighted chunks give their gradient; "
                                 "false accepts a loss that fails the check knowingly")
 
 
