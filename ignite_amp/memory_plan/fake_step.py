@@ -167,13 +167,13 @@ class FakeStep:
         self.device, self.kwargs, self.checkpoint = device, step_kwargs, list(checkpoint)
         self.checkpointed: List[str] = []
 
-    def _build(self, mode: Any) -> tuple:
+    def _build(self, mode: Any, check: bool = False) -> tuple:
         model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device,
                                         self.kwargs.get("channels_last", False))
         checkpoint_modules(model, self.checkpoint)  # blocks chosen for the plan (activation_checkpointing auto)
         with mode, _NoHostReads():
             trainer = create_amp_trainer(model, optimizer, self.loss_fn, device=self.device,
-                                         **{**self.kwargs, "compile": False})
+                                         **{**self.kwargs, "compile": False, "check_split": check})
             warm_optimizer(optimizer)
         self.checkpointed = checkpointed_blocks(model)
         return model, optimizer, trainer
@@ -194,13 +194,20 @@ class FakeStep:
         return {"parameters": size(params), "buffers": size(model.buffers()),
                 "gradients": size(p for p in params if p.requires_grad), "optimizer state": size(state)}
 
-    def trace(self, n: int) -> tuple:
-        """``(peak bytes, {kind: bytes at the peak})`` of the step at batch size ``n``."""
+    @property
+    def checks_split(self) -> bool:
+        """Whether the run's first cut or combined batch runs the one-time split check (``check_split``)."""
+        cut = self.kwargs.get("micro_batches", 1) > 1 or self.kwargs.get("accumulation_steps", 1) > 1
+        return cut and self.kwargs.get("check_split", True) is not False
+
+    def trace(self, n: int, check: bool = False) -> tuple:
+        """``(peak bytes, {kind: bytes at the peak})`` of the step at batch size ``n``: the steady step, or with
+        ``check`` the first one, which also runs the one-time split check (its gradients beside the step's)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
         with _quiet():
-            model, optimizer, trainer = self._build(mode)
+            model, optimizer, trainer = self._build(mode, check)
             batch = _fake_batch(self.batch, n, mode, self.device)
             tracker = step_tracker()
             tracker.track_external(model, optimizer, *_tensors_of(batch))

@@ -84,6 +84,9 @@ class MemoryPlan:
     untraced: Optional[str] = None  #: why the step could not be traced fake (None: it was)
     checkpointed: List[str] = dataclasses.field(default_factory=list)  #: blocks checkpointed in the plan
     auto_checkpointing: Optional[str] = None  #: what ``activation_checkpointing: auto`` chose, in a line
+    #: the first cut batch's peak with the one-time split check, ``(batch size, bytes)`` (None: no check runs);
+    #: the peaks above are the steady step's (the check is skipped with a warning where it does not fit)
+    split_check: Optional[tuple] = None
 
     @property
     def budget(self) -> Optional[float]:
@@ -127,6 +130,11 @@ class MemoryPlan:
             if self.device == "cpu":
                 out.append("traced on the CPU: for a GPU, plan where it is (autocast's operator lists and the "
                            "optimizer's default foreach path differ a little on CUDA)")
+        if self.split_check is not None:
+            size, peak = self.split_check
+            out.append(f"once, the first cut batch also runs the split check: peak {format_bytes(peak)} at batch "
+                       f"{size} (where it does not fit it is skipped with a warning; the peaks above are the steady "
+                       f"step's)")
         out.append(f"not counted: {NOT_COUNTED}; the plan keeps {self.margin:.0%} of the memory free for them")
         return out
 
@@ -203,6 +211,9 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             trace(n)
         if memory is not None and fit:
             plan.largest_fit = _largest_fit(trace, plan.budget, sizes)
+        if fit and tracer.checks_split:  # planned apart: a one-time cost, not the step's
+            size = max(2, sizes[0])
+            plan.split_check = (size, tracer.trace(size, check=True)[0])
     except Exception as exc:  # shapes that depend on values, an operator with no fake kernel
         if not traced:
             plan.untraced = f"{type(exc).__name__}: {first_line(exc)}"

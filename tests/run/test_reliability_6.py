@@ -1,0 +1,57 @@
+"""Issue 50's cases (reliability round 6): the plan, init, signals and TensorBoard, tried by a hostile user."""
+import pytest
+import torch
+import yaml
+from torch.nn.functional import cross_entropy
+
+from conftest import error_lines, tiny_config
+from ignite_amp.cli.main import main
+
+
+def write(tmp_path, cfg, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _deep_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), *[torch.nn.Linear(256, 256) for _ in range(8)])
+
+
+@pytest.mark.fake_trace
+@pytest.mark.parametrize("cut", [{"micro_batches": 2}, {"accumulation_steps": 2}])
+def test_the_plan_fits_the_steady_step_and_plans_the_one_time_split_check_apart(cut):
+    # issue 50 item 1: the split check's gradients (once, on the first cut batch) were counted as every step's
+    # peak: micro_batches=2 "fit" batch 1 where micro_batches=1 fit 429
+    from ignite_amp.memory_plan.plan import estimate_memory
+
+    model = _deep_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = lambda n: (torch.randn(n, 256), torch.randint(0, 256, (n,)))  # noqa: E731
+    plans = [estimate_memory(model, opt, cross_entropy, batch, [8], memory="14MiB", device="cpu", dtype="float32",
+                             **kwargs) for kwargs in ({}, cut)]
+    whole, split = plans
+    assert whole.split_check is None and whole.largest_fit > 300
+    if "micro_batches" in cut:  # smaller chunks: less activation memory, so a larger batch fits
+        assert split.largest_fit > whole.largest_fit
+    else:  # accumulation keeps the earlier batch's gradients: a little less fits, not "batch 1"
+        assert whole.largest_fit > split.largest_fit > whole.largest_fit // 2
+    size, peak = split.split_check
+    assert size == 8 and peak > split.budget  # the check alone would not fit: the run skips it with a warning
+    assert any(line.startswith("once, the first cut batch also runs the split check") for line in split.lines())
+
+
+@pytest.mark.fake_trace
+def test_the_planned_split_check_is_the_real_first_steps_peak():
+    from test_memory_plan import Transformer, measured_peak, tokens
+
+    from ignite_amp.memory_plan.plan import estimate_memory
+
+    torch.manual_seed(0)
+    model = Transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = estimate_memory(model, opt, cross_entropy, tokens, [8], device="cpu", dtype="bfloat16", micro_batches=4)
+    real_first = measured_peak(model, opt, tokens, 8, dtype="bfloat16", micro_batches=4, check_split=True)
+    assert plan.split_check[0] == 8 and abs(plan.split_check[1] - real_first) <= 0.001 * real_first
+    assert plan.peaks[0].peak < plan.split_check[1]
