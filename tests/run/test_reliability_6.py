@@ -55,3 +55,28 @@ def test_the_planned_split_check_is_the_real_first_steps_peak():
     real_first = measured_peak(model, opt, tokens, 8, dtype="bfloat16", micro_batches=4, check_split=True)
     assert plan.split_check[0] == 8 and abs(plan.split_check[1] - real_first) <= 0.001 * real_first
     assert plan.peaks[0].peak < plan.split_check[1]
+
+
+@pytest.mark.parametrize("file, name, output_dir", [("my run.yaml", "my_run", "runs/my run"),
+                                                    ("a[1].yml", "a_1_", "runs/a[1]"),
+                                                    ("x'y\" #z.yaml", "x_y_z", "runs/x'y\" #z"),
+                                                    ("plain-name.yaml", "plain-name", "runs/plain-name")])
+def test_init_names_the_copy_after_any_file_name(tmp_path, monkeypatch, capsys, file, name, output_dir):
+    # issue 50 item 3: a file name with a space or brackets kept name: quickstart and output_dir: runs/quickstart,
+    # so training the copy resumed the user's earlier quickstart run
+    from ignite_amp.config.tree import load_config
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "quickstart", "-o", file]) == 0
+    cfg = load_config(file)
+    assert (cfg["name"], cfg["output_dir"]) == (name, output_dir)
+
+
+@pytest.mark.parametrize("file", [".yaml", "..yml", "sub/...yaml"])
+def test_init_refuses_a_file_name_that_is_only_a_suffix(tmp_path, monkeypatch, capsys, file):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    assert main(["init", "quickstart", "-o", file]) == 2
+    assert error_lines(capsys.readouterr().err) == [f"ignite-amp: error: -o {file}: name the file, e.g. -o "
+                                                    f"mine.yaml (the run is named after it)"]
+    assert not (tmp_path / file).exists()
