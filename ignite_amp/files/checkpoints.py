@@ -25,7 +25,8 @@ from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.errors import CheckpointError, CheckpointTypeError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
-           "TEMP_MARK", "STATE_FILE", "dcp_cause", "TYPE_PACKAGES", "refused_class", "with_types", "type_error"]
+           "interrupt_inside", "TEMP_MARK", "STATE_FILE", "dcp_cause", "TYPE_PACKAGES", "refused_class", "with_types",
+           "type_error"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -54,8 +55,24 @@ class StoredValue(Serializable):
         self.value = state_dict["value"]
 
 
+def interrupt_inside(exc: BaseException) -> Optional[KeyboardInterrupt]:
+    """The Ctrl-C or SIGTERM (a ``KeyboardInterrupt``) that ``exc`` hides, if any: raised in the Python write
+    that ``torch.save`` calls, it comes out as torch's "unexpected pos" write error, with the interrupt as its
+    context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says the disk is full: ENOSPC, EDQUOT, or torch's write errors."""
+    """Whether ``exc`` (or what caused it) says the disk is full: ENOSPC, EDQUOT, or torch's write errors (not
+    an interrupt that torch's writer turned into one)."""
+    if interrupt_inside(exc) is not None:
+        return False
     for error in (exc, exc.__cause__, exc.__context__):
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -96,6 +113,9 @@ class SafeDiskSaver(DiskSaver):
                 os.remove(tmp)
             except OSError:
                 pass
+            interrupt = interrupt_inside(exc)
+            if interrupt is not None and interrupt is not exc:  # Ctrl-C or SIGTERM in torch's writer: itself
+                raise interrupt from None
             if isinstance(exc, Exception) and disk_full(exc):
                 raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
                                            f"checkpoints are kept: free space and run the same command to resume"

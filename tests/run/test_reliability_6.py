@@ -80,3 +80,49 @@ def test_init_refuses_a_file_name_that_is_only_a_suffix(tmp_path, monkeypatch, c
     assert error_lines(capsys.readouterr().err) == [f"ignite-amp: error: -o {file}: name the file, e.g. -o "
                                                     f"mine.yaml (the run is named after it)"]
     assert not (tmp_path / file).exists()
+
+
+class _InterruptedFile:
+    """A checkpoint's temp file whose third write gets the signal (as a signal handler raises inside the Python
+    write that torch.save calls: torch's writer turns it into "unexpected pos")."""
+
+    def __init__(self, f, interrupt):
+        self.f, self.interrupt, self.writes = f, interrupt, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            raise self.interrupt()
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_during_a_checkpoint_write_is_the_signal_not_a_full_disk(tmp_path, monkeypatch, capsys,
+                                                                           signal_name, code):
+    # issue 50 item 4: torch.save turned the interrupt into "unexpected pos", which read as a full disk, exit 1
+    import builtins
+
+    import ignite_amp.files.checkpoints as checkpoints
+    from ignite_amp.cli.failures import Terminated
+
+    interrupt = Terminated if signal_name == "SIGTERM" else KeyboardInterrupt
+
+    def open_(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return _InterruptedFile(f, interrupt) if ".tmp-" in str(path) and "w" in mode else f
+
+    monkeypatch.setattr(checkpoints, "open", open_, raising=False)
+    assert main(["train", write(tmp_path, tiny_config(tmp_path))]) == code
+    what = "terminated (SIGTERM)" if code == 143 else "interrupted"
+    assert error_lines(capsys.readouterr().err) == [
+        f"ignite-amp: {what}: no checkpoint was written yet: run the same command to start again"]
+    assert not [n for n in (tmp_path / "run" / "checkpoints").iterdir() if ".tmp-" in n.name]
