@@ -80,6 +80,18 @@ def disk_full(exc: BaseException) -> bool:
     return "No space left" in text or "unexpected pos" in text or "file write failed" in text
 
 
+def _kept(dirname: str, full: bool = False) -> str:
+    """After a failed save: what is on disk (the previous checkpoints, or none yet); for a full disk, what to do."""
+    try:
+        kept = any(n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(dirname))
+    except OSError:
+        kept = False
+    if not full:
+        return "the previous checkpoints are kept" if kept else "no checkpoint was written yet"
+    return ("the previous checkpoints are kept: free space and run the same command to resume" if kept else
+            "no checkpoint was written yet: free space and run the same command to start again")
+
+
 class SafeDiskSaver(DiskSaver):
     """Ignite's ``DiskSaver`` made crash-safe: a new file is complete before an old one goes.
 
@@ -117,9 +129,8 @@ class SafeDiskSaver(DiskSaver):
             if interrupt is not None and interrupt is not exc:  # Ctrl-C or SIGTERM in torch's writer: itself
                 raise interrupt from None
             if isinstance(exc, Exception) and disk_full(exc):
-                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
-                                           f"checkpoints are kept: free space and run the same command to resume"
-                                           ) from None
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; "
+                                           f"{_kept(self.dirname, full=True)}") from None
             raise
         self._remove_pending(filename)
 
@@ -201,14 +212,13 @@ class ShardedDiskSaver(SafeDiskSaver):
                 idist.barrier()  # every rank stops with the directory as it was
             rank, text, full = failures[0]
             if full:
-                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
-                                           f"checkpoints are kept: free space and run the same command to resume"
-                                           ) from None
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; "
+                                           f"{_kept(self.dirname, full=True)}") from None
             if error is not None and rank == idist.get_rank() and not isinstance(error, (OSError, CheckpointException)):
                 raise error  # not a storage fault: the run's own error
             who = f"rank {rank}: " if is_distributed() else ""
-            raise CheckpointWriteError(f"cannot write checkpoint {path} ({who}{text}); the previous checkpoints are "
-                                       f"kept") from None
+            raise CheckpointWriteError(f"cannot write checkpoint {path} ({who}{text}); {_kept(self.dirname)}"
+                                       ) from None
         if main:
             self._remove_pending(filename)
 

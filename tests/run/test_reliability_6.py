@@ -126,3 +126,18 @@ def test_a_signal_during_a_checkpoint_write_is_the_signal_not_a_full_disk(tmp_pa
     assert error_lines(capsys.readouterr().err) == [
         f"ignite-amp: {what}: no checkpoint was written yet: run the same command to start again"]
     assert not [n for n in (tmp_path / "run" / "checkpoints").iterdir() if ".tmp-" in n.name]
+
+
+def test_a_full_disk_at_the_first_save_does_not_promise_previous_checkpoints(tmp_path, monkeypatch, capsys):
+    # issue 50 item 7: "the previous checkpoints are kept ... run the same command to resume" when there were none
+    import ignite_amp.files.checkpoints as checkpoints
+
+    def full(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1472 vs 1384")
+
+    monkeypatch.setattr(checkpoints.torch, "save", full)
+    assert main(["train", write(tmp_path, tiny_config(tmp_path))]) == 1
+    [line] = error_lines(capsys.readouterr().err)
+    assert line.startswith("ignite-amp: stopped: cannot write checkpoint ") and line.endswith(
+        ": no space left on device; no checkpoint was written yet: free space and run the same command to start "
+        "again"), line
