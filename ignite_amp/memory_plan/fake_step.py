@@ -21,7 +21,7 @@ from ignite_amp.transforms.activation_checkpointing import checkpoint_modules, c
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.core.nested import map_tensors
 
-__all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
+__all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS", "quiet_trace"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -143,16 +143,20 @@ def _tensors_of(value: Any) -> List[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Any:
-    """The step's one-time warnings (BatchNorm with micro-batches, padding) belong to the real run, not the plan."""
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def quiet_trace() -> Any:
+    """The step's one-time warnings (BatchNorm with micro-batches, padding) belong to the real run, not the plan;
+    torch's log of a fake kernel's failure (a traceback per failed operator) to the plan's one line about it."""
+    loggers = [logger, logging.getLogger("torch._subclasses.fake_tensor")]
+    levels = [one.level for one in loggers]
+    for one, level in zip(loggers, (logging.ERROR, logging.CRITICAL)):
+        one.setLevel(level)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for one, level in zip(loggers, levels):
+            one.setLevel(level)
 
 
 class FakeStep:
@@ -183,7 +187,7 @@ class FakeStep:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-        with _quiet():
+        with quiet_trace():
             model, optimizer, _ = self._build(mode)
 
         def size(tensors: Any) -> int:
@@ -206,7 +210,7 @@ class FakeStep:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-        with _quiet():
+        with quiet_trace():
             model, optimizer, trainer = self._build(mode, check)
             batch = _fake_batch(self.batch, n, mode, self.device)
             tracker = step_tracker()

@@ -201,7 +201,13 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
 
     def trace(n: int) -> StepPeak:
         if n not in traced:
-            traced[n] = StepPeak(n, *tracer.trace(n))
+            try:
+                traced[n] = StepPeak(n, *tracer.trace(n))
+            except ValueError as exc:  # BatchNorm in training: nothing to normalise over
+                if n == 1 and "more than 1 value per channel" in str(exc):
+                    raise _OneSample(f"batch 1: {type(model).__name__} cannot train on one sample "
+                                     f"({first_line(exc)}); plan batch sizes of 2 or more") from None
+                raise
             if progress is not None:
                 progress(traced[n])
         return traced[n]
@@ -214,6 +220,8 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
         if fit and tracer.checks_split:  # planned apart: a one-time cost, not the step's
             size = max(2, sizes[0])
             plan.split_check = (size, tracer.trace(size, check=True)[0])
+    except _OneSample:
+        raise
     except Exception as exc:  # shapes that depend on values, an operator with no fake kernel
         if not traced:
             plan.untraced = f"{type(exc).__name__}: {first_line(exc)}"
@@ -227,19 +235,25 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
     return plan
 
 
+class _OneSample(ValueError):
+    """Batch 1 cannot train the model (BatchNorm in training needs more than one value per channel)."""
+
+
 def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[int], max_traces: int = 8,
                  tolerance: float = 0.01, max_size: int = 2 ** 24) -> int:
-    """The largest batch whose traced peak is within ``budget`` (to ``tolerance``; 0: not even batch 1): the line
-    through the two largest traced sizes aims until a size misses, then the secant between the largest fit and
-    the smallest miss (the peak is close to a line in the batch size above the optimizer step's)."""
+    """The largest batch whose traced peak is within ``budget`` (to ``tolerance``; 0: not even the smallest batch
+    that trains, 1, or 2 with BatchNorm): the line through the two largest traced sizes aims until a size
+    misses, then the secant between the largest fit and the smallest miss (the peak is close to a line in the
+    batch size above the optimizer step's)."""
     points = {n: trace(n).peak for n in sizes}
+    smallest = 1
     for _ in range(max_traces):
         lo = max((n for n, p in points.items() if p <= budget), default=0)
         hi = min((n for n, p in points.items() if p > budget), default=None)
-        if hi is not None and hi - lo <= max(1, math.floor(lo * tolerance)) or lo >= max_size:
+        if hi is not None and (hi - lo <= max(1, math.floor(lo * tolerance)) or hi <= smallest) or lo >= max_size:
             return lo
         if lo == 0:
-            target = 1 if 1 not in points else max(1, hi // 2)
+            target = smallest if smallest not in points else max(smallest, hi // 2)
         elif hi is None:
             (n0, p0), (n1, p1) = sorted(points.items())[-2:] if len(points) >= 2 else ((0, 0.0), (lo, points[lo]))
             slope = (p1 - p0) / (n1 - n0)
@@ -249,5 +263,8 @@ def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[in
             target = math.floor(lo + (budget - points[lo]) * (hi - lo) / (points[hi] - points[lo]))
             step = max(1, math.floor(lo * tolerance))
             target = min(max(target, lo + step), hi - 1)  # a fit at the line's size: one step above it brackets
-        points[target] = trace(target).peak
+        try:
+            points[target] = trace(target).peak
+        except _OneSample:  # BatchNorm: the smallest batch that trains is 2
+            smallest = 2
     return max((n for n, p in points.items() if p <= budget), default=0)

@@ -141,3 +141,64 @@ def test_a_full_disk_at_the_first_save_does_not_promise_previous_checkpoints(tmp
     assert line.startswith("ignite-amp: stopped: cannot write checkpoint ") and line.endswith(
         ": no space left on device; no checkpoint was written yet: free space and run the same command to start "
         "again"), line
+
+
+def flat_mlp(num_classes=10, batch_norm=False, reads_values=False):
+    """An MLP of 3x16x16 images; ``batch_norm``: a BatchNorm1d (batch 1 cannot train); ``reads_values``: its
+    constructor reads a value (as a check of its initialisation would), which fake tensors cannot."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 64)]
+    if batch_norm:
+        layers.append(torch.nn.BatchNorm1d(64))
+    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, num_classes))
+    if reads_values and not torch.isfinite(model[1].weight).all():
+        raise ValueError("non-finite initial weights")
+    return model
+
+
+def mlp_config(tmp_path, **kwargs):
+    return tiny_config(tmp_path, model={"name": "test_reliability_6:flat_mlp", "num_classes": 10, "kwargs": kwargs})
+
+
+@pytest.mark.fake_trace
+def test_plan_says_in_one_line_that_the_model_cannot_run_at_the_image_size(tmp_path, capsys):
+    # issue 50 item 5: torch's fake-tensor traceback (20 lines), then exit 0 with a plan of a step that cannot run
+    path = write(tmp_path, mlp_config(tmp_path))
+    assert main(["plan", path, "--set", "data.image_size=8"]) == 2
+    out, err = capsys.readouterr()
+    assert error_lines(err) == ["ignite-amp: error: model.name: test_reliability_6:flat_mlp cannot run on 3x8x8 "
+                                "images (a and b must have same reduction dim, but got [2, 192] X [768, 64].); check "
+                                "data.image_size and model.kwargs"], err
+    assert "Traceback" not in err and "memory plan" not in out
+
+
+@pytest.mark.fake_trace
+def test_plan_of_a_batchnorm_model_searches_from_batch_2(tmp_path, capsys):
+    # issue 50 item 8: the fit search tried batch 1: "plan: Expected more than 1 value per channel", exit 2
+    from ignite_amp.memory_plan.plan import estimate_memory
+
+    model = flat_mlp(batch_norm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = lambda n: (torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,)))  # noqa: E731
+    two = estimate_memory(model, opt, cross_entropy, batch, [2], device="cpu").peaks[0].peak
+    for memory, fit in ((int(two / 0.85) + 1024, 2), (int(two / 0.85) - 16, 0), (100, 0)):
+        plan = estimate_memory(model, opt, cross_entropy, batch, [32], device="cpu", memory=memory)
+        assert plan.untraced is None and (plan.largest_fit >= 2 if fit else plan.largest_fit == 0), (memory, plan)
+    path = write(tmp_path, mlp_config(tmp_path, batch_norm=True))
+    assert main(["plan", path, "--memory", "100KiB"]) == 0
+    assert "largest batch that fits 0.1 MiB less 15%: no batch size" in capsys.readouterr().out
+    assert main(["plan", path, "--batch-sizes", "1", "4"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "ignite-amp: error: plan: batch 1: Sequential cannot train on one sample (Expected more than 1 value per "
+        "channel when training, got input size torch.Size([1, 64])); plan batch sizes of 2 or more"]
+
+
+@pytest.mark.fake_trace
+def test_plan_builds_a_model_whose_constructor_reads_values_for_real(tmp_path, capsys):
+    # issue 50 item 9: exit 2 "raised DataDependentOutputException", although the plan falls back to a real build
+    path = write(tmp_path, mlp_config(tmp_path, reads_values=True))
+    assert main(["plan", path]) == 0
+    out = capsys.readouterr().out
+    assert "| 32 |" in out and "could not be traced" not in out
+    assert main(["plan", path, "--set", "model.kwargs.reads_values=false"]) == 0
+    assert capsys.readouterr().out == out  # the same plan as the model built fake
