@@ -1,4 +1,6 @@
 """Issue 50's cases (reliability round 6): the plan, init, signals and TensorBoard, tried by a hostile user."""
+import os
+
 import pytest
 import torch
 import yaml
@@ -202,3 +204,29 @@ def test_plan_builds_a_model_whose_constructor_reads_values_for_real(tmp_path, c
     assert "| 32 |" in out and "could not be traced" not in out
     assert main(["plan", path, "--set", "model.kwargs.reads_values=false"]) == 0
     assert capsys.readouterr().out == out  # the same plan as the model built fake
+
+
+@pytest.mark.parametrize("number, line", [
+    ("EFBIG", "ignite-amp: stopped: file too large for the file-size limit (ulimit -f) (writing TensorBoard's event "
+              "files); no checkpoint was written yet: raise the limit and run the same command again"),
+    ("EIO", "ignite-amp: internal error: OSError: [Errno 5] Input/output error (writing TensorBoard's event files) "
+            "(the traceback is in {log})")])
+def test_a_file_size_limit_in_tensorboard_s_writer_thread_is_one_line_naming_it(tmp_path, capsys, monkeypatch,
+                                                                                 number, line):
+    # issue 50 item 6: "Exception in thread Thread-1: Traceback ..." then "internal error: OSError: [Errno 27] File
+    # too large", naming no file
+    import errno
+    import threading
+
+    from tensorboard.summary.writer import record_writer
+
+    def limited(self, data):
+        raise OSError(getattr(errno, number), os.strerror(getattr(errno, number)))
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", limited)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # as outside pytest: print to stderr
+    cfg = tiny_config(tmp_path, handlers={"tensorboard": {"log_every": 1}})
+    assert main(["train", write(tmp_path, cfg)]) == 1
+    err = capsys.readouterr().err
+    assert error_lines(err) == [line.format(log=tmp_path / "run" / "train.log")], err
+    assert "Traceback" not in err and "Exception in thread" not in err
