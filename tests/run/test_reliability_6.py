@@ -230,3 +230,56 @@ def test_a_file_size_limit_in_tensorboard_s_writer_thread_is_one_line_naming_it(
     err = capsys.readouterr().err
     assert error_lines(err) == [line.format(log=tmp_path / "run" / "train.log")], err
     assert "Traceback" not in err and "Exception in thread" not in err
+
+
+def _tb_trainer(logdir, log_every=1):
+    from ignite_amp import create_amp_trainer
+    from ignite_amp.handlers import TensorBoardMetrics
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float32")
+    tb = TensorBoardMetrics(str(logdir), log_every=log_every)
+    tb.attach(trainer)
+    g = torch.Generator().manual_seed(0)
+    return trainer, tb, [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(4)]
+
+
+def _loss_points(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(str(logdir), "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars("loss")]
+
+
+def test_a_trainer_runs_again_after_tensorboard_metrics_close(tmp_path):
+    # issue 50 item 14: AttributeError: 'NoneType' object has no attribute 'add_summary'
+    trainer, tb, data = _tb_trainer(tmp_path)
+    trainer.run(data, max_epochs=1)
+    tb.close()
+    trainer.run(data, max_epochs=2)  # logs on, into new event files
+    tb.close()
+    tb.close()  # twice is fine
+    assert _loss_points(tmp_path) == list(range(1, 9))
+    assert tb.health()[0] == "precision: float32 autocast off: 8 optimizer steps"
+
+
+def test_the_steps_a_resume_replays_are_one_point_each_in_tensorboard(tmp_path):
+    # issue 50 item 15: a run stopped mid-epoch after logging, resumed from its epoch-end checkpoint, logged the
+    # replayed steps again (two points per step)
+    from ignite.engine import Events
+
+    trainer, tb, data = _tb_trainer(tmp_path)
+    trainer.run(data, max_epochs=1)
+    saved = trainer.state_dict()
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=6), lambda e: e.terminate())  # killed mid-epoch 2
+    trainer.run(data, max_epochs=2)
+    tb.close()
+    assert _loss_points(tmp_path) == list(range(1, 7))
+    resumed, tb, data = _tb_trainer(tmp_path)  # a new process resumes from the checkpoint of epoch 1
+    resumed.load_state_dict(saved)
+    resumed.run(data, max_epochs=2)
+    tb.close()
+    assert _loss_points(tmp_path) == list(range(1, 9))  # iterations 5 and 6 once, not twice
