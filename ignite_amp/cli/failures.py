@@ -69,6 +69,9 @@ def describe(exc: BaseException) -> Tuple[int, str]:
     room = out_of_room(exc)
     if room is not None:  # a full disk, a quota, a file-size limit
         what, fix = room
+        if state.get("command", "train") != "train":  # a command that writes a file or its output, no run
+            where = _written_file(exc, "writing the output")
+            return 1, f"ignite-amp: stopped: {what} ({where}); {fix} and run the command again"
         then = (f"the last checkpoint is kept: {fix} and {_rerun()} to resume" if _checkpoint_kept() else
                 f"no checkpoint was written yet: {fix} and run the same command again")
         return 1, f"ignite-amp: stopped: {what} ({_written_file(exc)}); {then}"
@@ -83,12 +86,12 @@ def describe(exc: BaseException) -> Tuple[int, str]:
     return 1, f"ignite-amp: internal error: {exc.__class__.__name__}: {one_line(exc)}{what} ({where})"
 
 
-def _written_file(exc: BaseException) -> str:
+def _written_file(exc: BaseException, otherwise: str = "writing the run") -> str:
     """The file a write error was about: its name, else TensorBoard's event files where its writer raised it (its
-    thread's error, raised again in the run's next write), else "writing the run"."""
+    thread's error, raised again in the run's next write), else ``otherwise``."""
     if getattr(exc, "filename", None):
         return exc.filename
-    return "writing TensorBoard's event files" if _from_tensorboard(exc.__traceback__) else "writing the run"
+    return "writing TensorBoard's event files" if _from_tensorboard(exc.__traceback__) else otherwise
 
 
 def _from_tensorboard(tb) -> bool:

@@ -156,6 +156,9 @@ def init_config(name: str, output: str, force: bool = False) -> List[str]:
     with open(os.path.join(_folder(), SCHEMA_FILE), encoding="utf-8") as f:
         schema = f.read()
     schema_path = os.path.join(os.path.dirname(output), SCHEMA_FILE)
+    if os.path.isdir(schema_path):  # found before the config is written: a rerun would find that one in the way
+        raise ConfigError(f"{schema_path}: is a directory, where the config's JSON Schema goes (its first line names "
+                          f"it); move it, or write the config elsewhere")
     written = [output]
     _write(output, text, "-o ")
     try:

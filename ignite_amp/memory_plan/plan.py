@@ -15,6 +15,7 @@ is known without running it: weights, gradients and optimizer state.
 import dataclasses
 import logging
 import math
+import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -47,11 +48,10 @@ def parse_bytes(text: Union[str, int, float]) -> int:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
-        s = str(text).strip().lower().replace(" ", "")
-        number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        value, unit = (float(number) if number else math.nan), s[len(number):]
-    if unit not in _UNITS or not value > 0 or math.isinf(value):
-        raise ValueError(f"memory: expected a size such as 80GiB, 24GB or 512MiB, got {text!r}")
+        found = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)([a-z]*)", str(text).strip().lower().replace(" ", ""))
+        value, unit = (float(found[1]), found[2]) if found else (math.nan, "")
+    if unit not in _UNITS or not value > 0 or math.isinf(value) or value * _UNITS[unit] < 1:
+        raise ValueError(f"memory: expected a size such as 80GiB, 24GB or 512MiB (at least a byte), got {text!r}")
     return int(value * _UNITS[unit])
 
 

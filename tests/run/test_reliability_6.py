@@ -283,3 +283,58 @@ def test_the_steps_a_resume_replays_are_one_point_each_in_tensorboard(tmp_path):
     resumed.run(data, max_epochs=2)
     tb.close()
     assert _loss_points(tmp_path) == list(range(1, 9))  # iterations 5 and 6 once, not twice
+
+
+def test_plan_json_never_overwrites_the_config_or_another_file(tmp_path, capsys):
+    # issue 50 item 12: plan my.yaml --json my.yaml wrote JSON over the config it read, exit 0
+    path = write(tmp_path, tiny_config(tmp_path))
+    before = open(path).read()
+    assert main(["plan", path, "--json", path]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"ignite-amp: error: --json {path}: is the config the plan reads; name another file for the plan"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert main(["plan", path, "--json", str(notes)]) == 2
+    assert "exists and is not an earlier plan" in capsys.readouterr().err
+    assert open(path).read() == before and notes.read_text() == "mine"
+
+
+@pytest.mark.parametrize("text", ["0.5", "80GiB80", "1e-4KiB", "GiB", ""])
+def test_a_memory_size_refused_names_what_was_typed(text):
+    # issue 50 item 13: "--memory 0.5" said "got 0", "80GiB80" "could not convert string to float"
+    from ignite_amp.memory_plan.plan import parse_bytes
+
+    with pytest.raises(ValueError) as info:
+        parse_bytes(text)
+    assert str(info.value) == f"memory: expected a size such as 80GiB, 24GB or 512MiB (at least a byte), got {text!r}"
+    assert parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(".5KiB") == 512 and parse_bytes("2e3") == 2000
+
+
+def test_a_full_output_of_a_command_without_a_run_promises_no_checkpoint(tmp_path, capsys, monkeypatch):
+    # issue 50 item 13: ignite-amp configs > /dev/full said "no checkpoint was written yet"
+    import errno
+    import sys
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["configs"]) == 1
+    assert error_lines(capsys.readouterr().err) == [
+        "ignite-amp: stopped: no space left on device (writing the output); free space and run the command again"]
+
+
+def test_init_finds_a_folder_where_the_schema_goes_before_writing_the_config(tmp_path, capsys):
+    # issue 50 item 13: it wrote the config, then exited 2; a rerun said the config exists
+    (tmp_path / "ignite-amp.schema.json").mkdir()
+    target = tmp_path / "q.yaml"
+    assert main(["init", "-o", str(target)]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"ignite-amp: error: {tmp_path / 'ignite-amp.schema.json'}: is a directory, where the config's JSON Schema "
+        f"goes (its first line names it); move it, or write the config elsewhere"]
+    assert not target.exists()
+
