@@ -338,3 +338,34 @@ def test_init_finds_a_folder_where_the_schema_goes_before_writing_the_config(tmp
         f"goes (its first line names it); move it, or write the config elsewhere"]
     assert not target.exists()
 
+
+@pytest.mark.parametrize("old, new, name", [
+    ("ignite_amp.checkpointing", "ignite_amp.transforms.activation_checkpointing", "checkpointed_blocks"),
+    ("ignite_amp.sharding", "ignite_amp.transforms.sharding", "load_full_model_state"),
+    ("ignite_amp.facts", "ignite_amp.step.facts", "config_facts"),
+    ("ignite_amp.auto_checkpoint", "ignite_amp.memory_plan.auto_checkpoint", "checkpoint_to_fit"),
+    ("ignite_amp.handlers.tensorboard_metrics", "ignite_amp.handlers.tensorboard.metrics", "TensorBoardMetrics"),
+    ("ignite_amp.float8", "ignite_amp.transforms.float8", "convert_to_float8"),
+    ("ignite_amp.device", "ignite_amp.core.device", "PEAK_TFLOPS")])
+def test_the_paths_0_2_0_documented_import_with_a_warning_naming_the_new_one(monkeypatch, old, new, name):
+    # issue 50 item 10: a bare ModuleNotFoundError
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"^{old} moved to {new}; import it from there \(the old path goes "
+                                                rf"in 0.4.0\)$") as caught:
+        found = {}
+        exec(compile(f"from {old} import {name}", __file__, "exec"), found)  # as a user's script imports it
+    assert found[name] is getattr(importlib.import_module(new), name)
+    assert sys.modules[old] is sys.modules[new]
+    assert caught[0].filename == __file__  # the importing line, not the import system's
+
+
+def test_memory_plan_names_what_0_2_0_s_module_named():
+    import ignite_amp.memory_plan as package
+    from ignite_amp.memory_plan import plan
+
+    for name in ("estimate_memory", "MemoryPlan", "StepPeak", "KINDS", "NOT_COUNTED", "DEFAULT_MARGIN", "parse_bytes",
+                 "format_bytes"):
+        assert getattr(package, name) is getattr(plan, name)
