@@ -71,12 +71,16 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def _check_json_output(path: str, config: str) -> None:
-    """``--json FILE``, before the plan: not the config it read, nor another file that is not an earlier plan."""
+    """``--json FILE``, before the plan: a file in a folder that exists, not the config it read, nor another file that
+    is not an earlier plan."""
     import json
     import os
 
     from ignite_amp.errors import ConfigError
 
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):  # found before the plan
+        why = "is a directory" if os.path.isdir(path) else "its folder does not exist"
+        raise ConfigError(f"--json {path}: cannot write ({why})")
     if os.path.exists(path) and os.path.exists(config) and os.path.samefile(path, config):
         raise ConfigError(f"--json {path}: is the config the plan reads; name another file for the plan")
     if os.path.isfile(path):

@@ -148,7 +148,8 @@ def init_config(name: str, output: str, force: bool = False) -> List[str]:
         ['mine.yaml', 'ignite-amp.schema.json']
     """
     if os.path.isdir(output):
-        raise ConfigError(f"-o {output}: is a directory; name the file to write, e.g. -o {output}/{name}.yaml")
+        raise ConfigError(f"-o {output}: is a directory; name the file to write, e.g. -o "
+                          f"{os.path.join(output, name + '.yaml')}")
     with open(builtin_path(name), encoding="utf-8") as f:
         text = _written_as(f.read(), name, output)
     if os.path.exists(output) and not force:

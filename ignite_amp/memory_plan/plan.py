@@ -35,6 +35,7 @@ NOT_COUNTED = ("the CUDA caching allocator's rounding and fragmentation, cuDNN/c
                "the CUDA context, torch.compile's changes to the step")
 #: The share of the memory a plan keeps free for what it does not count (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
 DEFAULT_MARGIN = 0.15
+_MAX_SIZE = 2 ** 24  # the largest batch the fit search tries
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -125,6 +126,7 @@ class MemoryPlan:
                        + " |")
         if self.memory is not None:
             fit = ("no batch size" if self.largest_fit == 0 else
+                   f"batch {self.largest_fit} or more (the search stops there)" if self.largest_fit >= _MAX_SIZE else
                    f"batch {self.largest_fit}" if self.largest_fit else "unknown (not traced)")
             out.append(f"largest batch that fits {format_bytes(self.memory)} less {self.margin:.0%}: {fit}")
             if self.device == "cpu":
@@ -240,7 +242,7 @@ class _OneSample(ValueError):
 
 
 def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[int], max_traces: int = 8,
-                 tolerance: float = 0.01, max_size: int = 2 ** 24) -> int:
+                 tolerance: float = 0.01, max_size: int = _MAX_SIZE) -> int:
     """The largest batch whose traced peak is within ``budget`` (to ``tolerance``; 0: not even the smallest batch
     that trains, 1, or 2 with BatchNorm): the line through the two largest traced sizes aims until a size
     misses, then the secant between the largest fit and the smallest miss (the peak is close to a line in the

@@ -369,3 +369,30 @@ def test_memory_plan_names_what_0_2_0_s_module_named():
     for name in ("estimate_memory", "MemoryPlan", "StepPeak", "KINDS", "NOT_COUNTED", "DEFAULT_MARGIN", "parse_bytes",
                  "format_bytes"):
         assert getattr(package, name) is getattr(plan, name)
+
+
+# The second adversarial pass (issue 50's closing note): what it found in plan and init, fixed.
+
+@pytest.mark.parametrize("target, why", [("adir", "is a directory"), ("no/such/x.json", "its folder does not exist")])
+def test_plan_json_that_cannot_be_written_is_refused_before_the_plan(tmp_path, monkeypatch, capsys, target, why):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    path = write(tmp_path, tiny_config(tmp_path))
+    assert main(["plan", path, "--json", target]) == 2
+    out, err = capsys.readouterr()
+    assert error_lines(err) == [f"ignite-amp: error: --json {target}: cannot write ({why})"] and out == ""
+
+
+def test_init_into_a_folder_written_with_a_slash_suggests_one_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    assert main(["init", "-o", "adir/"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "ignite-amp: error: -o adir/: is a directory; name the file to write, e.g. -o adir/quickstart.yaml"]
+
+
+@pytest.mark.fake_trace
+def test_a_fit_at_the_search_s_cap_says_so(tmp_path, capsys):
+    path = write(tmp_path, tiny_config(tmp_path))
+    assert main(["plan", path, "--memory", "1e30"]) == 0
+    assert "less 15%: batch 16777216 or more (the search stops there)" in capsys.readouterr().out
