@@ -125,9 +125,9 @@ class MemoryPlan:
             out.append(f"| {size} | {peak_text} | " + " | ".join(format_bytes(kinds_at.get(k, 0)) for k in kinds)
                        + " |")
         if self.memory is not None:
-            fit = ("no batch size" if self.largest_fit == 0 else
-                   f"batch {self.largest_fit} or more (the search stops there)" if self.largest_fit >= _MAX_SIZE else
-                   f"batch {self.largest_fit}" if self.largest_fit else "unknown (not traced)")
+            fit = ("unknown (not traced)" if self.largest_fit is None else "no batch size" if self.largest_fit == 0
+                   else f"batch {self.largest_fit} or more (the search stops there)" if self.largest_fit >= _MAX_SIZE
+                   else f"batch {self.largest_fit}")
             out.append(f"largest batch that fits {format_bytes(self.memory)} less {self.margin:.0%}: {fit}")
             if self.device == "cpu":
                 out.append("traced on the CPU: for a GPU, plan where it is (autocast's operator lists and the "
