@@ -6,7 +6,7 @@ The names below are imported on first use (PEP 562), so ``import ignite_amp`` an
 import importlib
 from typing import Any
 
-from ignite_amp.core.exports import lazy_exports
+from ignite_amp.core.exports import lazy_exports, moved_modules
 from ignite_amp.version import __version__
 
 # In the order a newcomer looks for them (the API page follows it): the factories first.
@@ -31,8 +31,20 @@ _SUBMODULES = ("batch_search", "batching", "cli", "config", "core", "data", "eng
                "launcher", "memory_plan", "models", "run", "split_check", "step", "transforms",
                "version")
 
+# The 0.2.0 paths the guides documented, moved in 0.3.0: importable (with a DeprecationWarning) until 0.4.0.
+_MOVED = {
+    "ignite_amp.checkpointing": "ignite_amp.transforms.activation_checkpointing",
+    "ignite_amp.sharding": "ignite_amp.transforms.sharding",
+    "ignite_amp.float8": "ignite_amp.transforms.float8",
+    "ignite_amp.facts": "ignite_amp.step.facts",
+    "ignite_amp.auto_checkpoint": "ignite_amp.memory_plan.auto_checkpoint",
+    "ignite_amp.device": "ignite_amp.core.device",
+    "ignite_amp.handlers.tensorboard_metrics": "ignite_amp.handlers.tensorboard.metrics",
+}
+
 __all__ = list(_EXPORTS)
 _export, _exported = lazy_exports(__name__, _EXPORTS)
+moved_modules(_MOVED, until="0.4.0")
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,15 @@ from typing import Any, List
 import torch
 from ignite.engine import Engine
 
-__all__ = ["ScalarEvent", "LearningRates"]
+__all__ = ["ScalarEvent", "LearningRates", "file_writer"]
+
+
+def file_writer(writer: Any) -> Any:
+    """The event file writer of ``writer`` (a ``SummaryWriter``), opened again after ``close()`` as the writer's own
+    ``add_scalar`` opens it: a trainer run again after :meth:`~ignite_amp.handlers.TensorBoardMetrics.close` logs
+    into new event files. The one use of the writer's private ``_get_file_writer`` (its ``file_writer`` attribute
+    is None once closed); ``tests/run/test_reliability_6.py`` breaks if torch changes it."""
+    return writer._get_file_writer()
 
 
 class ScalarEvent:
@@ -31,7 +39,7 @@ class ScalarEvent:
     def write(self, writer: Any, step: int) -> None:
         """The gathered scalars as one event of ``writer`` (a ``SummaryWriter``) at ``step``."""
         if self.values:
-            writer.file_writer.add_summary(self._summary(value=self.values), step, time.time())
+            file_writer(writer).add_summary(self._summary(value=self.values), step, time.time())
             self.values = []
 
 

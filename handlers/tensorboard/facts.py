@@ -14,6 +14,7 @@ from ignite.engine import Engine
 from ignite.handlers import TensorboardLogger
 
 from ignite_amp.step.facts import format_facts, step_facts
+from ignite_amp.handlers.tensorboard.event import file_writer
 
 __all__ = ["FACTS_TAG", "HPARAMS", "FACT_TYPES", "hparams_summaries", "session_end_summary", "write_text", "RunFacts"]
 
@@ -83,7 +84,7 @@ def write_text(logger: TensorboardLogger, tag: str, text: str, iteration: int) -
     """A text entry ``tag`` (markdown) at ``iteration`` in ``logger``'s run."""
     from tensorboard.plugins.text.summary_v2 import text_pb
 
-    logger.writer.file_writer.add_summary(text_pb(tag, text), iteration)
+    file_writer(logger.writer).add_summary(text_pb(tag, text), iteration)
 
 
 class RunFacts:
@@ -101,7 +102,7 @@ class RunFacts:
         for tag, text in self.texts.items():  # preformatted: markdown keeps indented lines as they are
             write_text(logger, tag, "    " + text.replace("\n", "\n    "), iteration)
         for summary in hparams_summaries({**facts, "device_type": self.step.device.type}, self.metrics):
-            writer.file_writer.add_summary(summary, iteration)
+            file_writer(writer).add_summary(summary, iteration)
         writer.flush()
 
     def add(self, logger: TensorboardLogger, iteration: int, **facts: Any) -> None:

@@ -24,7 +24,7 @@ from ignite_amp.engine import amp_step_of
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.tensorboard.health import Health, health_lines
-from ignite_amp.handlers.tensorboard.event import LearningRates, ScalarEvent
+from ignite_amp.handlers.tensorboard.event import LearningRates, ScalarEvent, file_writer
 from ignite_amp.handlers.tensorboard.facts import (FACT_TYPES, FACTS_TAG, HPARAMS, RunFacts, hparams_summaries,
                                                    session_end_summary, write_text)
 from ignite_amp.handlers.tensorboard.memory import DeviceMemory, RanksMemory
@@ -217,7 +217,7 @@ class TensorBoardMetrics:
         metrics[("train", "throughput/median_samples_per_sec")] = "samples/s (median)"
         self.run_facts = RunFacts(self.facts, self.texts, metrics, step)
         tb.attach(trainer, self.run_facts, Events.STARTED)
-        trainer.add_event_handler(Events.STARTED, lambda _: setattr(self, "_ended", False))
+        trainer.add_event_handler(Events.STARTED, self._started)
         tb.attach(trainer, self._completed, Events.COMPLETED)
         shape = BatchShape(step, self.window, lambda: self.facts_written)
         shape.attach(trainer)
@@ -231,6 +231,18 @@ class TensorBoardMetrics:
             self.validation.trainer = trainer
             self.splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
             self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
+
+    def _started(self, engine: Engine) -> None:
+        """At each start: a run resumed at iteration N logs the steps after N again; TensorBoard hides what an
+        earlier process logged from N + 1 on (the session restart that ``SummaryWriter(purge_step=)`` writes), so
+        each step is one point."""
+        self._ended = False
+        if engine.state.iteration:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            restart = Event(step=engine.state.iteration + 1, session_log=SessionLog(status=SessionLog.START))
+            for logger in (self.tb, *self.splits.values()):
+                file_writer(logger.writer).add_event(restart)
 
     def _log(self, engine: Engine) -> None:
         """Every ``log_every`` iterations and at the end: the log's handlers in order, their scalars one event."""
@@ -290,11 +302,12 @@ class TensorBoardMetrics:
             self._log(engine)
         self._write_health(engine.state.iteration)
         self._ended = True
-        logger.writer.file_writer.add_summary(session_end_summary(), engine.state.iteration)
+        file_writer(logger.writer).add_summary(session_end_summary(), engine.state.iteration)
         logger.writer.flush()
 
     def close(self) -> None:
-        """Write the health summary if the run did not complete (a failure, a stop), then close the logger."""
+        """Write the health summary if the run did not complete (a failure, a stop), then close the logger (a
+        later run of the trainer opens new event files)."""
         if self.tb is not None:
             try:
                 if not self._ended:
@@ -305,7 +318,6 @@ class TensorBoardMetrics:
                     self.memory.close()
                 for logger in (self.tb, *self.splits.values()):
                     logger.close()
-                self.tb = None
 
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:

@@ -48,7 +48,7 @@ def _rerun() -> str:
 
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
-    from ignite_amp.files.checkpoints import disk_full
+    from ignite_amp.files.checkpoints import out_of_room
     from ignite_amp.core.device import is_oom_error
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
 
@@ -66,18 +66,38 @@ def describe(exc: BaseException) -> Tuple[int, str]:
                 f"smaller chunks) to resume" if _checkpoint_kept() else "lower data.batch_size, or raise "
                 f"amp.micro_batches (the same batch in smaller chunks), and run it again")
         return 1, f"ignite-amp: stopped: out of memory ({one_line(exc)}); {then}"
-    if disk_full(exc):
-        where = getattr(exc, "filename", None) or "writing the run"
-        then = (f"the last checkpoint is kept: free space and {_rerun()} to resume" if _checkpoint_kept() else
-                "no checkpoint was written yet: free space and run the same command again")
-        return 1, f"ignite-amp: stopped: no space left on device ({where}); {then}"
+    room = out_of_room(exc)
+    if room is not None:  # a full disk, a quota, a file-size limit
+        what, fix = room
+        if state.get("command", "train") != "train":  # a command that writes a file or its output, no run
+            where = _written_file(exc, "writing the output")
+            return 1, f"ignite-amp: stopped: {what} ({where}); {fix} and run the command again"
+        then = (f"the last checkpoint is kept: {fix} and {_rerun()} to resume" if _checkpoint_kept() else
+                f"no checkpoint was written yet: {fix} and run the same command again")
+        return 1, f"ignite-amp: stopped: {what} ({_written_file(exc)}); {then}"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
                                                    errno.ENOTDIR):
         # EISDIR/ENOTDIR: a directory where the run keeps a file (.lock, config.yaml), or the reverse
         return 2, f"ignite-amp: error: cannot write {exc.filename or ''}: {exc.strerror}"
     log = state.get("log")
     where = f"the traceback is in {log}" if log and os.path.exists(log) else "run it again with --debug"
-    return 1, f"ignite-amp: internal error: {exc.__class__.__name__}: {one_line(exc)} ({where})"
+    written = _written_file(exc) if isinstance(exc, OSError) and not exc.filename else None
+    what = f" ({written})" if written and written != "writing the run" else ""
+    return 1, f"ignite-amp: internal error: {exc.__class__.__name__}: {one_line(exc)}{what} ({where})"
+
+
+def _written_file(exc: BaseException, otherwise: str = "writing the run") -> str:
+    """The file a write error was about: its name, else TensorBoard's event files where its writer raised it (its
+    thread's error, raised again in the run's next write), else ``otherwise``."""
+    if getattr(exc, "filename", None):
+        return exc.filename
+    return "writing TensorBoard's event files" if _from_tensorboard(exc.__traceback__) else otherwise
+
+
+def _from_tensorboard(tb) -> bool:
+    """Whether a traceback passes through TensorBoard's writer (whose thread's errors it raises again in the run)."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    return any(f"{os.sep}tensorboard{os.sep}" in frame.filename for frame in frames)
 
 
 def interrupted(args: argparse.Namespace, exc: KeyboardInterrupt, signals: bool) -> int:
@@ -141,10 +161,12 @@ def _log_rank_death(exc: BaseException, line: str) -> None:
 
 
 def thread_failed(args: "threading.ExceptHookArgs") -> None:
-    """A thread's error: a full disk goes to train.log only (the run stops on it in one line); others as usual."""
+    """A thread's error: a full disk (or quota, or file-size limit), and any error of TensorBoard's writer thread
+    (which TensorBoard raises again in the run's next write), go to train.log only: the run stops on it in one
+    line. Others as usual."""
     from ignite_amp.files.checkpoints import disk_full
 
-    if not disk_full(args.exc_value):
+    if not (disk_full(args.exc_value) or _from_tensorboard(args.exc_traceback)):
         state.get("excepthook", threading.__excepthook__)(args)
         return
     log = state.get("log")

@@ -80,6 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     handler = terminal_log_handler()
     logging.getLogger().addHandler(handler)
     state.clear()
+    state["command"] = args.command  # how a failure ends depends on it (a run's checkpoints, or none)
     # A full disk in a writer thread (TensorBoard's) or in train.log's handler: the command's one line
     # reports it (the main thread's next write raises it), not a thread traceback or "--- Logging error ---".
     quiet = (threading.excepthook, logging.raiseExceptions)

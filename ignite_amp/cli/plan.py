@@ -46,6 +46,8 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ConfigError(f"--batch-sizes: expected positive integers, got {args.batch_sizes}")
     cfg = load_config(args.config, args.overrides)
+    if args.json:
+        _check_json_output(args.json, args.config)
     started = time.perf_counter()
 
     def progress(peak) -> None:  # one line per traced size: a large model takes seconds each
@@ -80,3 +82,27 @@ def plan_command(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--json {args.json}: cannot write ({exc.strerror or exc})") from None
     return 0
+
+
+def _check_json_output(path: str, config: str) -> None:
+    """``--json FILE``, before the plan: a file in a folder that exists, not the config it read, nor another file that
+    is not an earlier plan."""
+    import json
+    import os
+
+    from ignite_amp.errors import ConfigError
+
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):  # found before the plan
+        why = "is a directory" if os.path.isdir(path) else "its folder does not exist"
+        raise ConfigError(f"--json {path}: cannot write ({why})")
+    if os.path.exists(path) and os.path.exists(config) and os.path.samefile(path, config):
+        raise ConfigError(f"--json {path}: is the config the plan reads; name another file for the plan")
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                earlier = json.load(f)
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "peaks" in earlier):
+            raise ConfigError(f"--json {path}: exists and is not an earlier plan; name another file (a plan's JSON "
+                              f"is replaced, another file is not)")

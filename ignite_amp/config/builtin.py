@@ -9,6 +9,7 @@ A local file wins over a built-in of the same name (``quickstart`` or ``quicksta
 directory); :func:`find_config` says which one it took.
 """
 import importlib.resources
+import json
 import os
 import re
 from typing import List, NamedTuple, Optional
@@ -112,13 +113,26 @@ def find_config(arg: str) -> ConfigSource:
     return ConfigSource(path, stem, f"config: the built-in {stem} ({path}); a copy to edit: ignite-amp init {stem}")
 
 
-def _written_as(text: str, name: str, stem: str) -> str:
+def _written_as(text: str, name: str, output: str) -> str:
     """The built-in ``name``'s text for a file named ``stem``: the run named after the file, so two copies
-    do not share (and resume) one output_dir."""
-    if stem == name or not re.fullmatch(r"[A-Za-z0-9_.\-]+", stem):
+    do not share (and resume) one output_dir. ``output_dir`` is ``runs/<stem>`` as typed (quoted where YAML
+    needs it); ``name`` is the stem with each run of characters a name cannot hold made ``_`` ("my run" ->
+    "my_run")."""
+    stem = _stem(os.path.basename(output))
+    if stem == name:
         return text
-    text = re.sub(rf"^name: {re.escape(name)}$", f"name: {stem}", text, count=1, flags=re.M)
-    return re.sub(rf"^output_dir: runs/{re.escape(name)}$", f"output_dir: runs/{stem}", text, count=1, flags=re.M)
+    if not stem.strip("."):  # "-o .yaml": runs/ or runs/.. would be another run's folder, or all of them
+        raise ConfigError(f"-o {output}: name the file, e.g. -o mine.yaml (the run is named after it)")
+    run = re.sub(r"[^A-Za-z0-9_.\-]+", "_", stem)
+    folder = f"runs/{stem}"
+    try:
+        folder.encode("utf-8")
+    except UnicodeEncodeError:  # a file name's undecodable bytes: the name's characters only
+        folder = f"runs/{run}"
+    folder = folder if re.fullmatch(r"[A-Za-z0-9_./\-]+", folder) else json.dumps(folder, ensure_ascii=False)
+    text = re.sub(rf"^name: {re.escape(name)}$", lambda _: f"name: {run}", text, count=1, flags=re.M)
+    return re.sub(rf"^output_dir: runs/{re.escape(name)}$", lambda _: f"output_dir: {folder}", text, count=1,
+                  flags=re.M)
 
 
 def init_config(name: str, output: str, force: bool = False) -> List[str]:
@@ -133,15 +147,19 @@ def init_config(name: str, output: str, force: bool = False) -> List[str]:
         ...     [os.path.basename(p) for p in init_config("quickstart", os.path.join(folder, "mine.yaml"))]
         ['mine.yaml', 'ignite-amp.schema.json']
     """
-    with open(builtin_path(name), encoding="utf-8") as f:
-        text = _written_as(f.read(), name, _stem(os.path.basename(output)))
     if os.path.isdir(output):
-        raise ConfigError(f"-o {output}: is a directory; name the file to write, e.g. -o {output}/{name}.yaml")
+        raise ConfigError(f"-o {output}: is a directory; name the file to write, e.g. -o "
+                          f"{os.path.join(output, name + '.yaml')}")
+    with open(builtin_path(name), encoding="utf-8") as f:
+        text = _written_as(f.read(), name, output)
     if os.path.exists(output) and not force:
         raise ConfigError(f"-o {output}: exists; choose another file, or add --force to replace it")
     with open(os.path.join(_folder(), SCHEMA_FILE), encoding="utf-8") as f:
         schema = f.read()
     schema_path = os.path.join(os.path.dirname(output), SCHEMA_FILE)
+    if os.path.isdir(schema_path):  # found before the config is written: a rerun would find that one in the way
+        raise ConfigError(f"{schema_path}: is a directory, where the config's JSON Schema goes (its first line names "
+                          f"it); move it, or write the config elsewhere")
     written = [output]
     _write(output, text, "-o ")
     try:

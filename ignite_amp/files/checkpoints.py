@@ -25,7 +25,8 @@ from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.errors import CheckpointError, CheckpointTypeError, CheckpointWriteError, first_line
 
 __all__ = ["SafeDiskSaver", "ShardedDiskSaver", "StoredValue", "load_checkpoint", "remove_path", "disk_full",
-           "TEMP_MARK", "STATE_FILE", "dcp_cause", "TYPE_PACKAGES", "refused_class", "with_types", "type_error"]
+           "out_of_room", "ROOM", "interrupt_inside", "TEMP_MARK", "STATE_FILE", "dcp_cause", "TYPE_PACKAGES",
+           "refused_class", "with_types", "type_error"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -54,13 +55,53 @@ class StoredValue(Serializable):
         self.value = state_dict["value"]
 
 
-def disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says the disk is full: ENOSPC, EDQUOT, or torch's write errors."""
+def interrupt_inside(exc: BaseException) -> Optional[KeyboardInterrupt]:
+    """The Ctrl-C or SIGTERM (a ``KeyboardInterrupt``) that ``exc`` hides, if any: raised in the Python write
+    that ``torch.save`` calls, it comes out as torch's "unexpected pos" write error, with the interrupt as its
+    context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+#: What stops a write for want of room, by errno: the words for it, and what to do before running again.
+ROOM = {errno.ENOSPC: ("no space left on device", "free space"),
+        errno.EDQUOT: ("disk quota exceeded", "free space or raise the quota"),
+        errno.EFBIG: ("file too large for the file-size limit (ulimit -f)", "raise the limit")}
+
+
+def out_of_room(exc: BaseException) -> Optional[tuple]:
+    """``(what, what to do)`` where ``exc`` (or what caused it) says a write found no room (:data:`ROOM`; torch's
+    write errors read as a full disk), else None; an interrupt that torch's writer turned into one is not."""
+    if interrupt_inside(exc) is not None:
+        return None
     for error in (exc, exc.__cause__, exc.__context__):
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+        if isinstance(error, OSError) and error.errno in ROOM:
+            return ROOM[error.errno]
     text = str(exc)
-    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
+    full = "No space left" in text or "unexpected pos" in text or "file write failed" in text
+    return ROOM[errno.ENOSPC] if full else None
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a write found no room: :func:`out_of_room`."""
+    return out_of_room(exc) is not None
+
+
+def _kept(dirname: str, room: Optional[tuple] = None) -> str:
+    """After a failed save: what is on disk (the previous checkpoints, or none yet); out of ``room``, what to do."""
+    try:
+        kept = any(n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(dirname))
+    except OSError:
+        kept = False
+    if room is None:
+        return "the previous checkpoints are kept" if kept else "no checkpoint was written yet"
+    return (f"the previous checkpoints are kept: {room[1]} and run the same command to resume" if kept else
+            f"no checkpoint was written yet: {room[1]} and run the same command to start again")
 
 
 class SafeDiskSaver(DiskSaver):
@@ -96,9 +137,12 @@ class SafeDiskSaver(DiskSaver):
                 os.remove(tmp)
             except OSError:
                 pass
-            if isinstance(exc, Exception) and disk_full(exc):
-                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
-                                           f"checkpoints are kept: free space and run the same command to resume"
+            interrupt = interrupt_inside(exc)
+            if interrupt is not None and interrupt is not exc:  # Ctrl-C or SIGTERM in torch's writer: itself
+                raise interrupt from None
+            room = out_of_room(exc) if isinstance(exc, Exception) else None
+            if room is not None:
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: {room[0]}; {_kept(self.dirname, room)}"
                                            ) from None
             raise
         self._remove_pending(filename)
@@ -179,16 +223,15 @@ class ShardedDiskSaver(SafeDiskSaver):
                 shutil.rmtree(tmp, ignore_errors=True)
             if is_distributed():
                 idist.barrier()  # every rank stops with the directory as it was
-            rank, text, full = failures[0]
-            if full:
-                raise CheckpointWriteError(f"cannot write checkpoint {path}: no space left on device; the previous "
-                                           f"checkpoints are kept: free space and run the same command to resume"
+            rank, text, room = failures[0]
+            if room:
+                raise CheckpointWriteError(f"cannot write checkpoint {path}: {room[0]}; {_kept(self.dirname, room)}"
                                            ) from None
             if error is not None and rank == idist.get_rank() and not isinstance(error, (OSError, CheckpointException)):
                 raise error  # not a storage fault: the run's own error
             who = f"rank {rank}: " if is_distributed() else ""
-            raise CheckpointWriteError(f"cannot write checkpoint {path} ({who}{text}); the previous checkpoints are "
-                                       f"kept") from None
+            raise CheckpointWriteError(f"cannot write checkpoint {path} ({who}{text}); {_kept(self.dirname)}"
+                                       ) from None
         if main:
             self._remove_pending(filename)
 
@@ -204,9 +247,10 @@ def dcp_cause(error: BaseException) -> BaseException:
 
 
 def _gather_failures(error: Optional[BaseException]) -> List[tuple]:
-    """Every rank's failure as ``(rank, first line, disk full)``, the same list on every rank."""
+    """Every rank's failure as ``(rank, first line, out of room: what and what to do, or None)``, the same list on
+    every rank."""
     error = dcp_cause(error) if error is not None else None
-    mine = None if error is None else (idist.get_rank(), first_line(error), disk_full(error))
+    mine = None if error is None else (idist.get_rank(), first_line(error), out_of_room(error))
     if not is_distributed():
         return [mine] if mine else []
     if not any_rank(mine is not None):  # the usual case: one integer, no pickling

@@ -23,7 +23,7 @@ from ignite_amp.memory_plan.flops import count_flops
 from ignite_amp.transforms.memory_format import choose_channels_last
 from ignite_amp.core.nested import map_tensors
 
-__all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS"]
+__all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS", "quiet_trace"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -145,16 +145,20 @@ def _tensors_of(value: Any) -> List[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Any:
-    """The step's one-time warnings (BatchNorm with micro-batches, padding) belong to the real run, not the plan."""
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def quiet_trace() -> Any:
+    """The step's one-time warnings (BatchNorm with micro-batches, padding) belong to the real run, not the plan;
+    torch's log of a fake kernel's failure (a traceback per failed operator) to the plan's one line about it."""
+    loggers = [logger, logging.getLogger("torch._subclasses.fake_tensor")]
+    levels = [one.level for one in loggers]
+    for one, level in zip(loggers, (logging.ERROR, logging.CRITICAL)):
+        one.setLevel(level)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for one, level in zip(loggers, levels):
+            one.setLevel(level)
 
 
 class FakeStep:
@@ -170,14 +174,14 @@ class FakeStep:
         self.checkpoint = dict(checkpoint) if isinstance(checkpoint, Mapping) else dict.fromkeys(checkpoint, "full")
         self.checkpointed: List[str] = []
 
-    def _build(self, mode: Any) -> tuple:
+    def _build(self, mode: Any, check: bool = False) -> tuple:
         layout = choose_channels_last(self.kwargs.get("channels_last", "auto"), self.model, self.device)  # as the step
         model, optimizer = _fake_copies(self.model, self.optimizer, mode, self.device, layout.on)
         for policy in POLICIES:  # blocks chosen for the plan (activation_checkpointing auto), with their policy
             checkpoint_modules(model, [name for name, p in self.checkpoint.items() if p == policy], policy)
         with mode, _NoHostReads():
             trainer = create_amp_trainer(model, optimizer, self.loss_fn, device=self.device,
-                                         **{**self.kwargs, "compile": False})
+                                         **{**self.kwargs, "compile": False, "check_split": check})
             warm_optimizer(optimizer)
         self.checkpointed = checkpointed_blocks(model)
         return model, optimizer, trainer
@@ -187,7 +191,7 @@ class FakeStep:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-        with _quiet():
+        with quiet_trace():
             model, optimizer, _ = self._build(mode)
 
         def size(tensors: Any) -> int:
@@ -198,13 +202,21 @@ class FakeStep:
         return {"parameters": size(params), "buffers": size(model.buffers()),
                 "gradients": size(p for p in params if p.requires_grad), "optimizer state": size(state)}
 
-    def trace(self, n: int) -> tuple:
-        """``(peak bytes, {kind: bytes at the peak}, FLOPs of one iteration)`` of the step at batch size ``n``."""
+    @property
+    def checks_split(self) -> bool:
+        """Whether the run's first cut or combined batch runs the one-time split check (``check_split``)."""
+        cut = self.kwargs.get("micro_batches", 1) > 1 or self.kwargs.get("accumulation_steps", 1) > 1
+        return cut and self.kwargs.get("check_split", True) is not False
+
+    def trace(self, n: int, check: bool = False) -> tuple:
+        """``(peak bytes, {kind: bytes at the peak}, FLOPs of one iteration)`` of the step at batch size ``n``: the
+        steady step, or with ``check`` the first one, which also runs the one-time split check (its gradients beside
+        the step's)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-        with _quiet():
-            model, optimizer, trainer = self._build(mode)
+        with quiet_trace():
+            model, optimizer, trainer = self._build(mode, check)
             batch = _fake_batch(self.batch, n, mode, self.device)
             tracker = step_tracker()
             tracker.track_external(model, optimizer, *_tensors_of(batch))

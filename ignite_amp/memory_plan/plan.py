@@ -15,6 +15,7 @@ is known without running it: weights, gradients and optimizer state.
 import dataclasses
 import logging
 import math
+import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -36,6 +37,7 @@ NOT_COUNTED = ("the CUDA caching allocator's fragmentation, cuDNN's convolution 
                "NCCL buffers, the CUDA context, torch.compile's changes to the step")
 #: The share of the memory a plan keeps free for what it does not count (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
 DEFAULT_MARGIN = 0.15
+_MAX_SIZE = 2 ** 24  # the largest batch the fit search tries
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -49,11 +51,10 @@ def parse_bytes(text: Union[str, int, float]) -> int:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
-        s = str(text).strip().lower().replace(" ", "")
-        number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        value, unit = (float(number) if number else math.nan), s[len(number):]
-    if unit not in _UNITS or not value > 0 or math.isinf(value):
-        raise ValueError(f"memory: expected a size such as 80GiB, 24GB or 512MiB, got {text!r}")
+        found = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)([a-z]*)", str(text).strip().lower().replace(" ", ""))
+        value, unit = (float(found[1]), found[2]) if found else (math.nan, "")
+    if unit not in _UNITS or not value > 0 or math.isinf(value) or value * _UNITS[unit] < 1:
+        raise ValueError(f"memory: expected a size such as 80GiB, 24GB or 512MiB (at least a byte), got {text!r}")
     return int(value * _UNITS[unit])
 
 
@@ -87,6 +88,9 @@ class MemoryPlan:
     untraced: Optional[str] = None  #: why the step could not be traced fake (None: it was)
     checkpointed: List[str] = dataclasses.field(default_factory=list)  #: blocks checkpointed in the plan
     auto_checkpointing: Optional[str] = None  #: what ``activation_checkpointing: auto`` chose, in a line
+    #: the first cut batch's peak with the one-time split check, ``(batch size, bytes)`` (None: no check runs);
+    #: the peaks above are the steady step's (the check is skipped with a warning where it does not fit)
+    split_check: Optional[tuple] = None
 
     @property
     def budget(self) -> Optional[float]:
@@ -124,12 +128,18 @@ class MemoryPlan:
             out.append(f"| {size} | {peak_text} | " + " | ".join(format_bytes(kinds_at.get(k, 0)) for k in kinds)
                        + " |")
         if self.memory is not None:
-            fit = ("no batch size" if self.largest_fit == 0 else
-                   f"batch {self.largest_fit}" if self.largest_fit else "unknown (not traced)")
+            fit = ("unknown (not traced)" if self.largest_fit is None else "no batch size" if self.largest_fit == 0
+                   else f"batch {self.largest_fit} or more (the search stops there)" if self.largest_fit >= _MAX_SIZE
+                   else f"batch {self.largest_fit}")
             out.append(f"largest batch that fits {format_bytes(self.memory)} less {self.margin:.0%}: {fit}")
             if self.device == "cpu":
                 out.append("traced on the CPU: for a GPU, plan where it is (autocast's operator lists and the "
                            "optimizer's default foreach path differ a little on CUDA)")
+        if self.split_check is not None:
+            size, peak = self.split_check
+            out.append(f"once, the first cut batch also runs the split check: peak {format_bytes(peak)} at batch "
+                       f"{size} (where it does not fit it is skipped with a warning; the peaks above are the steady "
+                       f"step's)")
         out.append(f"not counted: {NOT_COUNTED}; the plan keeps {self.margin:.0%} of the memory free for them")
         return out
 
@@ -197,7 +207,13 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
 
     def trace(n: int) -> StepPeak:
         if n not in traced:
-            peak, kinds, flops = tracer.trace(n)
+            try:
+                peak, kinds, flops = tracer.trace(n)
+            except ValueError as exc:  # BatchNorm in training: nothing to normalise over
+                if n == 1 and "more than 1 value per channel" in str(exc):
+                    raise _OneSample(f"batch 1: {type(model).__name__} cannot train on one sample "
+                                     f"({first_line(exc)}); plan batch sizes of 2 or more") from None
+                raise
             if libraries:
                 peak, kinds = peak + libraries, {**kinds, LIBRARIES: libraries}
             traced[n] = StepPeak(n, peak, kinds, flops)
@@ -210,6 +226,11 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             trace(n)
         if memory is not None and fit:
             plan.largest_fit = _largest_fit(trace, plan.budget, sizes)
+        if fit and tracer.checks_split:  # planned apart: a one-time cost, not the step's
+            size = max(2, sizes[0])
+            plan.split_check = (size, tracer.trace(size, check=True)[0])
+    except _OneSample:
+        raise
     except Exception as exc:  # shapes that depend on values, an operator with no fake kernel
         if not traced:
             plan.untraced = f"{type(exc).__name__}: {first_line(exc)}"
@@ -223,19 +244,25 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
     return plan
 
 
+class _OneSample(ValueError):
+    """Batch 1 cannot train the model (BatchNorm in training needs more than one value per channel)."""
+
+
 def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[int], max_traces: int = 8,
-                 tolerance: float = 0.01, max_size: int = 2 ** 24) -> int:
-    """The largest batch whose traced peak is within ``budget`` (to ``tolerance``; 0: not even batch 1): the line
-    through the two largest traced sizes aims until a size misses, then the secant between the largest fit and
-    the smallest miss (the peak is close to a line in the batch size above the optimizer step's)."""
+                 tolerance: float = 0.01, max_size: int = _MAX_SIZE) -> int:
+    """The largest batch whose traced peak is within ``budget`` (to ``tolerance``; 0: not even the smallest batch
+    that trains, 1, or 2 with BatchNorm): the line through the two largest traced sizes aims until a size
+    misses, then the secant between the largest fit and the smallest miss (the peak is close to a line in the
+    batch size above the optimizer step's)."""
     points = {n: trace(n).peak for n in sizes}
+    smallest = 1
     for _ in range(max_traces):
         lo = max((n for n, p in points.items() if p <= budget), default=0)
         hi = min((n for n, p in points.items() if p > budget), default=None)
-        if hi is not None and hi - lo <= max(1, math.floor(lo * tolerance)) or lo >= max_size:
+        if hi is not None and (hi - lo <= max(1, math.floor(lo * tolerance)) or hi <= smallest) or lo >= max_size:
             return lo
         if lo == 0:
-            target = 1 if 1 not in points else max(1, hi // 2)
+            target = smallest if smallest not in points else max(smallest, hi // 2)
         elif hi is None:
             (n0, p0), (n1, p1) = sorted(points.items())[-2:] if len(points) >= 2 else ((0, 0.0), (lo, points[lo]))
             slope = (p1 - p0) / (n1 - n0)
@@ -245,5 +272,8 @@ def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[in
             target = math.floor(lo + (budget - points[lo]) * (hi - lo) / (points[hi] - points[lo]))
             step = max(1, math.floor(lo * tolerance))
             target = min(max(target, lo + step), hi - 1)  # a fit at the line's size: one step above it brackets
-        points[target] = trace(target).peak
+        try:
+            points[target] = trace(target).peak
+        except _OneSample:  # BatchNorm: the smallest batch that trains is 2
+            smallest = 2
     return max((n for n, p in points.items() if p <= budget), default=0)

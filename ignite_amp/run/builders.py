@@ -150,9 +150,10 @@ def check_classes(cfg: dict, n_classes: int) -> None:
                           f"{cfg['data']['name']} has {n_classes} classes")
 
 
-def check_model_runs(cfg: dict, step) -> None:
+def check_model_runs(cfg: dict, step, passes: tuple = ()) -> None:
     """Run the model once on two blank images of the config's shape: a shape the model cannot take,
-    or a head of the wrong width, is a one-line error now rather than a traceback mid-epoch."""
+    or a head of the wrong width, is a one-line error now rather than a traceback mid-epoch (``passes``: errors
+    raised as they are, e.g. what fake tensors cannot run, for the plan)."""
     model, shape = step.model, (2, *input_shape(cfg["data"]))
     x = torch.zeros(shape, device=step.device)
     if step.channels_last:
@@ -162,6 +163,8 @@ def check_model_runs(cfg: dict, step) -> None:
     try:
         with torch.no_grad(), step.autocast():
             out = model(x)
+    except passes:
+        raise
     except RuntimeError as exc:
         if is_oom_error(exc):
             raise

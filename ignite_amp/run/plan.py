@@ -5,6 +5,7 @@ plans too); a model whose construction reads values falls back to a real build.
 """
 import contextlib
 import logging
+import types
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -12,7 +13,9 @@ import torch
 import ignite.distributed as idist
 
 from ignite_amp.memory_plan.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
-from ignite_amp.run.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
+from ignite_amp.memory_plan.fake_step import quiet_trace
+from ignite_amp.run.builders import (build_optimizer, check_model_runs, checkpoint_activations, config_device,
+                                     input_shape, seed_everything)
 from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
 from ignite_amp.models import build_model
@@ -65,6 +68,16 @@ def config_batch_sizes(cfg: dict) -> list:
     return [8, 32, 128] if size == "auto" else [max(1, size // world)]
 
 
+def _fake_limits() -> tuple:
+    """The errors of an operation fake tensors cannot run (one that reads values, or has no fake kernel)."""
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+            fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
+            GuardOnDataDependentSymNode)
+
+
 def _model_and_optimizer(cfg: dict, device: torch.device) -> tuple:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -75,12 +88,27 @@ def _model_and_optimizer(cfg: dict, device: torch.device) -> tuple:
                 model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
                 checkpoint_activations(cfg, model, device)  # as the run will (its blocks keep only their inputs)
                 return model, build_optimizer(cfg["optimizer"], model)
-        except ConfigError:
-            raise
-        except Exception:  # a constructor that reads values (data-dependent under fake tensors): build it for real
-            if context is contextlib.nullcontext:
+        except Exception as exc:  # a constructor that reads values (data-dependent under fake tensors): build it for real
+            reads = isinstance(exc.__cause__ if isinstance(exc, ConfigError) else exc, _fake_limits())
+            if context is contextlib.nullcontext or isinstance(exc, ConfigError) and not reads:
                 raise
     raise RuntimeError("unreachable")
+
+
+def _check_model_runs(cfg: dict, model: torch.nn.Module, device: torch.device) -> None:
+    """The run's first check (:func:`~ignite_amp.run.builders.check_model_runs`: a forward on two images of
+    the config's shape), on the fake model: an image size the model cannot take is the run's one line, not a
+    plan of a step that cannot run. What fake tensors cannot run is left to the trace."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    first = next(model.parameters(), None)
+    mode = first.fake_mode if isinstance(first, FakeTensor) else contextlib.nullcontext()
+    step = types.SimpleNamespace(model=model, device=device, autocast=contextlib.nullcontext)
+    try:
+        with mode, quiet_trace():
+            check_model_runs(cfg, step, passes=_fake_limits())
+    except _fake_limits():
+        pass
 
 
 def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: Union[None, int, str] = None,
@@ -91,6 +119,7 @@ def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: 
     _no_fsdp(cfg, "plan")
     device = config_device(cfg)
     model, optimizer = _model_and_optimizer(cfg, device)
+    _check_model_runs(cfg, model, device)
     sizes = batch_sizes or config_batch_sizes(cfg)
     choice = None
     if cfg["amp"]["activation_checkpointing"] == "auto":  # the blocks the run would checkpoint, at the largest size

@@ -243,8 +243,8 @@ def test_disk_full_in_tensorboard_s_writer_thread_is_one_true_line(quick_cfg, tm
     path = write(tmp_path, dict(quick_cfg, train={"epochs": 2}))
     assert main(["train", path]) == 1
     err = capsys.readouterr().err
-    assert error_lines(err) == ["ignite-amp: stopped: no space left on device (writing the run); no checkpoint was "
-                                "written yet: free space and run the same command again"], err
+    assert error_lines(err) == ["ignite-amp: stopped: no space left on device (writing TensorBoard's event files); "
+                                "no checkpoint was written yet: free space and run the same command again"], err
     assert "Traceback" not in err and "Logging error" not in err
 
 
