@@ -68,7 +68,7 @@ def plan_command(args: argparse.Namespace) -> int:
     options = None
     if args.checkpointing or cfg["amp"]["activation_checkpointing"] == "auto":
         from ignite_amp.run.plan import config_batch_sizes
-        from ignite_amp.run.plan_choices import checkpoint_options_lines, config_checkpoint_options
+        from ignite_amp.run.plan import checkpoint_options_lines, config_checkpoint_options
 
         size = max(args.batch_sizes or config_batch_sizes(cfg))  # as auto chooses: at the largest size asked
         options = config_checkpoint_options(cfg, size)

@@ -4,15 +4,17 @@ The model and optimizer are built under fake tensors (nothing allocated: a model
 plans too); a model whose construction reads values falls back to a real build.
 """
 import contextlib
+import copy
 import logging
 import types
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
 import ignite.distributed as idist
 
 from ignite_amp.memory_plan.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
+from ignite_amp.memory_plan.choices import CheckpointOption, checkpoint_options, options_lines
 from ignite_amp.memory_plan.fake_step import quiet_trace
 from ignite_amp.run.builders import (build_optimizer, check_model_runs, checkpoint_activations, config_device,
                                      input_shape, seed_everything)
@@ -20,7 +22,8 @@ from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
 from ignite_amp.models import build_model
 
-__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run"]
+__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run", "config_checkpoint_options",
+           "checkpoint_options_lines"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -150,3 +153,31 @@ def plan_run(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         logger.info("memory plan: %s: %s", type(exc).__name__, exc)
         return {}
     return {"planned_peak_mb": round(plan.peaks[0].peak / 2 ** 20, 1)} if plan.peaks else {}
+
+
+# -- the table of activation checkpointing choices (``ignite-amp plan --checkpointing``): none, selective and full on
+# a quarter of the blocks up to all, at the config's batch size, each with its planned peak and recompute
+# (:mod:`ignite_amp.memory_plan.choices`); the model built as plan_config builds it, without checkpointing.
+def config_checkpoint_options(cfg: dict, batch_size: int) -> List[CheckpointOption]:
+    """The choices for ``cfg``'s run at ``batch_size`` per process (``distributed.blocks``, or the repeated blocks);
+    empty when the model has no blocks or its step cannot be traced fake."""
+    plain = copy.deepcopy(cfg)
+    plain["amp"]["activation_checkpointing"] = False
+    device = config_device(plain)
+    model, optimizer = _model_and_optimizer(plain, device)
+    try:
+        return checkpoint_options(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(plain), batch_size,
+                                  device=device, blocks=plain["distributed"]["blocks"] or None, **_step_kwargs(plain))
+    except ValueError as exc:
+        raise ConfigError(f"plan: {exc}") from None
+
+
+def checkpoint_options_lines(options: List[CheckpointOption], batch_size: int,
+                             budget: Optional[float] = None) -> List[str]:
+    """The table, under a line that says what it is."""
+    if not options:
+        return ["activation checkpointing choices: none planned: the step cannot be traced fake"]
+    if len(options) == 1:
+        return ["activation checkpointing choices: the model has no repeated blocks (distributed.blocks names them)"]
+    return [f"activation checkpointing choices at batch {batch_size} (first blocks from the input end; recompute: "
+            f"the FLOPs checkpointing adds to a step without it)", *options_lines(options, budget=budget)]
