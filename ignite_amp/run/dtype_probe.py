@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ignite_amp.run.builders import input_shape
-from ignite_amp.run.dtype_choice import keep_choice, kept_choice, shown_path
+from ignite_amp.run.dtype_choice import choices_path, keep_choice, kept_choice, shown_path
 from ignite_amp.errors import ConfigError
 from ignite_amp.core.device import cpu_has_amx, cpu_model, cpu_has_native_bf16, dtype_name
 from ignite_amp.split_check.randomness import still
@@ -174,7 +174,8 @@ def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], de
     key, what = choice_key(cfg)
     kept = kept_choice(key)
     if kept is not None:
-        return kept.dtype, f"this machine's choice for this model since {kept.decided} ({kept.why})"
+        return kept.dtype, (f"this machine's choice for this model since {kept.decided} ({kept.why}); kept in "
+                            f"{shown_path(choices_path())}: delete it to probe again")
     try:
         probe = probe_cpu_dtype(model if isinstance(model, nn.Module) else model(), _batch(cfg, device))
     except Exception as exc:  # the model cannot run this batch: float32, and check_model_runs says why

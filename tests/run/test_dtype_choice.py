@@ -82,7 +82,8 @@ def test_a_clear_win_is_kept_whatever_the_clock_of_the_runs_after(tmp_path, firs
         model = Loaded(**{**then, **clear})
         again, said = config_dtype(cfg, model, CPU)
         assert again == chosen and not model.ran
-        assert said.startswith("this machine's choice for this model since ") and said.endswith(f"({why.split(';')[0]})")
+        assert said.startswith("this machine's choice for this model since ")
+        assert said.endswith(f"({why.split(';')[0]}); kept in {choices_path()}: delete it to probe again")
     assert chosen == ("bfloat16" if first is QUIET else "float32")  # a busy first probe could not tell: float32
 
 
