@@ -2,8 +2,8 @@
 
 Runs ``ignite-amp train CONFIG`` plainly and under ``torchrun --standalone --nproc_per_node=1``
 (and, with ``--nproc N``, N processes), interleaved, each in a fresh output_dir, and reads the
-samples/s of the epoch lines (the first epoch left out: warm-up). Prints the medians and the
-ratio torchrun / plain; the target on one GPU is within 1%.
+samples/s of each epoch (``data.train_size`` over its line's seconds; the first epoch left out: warm-up).
+Prints the medians and the ratio torchrun / plain; the target on one GPU is within 1%.
 
     python benchmarks/launch_overhead.py                          # the quickstart, on this machine
     python benchmarks/launch_overhead.py --set data.name=fake --set model.name=resnet18 \\
@@ -31,8 +31,14 @@ def run(variant: str, config: str, overrides: list, output_dir: str) -> list:
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         sys.exit(f"{variant} failed:\n{out.stderr[-2000:]}")
-    rates = [float(r) for r in re.findall(r"^epoch \d+/\d+ .* (\d+) samples/s", out.stdout, flags=re.M)]
-    return rates[1:]
+    from ignite_amp.config.tree import load_config
+
+    path = config if os.path.isfile(config) else os.path.join(ROOT, config)
+    samples = load_config(path, overrides)["data"]["train_size"]  # an epoch line's seconds: its samples' time
+    if not samples:
+        sys.exit("set data.train_size: the samples/s are the epoch's samples over the epoch line's seconds")
+    seconds = [float(s) for s in re.findall(r"^epoch \d+/\d+ .*\s([\d.]+)s$", out.stdout, flags=re.M)]
+    return [samples / s for s in seconds[1:]]
 
 
 def main() -> None:

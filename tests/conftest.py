@@ -21,19 +21,23 @@ for _folder in sorted(os.listdir(_TESTS)):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def dtype_auto_without_timing():
+def dtype_auto_without_timing(tmp_path_factory):
     """``dtype: auto`` on a CPU with AVX512-BF16 and no AMX is a timed probe's choice: fixed to float32 for the
     whole session (in-process runs and CLI subprocesses, which inherit the environment), so no test's outcome
-    depends on the machine's load. tests/run/test_dtype_probe.py drives the probe itself with a fake clock."""
+    depends on the machine's load. tests/run/test_dtype_probe.py drives the probe itself with a fake clock.
+    The kept choices go to a temporary folder, never the user's cache folder."""
+    from ignite_amp.run.dtype_choice import CACHE_ENV
     from ignite_amp.run.dtype_probe import PROBE_ENV
 
-    before = os.environ.get(PROBE_ENV)
+    before = {name: os.environ.get(name) for name in (PROBE_ENV, CACHE_ENV)}
     os.environ[PROBE_ENV] = "float32"
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("ignite-amp-cache"))
     yield
-    if before is None:
-        del os.environ[PROBE_ENV]
-    else:
-        os.environ[PROBE_ENV] = before
+    for name, value in before.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -194,10 +194,27 @@ def test_no_module_is_a_hall():
     assert not long, long
 
 
+def checkout_copy(dest) -> str:
+    """The checkout's files (tracked, and new ones git does not ignore) copied to ``dest``: a build there leaves
+    nothing in the checkout (setuptools writes ``build/`` and ``*.egg-info`` beside the sources)."""
+    import shutil
+
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, listed):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
+    return str(dest)
+
+
 def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
+    before = set(os.listdir(ROOT))
+    source = checkout_copy(tmp_path / "source")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+                           "-w", str(tmp_path), source], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert set(os.listdir(ROOT)) - before == set()  # no build/ in the checkout (it made `python -m build` fail)
     wheel, = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names}

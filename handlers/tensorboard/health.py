@@ -1,10 +1,11 @@
 """The end-of-run health summary: is this mixed-precision run healthy, and if not, what to change.
 
 :func:`health_lines` turns the run's figures (:class:`Health`, read from the TensorBoard windows
-and the step) into short lines: precision (skipped steps, final loss scale), clipping (with a
-warning when most steps clip), speed (median samples/s and step time, data-wait share with a
-warning when the loader is the bottleneck), compute (achieved TFLOP/s, MFU), memory, and
-out-of-memory retries. Pure: tested without a run.
+and the step) into short lines: first a one-line verdict (healthy, or how many warnings follow), then
+precision (skipped steps, final loss scale), clipping (with a warning when most steps clip), speed
+(samples/s and step time, the medians of the logged windows), data wait (with a warning when the loader
+is the bottleneck), compute (achieved TFLOP/s, MFU), memory, and out-of-memory retries. Each line fits 80
+columns where its figures allow. Pure: tested without a run.
 """
 import math
 import statistics
@@ -54,26 +55,28 @@ def _share(windows: Sequence[dict], key: str, weight: str) -> Optional[float]:
 
 
 def health_lines(h: Health) -> List[str]:
-    """The summary, one finding per line; lines starting with ``warning:`` ask for a change."""
-    lines = []
+    """The summary, one finding per line, after a verdict line; lines starting with ``warning:`` ask for a change."""
+    lines, checked = [], []
     steps = h.optimizer_steps + h.skipped_steps
     if h.scaler:
         share = h.skipped_steps / steps if steps else 0.0
         scale = f", final loss scale {h.loss_scale:g}" if h.loss_scale is not None else ""
-        lines.append(f"precision: {h.dtype} with GradScaler: {h.skipped_steps} of {steps} optimizer steps skipped "
+        lines.append(f"precision: {h.dtype} with GradScaler, {h.skipped_steps} of {steps} optimizer steps skipped "
                      f"({share:.1%}){scale}{h.since}")
+        checked.append("skipped steps")
         if steps and share > SKIP_WARN_SHARE:
             dtype = _setting(h, "amp.dtype bfloat16", 'dtype="bfloat16"')
             lines.append(f"warning: {share:.0%} of float16 steps skipped for inf/NaN gradients: try {dtype} where "
                          f"the device has it, or lower the lr")
     else:
-        what = "autocast off" if h.dtype == "float32" else "autocast, no GradScaler needed"
-        lines.append(f"precision: {h.dtype} {what}: {h.optimizer_steps} optimizer steps{h.since}")
+        what = f"{h.dtype} (autocast off)" if h.dtype == "float32" else f"{h.dtype} autocast (no GradScaler needed)"
+        lines.append(f"precision: {what}, {h.optimizer_steps} optimizer steps{h.since}")
     clipped = _share(h.windows, "optimizer/clip_share", "clip_steps")
     if h.max_norm is not None and clipped is not None:
         norm = _median(h.windows, "optimizer/grad_norm")
         median = f", median grad norm {norm:.3g}" if norm is not None else ""
         lines.append(f"clipping: {clipped:.0%} of optimizer steps clipped at max_norm {h.max_norm:g}{median}")
+        checked.append("clipping")
         if clipped > CLIP_WARN_SHARE:
             bound = _setting(h, "handlers.clipping.max_norm", "GradientClipping's max_norm")
             lines.append(f"warning: most steps are clipped, so the bound, not the lr, sets the step size: raise "
@@ -83,8 +86,11 @@ def health_lines(h: Health) -> List[str]:
         step_ms = _median(h.windows, "throughput/step_time_ms")
         wait = _share(h.windows, "throughput/data_wait_share", "iterations") or 0.0
         each = f" per process ({h.processes} processes)" if h.processes > 1 else ""
-        lines.append(f"speed: median {speed:.4g} samples/s{each}, {step_ms:.3g} ms per iteration; data wait "
-                     f"{wait:.1%} of the time")
+        windows = sum(1 for w in h.windows if "throughput/samples_per_sec" in w)
+        lines.append(f"speed: {_figure(speed)} samples/s{each}, {_figure(step_ms)} ms per iteration (medians of "
+                     f"{windows} logged window{'' if windows == 1 else 's'})")
+        lines.append(f"data wait: {wait:.1%} of the time")
+        checked.append("data wait")
         if wait > DATA_WAIT_WARN_SHARE:
             lines.append(f"warning: {wait:.0%} of the time goes to waiting for batches: the loader is the "
                          f"bottleneck; raise {_setting(h, 'data.num_workers', 'the DataLoader num_workers')} or make "
@@ -109,4 +115,20 @@ def health_lines(h: Health) -> List[str]:
     if h.oom_retries:
         size = f", micro-batches of {h.micro_batch_size}" if h.micro_batch_size else ""
         lines.append(f"out of memory: {h.oom_retries} retries; now {h.micro_batches} micro-batches per batch{size}")
-    return lines
+    return [_verdict(lines, checked)] + lines
+
+
+def _figure(value: float) -> str:
+    """Four significant digits, or the whole number from 10000 on (no exponent: ``123456``, not ``1.235e+05``)."""
+    return f"{value:.4g}" if value < 1e4 else f"{value:.0f}"
+
+
+def _verdict(lines: List[str], checked: List[str]) -> str:
+    """One line: healthy (and what was checked), or how many warnings follow."""
+    warnings = sum(line.startswith("warning:") for line in lines)
+    if warnings:
+        return f"verdict: {warnings} warning{'' if warnings == 1 else 's'} below, each with the change to make"
+    if not checked:
+        return "verdict: healthy, nothing to warn about"
+    listed = ", ".join(checked[:-1]) + (" and " if len(checked) > 1 else "") + checked[-1]
+    return f"verdict: healthy ({listed} within bounds)"

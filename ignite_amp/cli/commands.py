@@ -108,8 +108,9 @@ def _train(args: argparse.Namespace) -> int:
         epochs = final["epoch"]
         safe_print(f"done: val accuracy {final.get('val_accuracy', float('nan')):.4f} after {epochs} "
                    f"epoch{'' if epochs == 1 else 's'}")
-    if result["best_checkpoint"]:
-        safe_print(f"best checkpoint: {result['best_checkpoint']}")
+    if result["best_checkpoint"]:  # its path on a line of its own where both would not fit 80 columns
+        line = f"best checkpoint: {result['best_checkpoint']}"
+        safe_print(line if len(line) <= 80 else f"best checkpoint:\n  {result['best_checkpoint']}")
     if result["tensorboard_dir"]:
         safe_print(_dashboard_hint(result["tensorboard_dir"]))
     return 0
@@ -117,11 +118,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _dashboard_hint(tensorboard_dir: str) -> str:
     """The last lines of a training run: the command that shows its dashboard (quoted for a shell), then the
-    page to open on a line of its own, so that a terminal of 100 columns does not wrap the URL."""
+    page to open on a line of its own, so that a terminal of 80 columns does not wrap the URL, then the one
+    setting no URL can make: TensorBoard's default outlier scaling cuts the first epochs off the charts."""
     from ignite_amp.files.run_directory import dashboard_command
 
     return (f"dashboard: {dashboard_command(tensorboard_dir)}\n"
-            f"  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0")
+            f"  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0\n"
+            f"  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point")
 
 
 def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -> None:

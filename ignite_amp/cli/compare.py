@@ -1,4 +1,5 @@
-"""``ignite-amp compare``: float32 against autocast float16 (with and without GradScaler) and bfloat16.
+"""``ignite-amp compare``: float32 against autocast float16 (with and without GradScaler) and bfloat16 (on a CPU:
+bfloat16 alone unless ``--modes`` asks, and the run says so).
 
 The check every AMP tutorial recommends, as a command: the same initial weights and the same
 batches in each mode, a table of how far each mode's loss strays from float32, what it costs

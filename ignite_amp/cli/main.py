@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(train)
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: when stderr is a terminal)")
-    cmp = sub.add_parser("compare", help="float32 against float16 (with and without GradScaler) and bfloat16")
+    cmp = sub.add_parser("compare", help="float32 against the precisions the device runs fast: float16 (with and "
+                                         "without GradScaler) and bfloat16 on a GPU, bfloat16 on a CPU")
     _add_config(cmp)
     cmp.add_argument("--steps", type=int, default=50, help="training steps per mode (default 50)")
     cmp.add_argument("--tolerance", type=float, default=0.1,

@@ -31,7 +31,7 @@ def plan_command(args: argparse.Namespace) -> int:
     import json
 
     from ignite_amp.config.tree import load_config
-    from ignite_amp.run.plan import plan_config
+    from ignite_amp.run.plan import plan_config, plan_dtype
     from ignite_amp.run.console import safe_print
     from ignite_amp.errors import ConfigError
     from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, format_bytes, parse_bytes
@@ -48,19 +48,22 @@ def plan_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.json:
         _check_json_output(args.json, args.config)
+    decided, dtype_why = plan_dtype(cfg)  # dtype auto on a CPU: the choice train makes (kept per machine and model)
     started = time.perf_counter()
 
     def progress(peak) -> None:  # one line per traced size: a large model takes seconds each
         print(f"planned batch {peak.batch_size}: peak {format_bytes(peak.peak)} "
               f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
-    plan = plan_config(cfg, args.batch_sizes, memory, margin, progress)
+    plan = plan_config(decided, args.batch_sizes, memory, margin, progress)
     dtype = cfg["amp"]["dtype"]
     if dtype == "auto":
         from ignite_amp.core.device import dtype_name, resolve_dtype
 
-        dtype = f"auto ({dtype_name(resolve_dtype('auto', plan.device))})"
+        dtype = f"auto ({decided['amp']['dtype'] if dtype_why else dtype_name(resolve_dtype('auto', plan.device))})"
     safe_print(f"{cfg['name']}: {cfg['model']['name']}, dtype {dtype}, batch sizes per process")
+    if dtype_why:
+        safe_print(f"dtype auto: {dtype_why}")
     for line in plan.lines():
         safe_print(line)
     if plan.memory is None:
@@ -71,7 +74,7 @@ def plan_command(args: argparse.Namespace) -> int:
         from ignite_amp.run.plan import checkpoint_options_lines, config_checkpoint_options
 
         size = max(args.batch_sizes or config_batch_sizes(cfg))  # as auto chooses: at the largest size asked
-        options = config_checkpoint_options(cfg, size)
+        options = config_checkpoint_options(decided, size)
         for line in checkpoint_options_lines(options, size, plan.budget):
             safe_print(line)
     if args.json:

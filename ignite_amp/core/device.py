@@ -75,6 +75,14 @@ def _cpu_flags() -> str:
         return ""
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), or ``"unknown CPU"``."""
+    for line in _cpu_flags().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return "unknown CPU"
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bfloat16 instructions (AVX512-BF16 or AMX); False when unknown."""
     flags = _cpu_flags()

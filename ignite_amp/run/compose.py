@@ -13,10 +13,11 @@ import torch
 from ignite.engine import Engine
 from ignite.metrics import Accuracy, Loss
 
-from ignite_amp.run.resume import plan_resume, resume_run
+from ignite_amp.run.resume import plan_resume, resume_run, resumed_dtype, with_precision
 from ignite_amp.run.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs,
                                  checkpoint_activations, config_device, seed_everything)
 from ignite_amp.core.collectives import is_distributed
+from ignite_amp.core.device import dtype_name
 from ignite_amp.config.tree import load_config, save_config
 from ignite_amp.run.plan import plan_run
 from ignite_amp.run.search import search_built
@@ -103,7 +104,9 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
                                                         cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg),
                                                         micro_batches=cfg["amp"]["micro_batches"])
     check_classes(cfg, n_classes)
-    trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files)
+    trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files,
+                                                        resumed_dtype(resuming.state))
+    resuming = with_precision(resuming, cfg, dtype_name(trainer.amp_step.dtype))
     epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
     scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
     train_data = training_data(trainer, train_loader, cfg["train"]["epoch_length"])  # each pass's order: its number
@@ -153,12 +156,14 @@ def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim
 
 
 def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-             files: RunFiles):
+             files: RunFiles, resumed: Optional[str] = None):
     """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
-    optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked)."""
+    optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked).
+    ``resumed``: the dtype the resumed checkpoint trained in (``dtype: auto`` on a CPU keeps it)."""
     amp = dict(cfg["amp"])
     amp["channels_last"] = config_channels_last(cfg, model, device).on  # auto: on CUDA for a convolutional model
-    amp["dtype"], dtype_why = config_dtype(cfg, model, device)  # auto on a CPU: a timed probe's choice (dtype_probe)
+    # auto on a CPU: the checkpoint's, else this machine's kept choice for the model, else a timed probe's (dtype_probe)
+    amp["dtype"], dtype_why = config_dtype(cfg, model, device, resumed)
     accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
     cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
     check_split = amp.pop("check_split")  # the trainer's only

@@ -36,7 +36,9 @@ class Validation:
 
 
 class EpochSummary:
-    """Each epoch's record and line: train loss, samples/s, and the evaluator's metrics.
+    """Each epoch's record (train loss, samples/s, the evaluator's metrics) and its line, which fits 80 columns:
+    the train loss, the validation accuracy and loss, and the epoch's seconds (the speed is the health summary's,
+    the median of the logging windows, and each epoch's samples/s stays in the record).
 
     The train loss is the mean over every rank's samples (or ``num_items`` items), summed on the
     device and read with one host sync per epoch. :meth:`attach` measures at ``EPOCH_COMPLETED``;
@@ -92,5 +94,4 @@ class EpochSummary:
         width = len(str(epochs))
         self.print(f"epoch {epoch:>{width}}/{epochs}  train loss {m['train_loss']:.4f}  "
                    f"val accuracy {metrics.get('accuracy', float('nan')):.4f}  "
-                   f"val loss {metrics.get('loss', float('nan')):.4f}  "
-                   f"{m['samples_per_sec']:.0f} samples/s  {m['seconds']:.1f}s")
+                   f"val loss {metrics.get('loss', float('nan')):.4f}  {m['seconds']:.{1 if m['seconds'] < 100 else 0}f}s")

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import logging
 import types
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -18,12 +18,13 @@ from ignite_amp.memory_plan.choices import CheckpointOption, checkpoint_options,
 from ignite_amp.memory_plan.fake_step import quiet_trace
 from ignite_amp.run.builders import (build_optimizer, check_model_runs, checkpoint_activations, config_device,
                                      input_shape, seed_everything)
+from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
 from ignite_amp.models import build_model
 
-__all__ = ["plan_config", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run", "config_checkpoint_options",
-           "checkpoint_options_lines"]
+__all__ = ["plan_config", "plan_dtype", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run",
+           "config_checkpoint_options", "checkpoint_options_lines"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -114,12 +115,28 @@ def _check_model_runs(cfg: dict, model: torch.nn.Module, device: torch.device) -
         pass
 
 
+def plan_dtype(cfg: dict) -> Tuple[dict, str]:
+    """The config with ``amp.dtype: auto`` decided as ``train`` decides it on a CPU (this machine's kept choice for
+    the model, else a probe of a real build, then kept: :func:`~ignite_amp.run.dtype_probe.config_dtype`), and why;
+    ``(cfg, "")`` where there is nothing to decide (a named dtype, a GPU: the engines' rule)."""
+    device = config_device(cfg)
+
+    def real_model() -> torch.nn.Module:  # the probe times real steps: built as the run builds it, seeded
+        seed_everything(cfg["seed"])
+        return build_model(**cfg["model"])
+
+    dtype, why = config_dtype(cfg, real_model, device)
+    return ({**cfg, "amp": {**cfg["amp"], "dtype": dtype}}, why) if why else (cfg, "")
+
+
 def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: Union[None, int, str] = None,
                 margin: float = DEFAULT_MARGIN, progress: Optional[Callable] = None) -> MemoryPlan:
     """:func:`~ignite_amp.memory_plan.plan.estimate_memory` for a loaded config: its model, optimizer, ``amp:``
-    settings (``compile`` planned off) and image shape; ``memory`` None: the GPU's free memory on a GPU. With
-    ``activation_checkpointing: auto`` the blocks are chosen for the largest of ``batch_sizes`` first."""
+    settings (``compile`` planned off; ``dtype: auto`` on a CPU as :func:`plan_dtype` decides it) and image shape;
+    ``memory`` None: the GPU's free memory on a GPU. With ``activation_checkpointing: auto`` the blocks are chosen
+    for the largest of ``batch_sizes`` first."""
     _no_fsdp(cfg, "plan")
+    cfg, _ = plan_dtype(cfg)
     device = config_device(cfg)
     model, optimizer = _model_and_optimizer(cfg, device)
     _check_model_runs(cfg, model, device)

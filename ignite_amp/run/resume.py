@@ -27,7 +27,7 @@ from ignite_amp.files.run_directory import RunLayout, move_previous_run
 from ignite_amp.config.limits import brief, same
 
 __all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint", "stored_config",
-           "apply_changes", "RULES", "rerun_of_a_finished_run", "epochs_done"]
+           "apply_changes", "RULES", "rerun_of_a_finished_run", "epochs_done", "resumed_dtype", "with_precision"]
 
 RULES: Dict[str, str] = {path: f.metadata["resume"] for path, f in leaves(Config)}
 
@@ -69,6 +69,24 @@ def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micr
     kept = "weights, optimizer, scaler, " + ("schedule, " if scheduled else "") + "RNG and data order"
     changed = f"; now in effect: {', '.join(map(str, chosen.changes))}" if chosen.changes else ""
     return f"resumed from {path} at epoch {trainer.state.epoch} (keeps {kept}{changed})"
+
+
+def resumed_dtype(state: Optional[dict]) -> Optional[str]:
+    """The dtype a checkpoint's run trained in (its step's record), or None: no checkpoint, or one saved before
+    0.3.0, which did not record it."""
+    step = (state or {}).get("amp_step")
+    return step.get("dtype") if isinstance(step, dict) and isinstance(step.get("dtype"), str) else None
+
+
+def with_precision(chosen: Plan, cfg: dict, now: str) -> Plan:
+    """``dtype: auto`` resumed in another dtype than its checkpoint trained in (another device, or a checkpoint
+    that does not say): the change named in the resume line, as a change of ``amp.dtype`` itself is."""
+    if chosen.path is None or cfg["amp"]["dtype"] != "auto":
+        return chosen
+    before = resumed_dtype(chosen.state)
+    if before == now:
+        return chosen
+    return chosen._replace(changes=[*chosen.changes, Change("amp.dtype auto", before or "unrecorded", now)])
 
 
 class Change(NamedTuple):

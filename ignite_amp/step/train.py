@@ -43,7 +43,7 @@ from ignite_amp.core.collectives import all_reduce_gradients, is_distributed, no
 from ignite_amp.step.chunks import ChunkWeights, cycle_at
 from ignite_amp.step.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
                                   refuse_a_sum)
-from ignite_amp.core.device import is_oom_error
+from ignite_amp.core.device import dtype_name, is_oom_error
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.core.config_keys import POSITIVE_INT
@@ -316,9 +316,11 @@ class AmpStep(StepBase, Serializable):
             self._scaler.update(new_scale=self._scaler.scale(torch.ones((), device=self._device)))
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the scaler, the micro-batch and out-of-memory counts, the float8 recipe."""
+        """What a checkpoint keeps: the scaler, the micro-batch and out-of-memory counts, the float8 recipe, and the
+        dtype it trained in (a resume with ``dtype: auto`` keeps it)."""
         return {"scaler": self._scaler.state_dict(), "micro_batches": self._micro_batches,
-                "oom_count": self._oom_count, "float8": self.float8.recipe if self.float8 is not None else None}
+                "oom_count": self._oom_count, "float8": self.float8.recipe if self.float8 is not None else None,
+                "dtype": dtype_name(self._dtype)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`'s values (the scaler's only when both runs use float16)."""

@@ -28,7 +28,10 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     epochs = [line for line in lines if line.startswith("epoch ")]
-    assert len(epochs) == 5 and "val accuracy" in epochs[0] and "samples/s" in epochs[0]
+    assert len(epochs) == 5 and "val accuracy" in epochs[0] and "val loss" in epochs[0]
+    best = next(i for i, line in enumerate(lines) if line.startswith("best checkpoint:"))
+    assert lines[best] == "best checkpoint:" and lines[best + 1].startswith(f"  {out}/checkpoints/best_")  # too long
+    # for one line of 80 columns: the path on a line of its own
     assert float(epochs[-1].split("val accuracy ")[1].split()[0]) > 0.9
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["train"]["epochs"] == 5 and saved["output_dir"] == str(out)
@@ -37,10 +40,14 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
     assert not (out / ".lock").exists()  # a finished run leaves no lock file
     # The last line names the dashboard; before it, the health summary, with no warning on the quickstart.
-    assert lines[-2:] == [f"dashboard: tensorboard --logdir {out}",
-                          "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0"]
+    assert lines[-3:] == [f"dashboard: tensorboard --logdir {out}",
+                          "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0",
+                          "  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point"]
     health = lines[lines.index("health of the run:") + 1:lines.index(next(x for x in lines if x.startswith("done: ")))]
-    assert health[0].startswith("  precision: ") and any(x.startswith("  speed: median ") for x in health)
+    assert health[0].startswith("  verdict: healthy (") and health[1].startswith("  precision: ")
+    assert any(x.startswith("  speed: ") and "(medians of " in x for x in health)
+    fixed = epochs + [x for x in health if x.startswith(("  verdict: ", "  precision: ", "  speed: ", "  data wait: "))]
+    assert all(len(line) <= 80 for line in fixed), [x for x in fixed if len(x) > 80]  # no wrap (a path may)
     assert not [x for x in health if "warning" in x], health
 
 

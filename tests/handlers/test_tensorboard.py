@@ -275,9 +275,10 @@ def test_health_summary_is_written_and_returned(logged):
     text = event.tensor_proto.string_val[0].decode()
     lines = tb.health()
     assert text == "\n".join(f"- {line}" for line in lines)
-    assert lines[0].startswith("precision: float16 with GradScaler: 2 of ") and "final loss scale" in lines[0]
+    assert lines[0].startswith("verdict: ")
+    assert lines[1].startswith("precision: float16 with GradScaler, 2 of ") and "final loss scale" in lines[1]
     assert any(line.startswith("clipping: ") and "max_norm 10" in line for line in lines)
-    assert any(line.startswith("speed: median ") for line in lines)
+    assert any(line.startswith("speed: ") and "(medians of " in line for line in lines)
     assert any(line.startswith("compute: ") for line in lines)
 
 

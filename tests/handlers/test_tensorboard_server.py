@@ -116,7 +116,7 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     assert "bfloat16 autocast, no GradScaler, on cpu" in facts and "1 process, batch 32" in facts
     assert "<td>grad_scaler</td>\n<td>false</td>" in facts and "<td>batch_size_search</td>" in facts
     health = fetch(base, "/data/plugin/text/text?run=.&tag=run/health")[0]["text"]
-    assert "precision: bfloat16 autocast" in health and "speed: median" in health
+    assert "precision: bfloat16 autocast" in health and "(medians of " in health
     assert health.count("<li>") == len(result["health"])
     breakdown = fetch(base, "/data/plugin/text/text?run=profiler&tag=profiler/step_breakdown")[0]["text"]
     assert "Iterations 2-3: the trace is" in breakdown and "<td>backward</td>" in breakdown

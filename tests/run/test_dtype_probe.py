@@ -10,6 +10,7 @@ import ignite_amp.core.device
 from conftest import CLOCK, ClockedCNN, tiny_config
 from ignite_amp import probe_cpu_dtype
 from ignite_amp.run import dtype_probe
+from ignite_amp.run.dtype_choice import CACHE_ENV, choices_path
 from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
@@ -22,14 +23,17 @@ def batch(n: int = 4, classes: int = 10):
     return torch.randn(n, 3, 8, 8, generator=generator), torch.randint(0, classes, (n,), generator=generator)
 
 
-@pytest.mark.parametrize("float32, bfloat16, chosen", [
-    (1.0, 0.5, BF16), (1.0, 0.875, BF16),  # at most 0.9x float32's time: bfloat16
-    (1.0, 0.9375, F32), (1.0, 1.0, F32),  # above 0.9x, and a tie: float32 (the safer numerics)
-    (0.5, 1.0, F32)])
-def test_the_faster_dtype_wins_by_the_margin(float32, bfloat16, chosen):
+@pytest.mark.parametrize("float32, bfloat16, chosen, close", [
+    (1.0, 0.5, BF16, False), (1.0, 0.75, BF16, False), (1.0, 0.78125, BF16, False),  # at most 0.8x: bfloat16
+    (1.0, 0.875, F32, True), (1.0, 1.0, F32, True), (1.0, 1.125, F32, True),  # 0.8x-1.25x: a close call, float32
+    (0.5, 1.0, F32, False)])  # float32 clearly faster
+def test_the_faster_dtype_wins_by_the_margin_and_a_close_call_is_float32(float32, bfloat16, chosen, close):
     probe = probe_cpu_dtype(ClockedCNN(10, float32, bfloat16), batch(), budget_s=100, clock=CLOCK)
-    assert probe.dtype == chosen and probe.ratio == bfloat16 / float32
-    assert probe.pairs == 3 and probe.seconds == 4 * (float32 + bfloat16)  # one warm-up and three pairs
+    assert probe.dtype == chosen and probe.ratio == pytest.approx(bfloat16 / float32)
+    assert bool(probe.inconclusive) == close
+    assert probe.words().endswith(": a close call (bfloat16 must take at most 0.8x float32's time), so float32, "
+                                  "the safe choice") == close
+    assert probe.pairs == 3 and probe.seconds == pytest.approx(4 * (float32 + bfloat16))  # a warm-up, three pairs
 
 
 class Spiked(ClockedCNN):
@@ -56,12 +60,13 @@ def test_the_two_run_interleaved_after_a_warm_up_each_within_the_budget():
     model = ClockedCNN(10, 0.125, 0.0625)
     probe_cpu_dtype(model, batch(), clock=CLOCK)
     assert [dtype for dtype, _ in model.ran] == [F32, BF16, F32, BF16, BF16, F32, F32, BF16]  # the order alternates
-    model = ClockedCNN(10, 1.0, 0.5)  # the warm-up alone spends 1.5 of the 2 s budget: one timed pair
-    probe = probe_cpu_dtype(model, batch(), clock=CLOCK)
-    assert probe.pairs == 1 and probe.dtype == BF16 and len(model.ran) == 4
+    model = ClockedCNN(10, 1.0, 0.5)  # the warm-up alone spends 1.5 of the 2 s budget: one timed pair,
+    probe = probe_cpu_dtype(model, batch(), clock=CLOCK)  # too few to tell: float32, the safe choice
+    assert probe.pairs == 1 and probe.dtype == F32 and len(model.ran) == 4 and probe.ratio == pytest.approx(0.5)
     probe = probe_cpu_dtype(ClockedCNN(10, 10.0, 1.0), batch(), clock=CLOCK)  # over budget: still one pair
-    assert probe.pairs == 1 and probe.words() == ("a bfloat16 step took 0.10x float32's time in a 22.0 s probe "
-                                                  "on this CPU")
+    assert probe.pairs == 1 and probe.dtype == F32 and probe.words() == (
+        "a bfloat16 step took 0.10x float32's time in a 22.0 s probe on this CPU: over its 2 s budget after 1 of 3 "
+        "timed pairs, so float32, the safe choice")
     assert dtype_probe.DtypeProbe(F32, 1.5, 0.04, 3).words().endswith("1.50x float32's time in a 0.04 s probe on this CPU")
     with pytest.raises(ValueError, match="max_pairs"):
         probe_cpu_dtype(model, batch(), max_pairs=0)
@@ -98,7 +103,14 @@ def cpu(monkeypatch):
     return set_cpu
 
 
-def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp_path):
+@pytest.fixture(autouse=True)
+def kept(monkeypatch, tmp_path):
+    """Each test keeps its choices in a folder of its own: the path of the file."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache" / "dtype-choices.json"
+
+
+def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp_path, kept):
     cfg = tiny_config(tmp_path, amp={"dtype": "auto", "micro_batches": 2}, seed=0)
     probed = []
     monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda model, xy: probed.append(xy) or dtype_probe.DtypeProbe(
@@ -114,7 +126,7 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
     assert config_dtype(cfg, model, torch.device("meta")) == ("auto", "")  # off a CPU: the engines' rule
     assert not probed
     assert config_dtype(cfg, model, torch.device("cpu")) == (
-        "bfloat16", "a bfloat16 step took 0.50x float32's time in a 0.2 s probe on this CPU")
+        "bfloat16", f"a bfloat16 step took 0.50x float32's time in a 0.2 s probe on this CPU; kept in {kept}")
     (x, y), = probed  # the config's batch (32) per micro-batch (2), its image shape, its classes, seeded
     assert x.shape == (16, 3, 16, 16) and y.shape == (16,) and int(y.max()) < 10
     assert torch.equal(x, dtype_probe._batch(cfg, torch.device("cpu"))[0])
@@ -126,25 +138,28 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
         monkeypatch.setenv(PROBE_ENV, fixed)
         assert config_dtype(cfg, model, torch.device("cpu")) == (fixed, f"fixed by {PROBE_ENV}, no probe")
     monkeypatch.delenv(PROBE_ENV)  # a model the probe's batch does not fit: float32, and check_model_runs says why
-    assert config_dtype(cfg, torch.nn.Linear(5, 10), torch.device("cpu")) == (
+    other = dict(cfg, model=dict(cfg["model"], name="torch.nn:Linear"))  # another model: not the kept choice
+    assert config_dtype(other, torch.nn.Linear(5, 10), torch.device("cpu")) == (
         "float32", "the probe could not run the model (RuntimeError)")
+    assert config_dtype(other, torch.nn.Linear(5, 10), torch.device("cpu"))[1].startswith("the probe could not")
     monkeypatch.setenv(PROBE_ENV, "fp16")
     with pytest.raises(ConfigError, match=f"{PROBE_ENV} should be float32 or bfloat16; got 'fp16'"):
         config_dtype(cfg, model, torch.device("cpu"))
 
 
-def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monkeypatch, tmp_path):
+def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monkeypatch, tmp_path, kept):
     cpu("avx512")
     monkeypatch.delenv(PROBE_ENV)
     real = dtype_probe.probe_cpu_dtype
     monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda model, xy: real(model, xy, clock=CLOCK))
-    cfg = tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10, "kwargs": {"bfloat16": 0.75}},
+    cfg = tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10,
+                                       "kwargs": {"float32": 0.25, "bfloat16": 0.125}},
                       handlers={"tensorboard": {"enabled": True}})
     lines = []
     run = build_run(cfg, print_fn=lines.append)
     assert run.trainer.amp_step.dtype == BF16 and run.evaluator.amp_step.dtype == BF16
     assert {shape for _, shape in run.model.ran[:4]} == {(32, 3, 16, 16)}  # the config's batch and image size
-    why = "a bfloat16 step took 0.75x float32's time in a 3.5 s probe on this CPU"
+    why = f"a bfloat16 step took 0.50x float32's time in a 1.5 s probe on this CPU; kept in {kept}"
     assert run.facts["dtype_auto"] == why
     run.train()
     start = next(line for line in lines if line.startswith("training "))

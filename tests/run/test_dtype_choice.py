@@ -1,0 +1,182 @@
+"""dtype auto on a CPU decided once per machine and model, then kept: the same choice on a busy and a quiet (fake)
+clock, the file it is kept in (never the user's home in tests), ``plan`` and ``train`` sharing it, and a resume
+keeping the checkpoint's precision."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+import ignite_amp.core.device
+from conftest import CLOCK, ClockedCNN, tiny_config
+from ignite_amp.run import dtype_probe
+from ignite_amp.run import plan as run_plan
+from ignite_amp.run.compose import build_run
+from ignite_amp.run.dtype_choice import CACHE_ENV, choices_path, keep_choice, kept_choice, shown_path
+from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype, probe_cpu_dtype
+from ignite_amp.run.resume import Plan, with_precision
+
+F32, BF16 = torch.float32, torch.bfloat16
+CPU = torch.device("cpu")
+
+
+class Loaded(ClockedCNN):
+    """A model whose steps take ``load`` times their quiet cost, and three times more again on the steps in
+    ``spikes`` (other work on the machine), on the fake clock."""
+
+    def __init__(self, float32: float, bfloat16: float, load: float = 1.0, spikes=()):
+        super().__init__(10, float32 * load, bfloat16 * load)
+        self.spikes, self.calls = set(spikes), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls in self.spikes:
+            dtype = BF16 if torch.is_autocast_enabled("cpu") else F32
+            CLOCK.now += 3 * self.costs[dtype]
+        return super().forward(x)
+
+
+@pytest.fixture(autouse=True)
+def avx512_without_a_fixed_outcome(monkeypatch, tmp_path):
+    """The CPU where the probe decides (AVX512-BF16, no AMX), nothing fixing its outcome, the kept choices in a
+    folder of the test's own, and the probe on the fake clock."""
+    monkeypatch.setattr(ignite_amp.core.device, "_cpu_flags", lambda: "model name\t: Fake EPYC\nflags: avx512_bf16")
+    monkeypatch.delenv(PROBE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    real = dtype_probe.probe_cpu_dtype
+    monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda model, xy: real(model, xy, clock=CLOCK))
+
+
+def quickstart_like(tmp_path, **over):
+    from ignite_amp import load_config
+
+    return load_config(tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10, "kwargs": {}},
+                                   **over))
+
+
+# The quickstart's own figures (issue 53): a bfloat16 step at 0.84x float32's time in a 0.2 s probe on a quiet
+# 2-core machine; on a busy one the probe ran 3.6 s and a bfloat16 step measured 1.92x.
+QUIET = dict(float32=0.0625, bfloat16=0.0525)
+BUSY = dict(QUIET, load=9.0, spikes={4})  # every step 9x slower, and a bfloat16 step 4x slower again
+
+
+def test_the_quickstarts_figures_give_float32_on_a_busy_and_a_quiet_clock_and_say_why():
+    quiet = probe_cpu_dtype(Loaded(**QUIET), (torch.randn(4, 3, 8, 8), torch.arange(4)), clock=CLOCK)
+    busy = probe_cpu_dtype(Loaded(**BUSY), (torch.randn(4, 3, 8, 8), torch.arange(4)), clock=CLOCK)
+    assert quiet.dtype == busy.dtype == F32
+    assert quiet.words() == ("a bfloat16 step took 0.84x float32's time in a 0.5 s probe on this CPU: a close call "
+                             "(bfloat16 must take at most 0.8x float32's time), so float32, the safe choice")
+    assert busy.words() == ("a bfloat16 step took 3.36x float32's time in a 3.5 s probe on this CPU: over its 2 s "
+                            "budget after 1 of 3 timed pairs, so float32, the safe choice")  # its one pair spiked
+
+
+@pytest.mark.parametrize("first, then", [(QUIET, BUSY), (BUSY, QUIET)])
+def test_a_clear_win_is_kept_whatever_the_clock_of_the_runs_after(tmp_path, first, then):
+    cfg = quickstart_like(tmp_path)
+    clear = {"float32": 0.0625, "bfloat16": 0.03125}  # bfloat16 at 0.5x: a clear win on a quiet clock
+    chosen, why = config_dtype(cfg, Loaded(**{**first, **clear}), CPU)
+    assert why.endswith(f"; kept in {choices_path()}")
+    for _ in range(2):  # later runs, on the other clock: the probe does not run again
+        model = Loaded(**{**then, **clear})
+        again, said = config_dtype(cfg, model, CPU)
+        assert again == chosen and not model.ran
+        assert said.startswith("this machine's choice for this model since ")
+        assert said.endswith(f"({why.split(';')[0]}); kept in {choices_path()}: delete it to probe again")
+    assert chosen == ("bfloat16" if first is QUIET else "float32")  # a busy first probe could not tell: float32
+
+
+def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_home(tmp_path, monkeypatch):
+    cfg = quickstart_like(tmp_path)
+    config_dtype(cfg, Loaded(0.25, 0.125), CPU)
+    entries = json.loads((tmp_path / "cache" / "dtype-choices.json").read_text())
+    (entry,) = entries.values()
+    assert entry["dtype"] == "bfloat16" and "Fake EPYC" in entry["for"] and "clocked_cnn" in entry["for"]
+    other = dict(cfg, model=dict(cfg["model"], kwargs={"float32": 1.0, "bfloat16": 2.0}))  # another model: probed
+    assert config_dtype(other, Loaded(1.0, 2.0), CPU)[0] == "float32"
+    assert len(json.loads((tmp_path / "cache" / "dtype-choices.json").read_text())) == 2
+    monkeypatch.setattr(torch, "__version__", "9.9.9")  # another torch: probed again
+    assert config_dtype(cfg, Loaded(1.0, 2.0), CPU)[0] == "float32"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert choices_path() == str(tmp_path / "xdg" / "ignite-amp" / "dtype-choices.json")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert choices_path() == str(tmp_path / "home" / ".cache" / "ignite-amp" / "dtype-choices.json")
+    assert shown_path(choices_path()) == "~/.cache/ignite-amp/dtype-choices.json"
+
+
+def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, monkeypatch):
+    cfg = quickstart_like(tmp_path)
+    path = tmp_path / "cache" / "dtype-choices.json"
+    path.parent.mkdir()
+    path.write_text("{not json")  # a damaged file: read as empty, then rewritten
+    assert config_dtype(cfg, Loaded(0.25, 0.125), CPU)[0] == "bfloat16" and kept_choice(next(iter(json.loads(
+        path.read_text())))).dtype == "bfloat16"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file" / "below"))  # a folder that cannot be made
+    dtype, why = config_dtype(cfg, Loaded(0.25, 0.125), CPU)
+    assert dtype == "bfloat16" and why.endswith("; not kept: Not a directory")
+    assert not glob.glob(str(tmp_path / "**" / "*.tmp"), recursive=True)
+    with pytest.raises(OSError):
+        keep_choice("k", "float32", "why", "what")
+
+
+@pytest.mark.fake_trace
+def test_plan_and_train_make_the_same_choice(tmp_path, monkeypatch, capsys):
+    from ignite_amp.cli.main import main
+
+    cfg = quickstart_like(tmp_path)
+    cfg["model"]["kwargs"] = {"float32": 0.25, "bfloat16": 0.125}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    planned = []
+    real_estimate = run_plan.estimate_memory
+    monkeypatch.setattr(run_plan, "estimate_memory", lambda *a, **k: planned.append(k["dtype"]) or real_estimate(*a, **k))
+    assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "u: conftest:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
+    assert f"dtype auto: a bfloat16 step took 0.50x float32's time in a 1.5 s probe on this CPU; kept in " \
+           f"{choices_path()}" in out
+    assert planned == ["bfloat16"]  # the plan traced the step in the dtype train will use
+    monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda *a: pytest.fail("train probed again"))
+    lines = []
+    run = build_run(cfg, print_fn=lines.append)
+    assert run.trainer.amp_step.dtype == BF16 and run.facts["dtype_auto"].startswith("this machine's choice")
+    run.close()
+
+
+def test_a_resume_keeps_the_checkpoints_precision_or_names_the_change(tmp_path, monkeypatch):
+    cfg = quickstart_like(tmp_path)
+    cfg["model"]["kwargs"] = {"float32": 0.25, "bfloat16": 0.125}
+    run = build_run(cfg)
+    assert run.trainer.amp_step.dtype == BF16
+    run.train()
+    os.remove(choices_path())  # the kept choice gone, and the machine now says float32
+    monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda *a: dtype_probe.DtypeProbe(F32, 1.5, 0.2, 3))
+    lines = []
+    run = build_run(dict(cfg, train={"epochs": 2}), print_fn=lines.append)
+    assert run.trainer.amp_step.dtype == BF16 and run.evaluator.amp_step.dtype == BF16
+    run.train()
+    resumed = next(line for line in lines if line.startswith("resumed from"))
+    start = next(line for line in lines if line.startswith("training "))
+    assert "amp.dtype" not in resumed and "(dtype auto: the resumed checkpoint's precision, kept)" in start
+    for file in glob.glob(str(tmp_path / "run" / "checkpoints" / "*.pt")):  # checkpoints of 0.2.0 say no dtype
+        state = torch.load(file, weights_only=True)
+        del state["amp_step"]["dtype"]
+        torch.save(state, file)
+    lines = []
+    run = build_run(dict(cfg, train={"epochs": 3}), print_fn=lines.append)
+    assert run.trainer.amp_step.dtype == F32
+    assert "now in effect: train.epochs 2 -> 3, amp.dtype auto unrecorded -> float32)" in lines[0], lines
+    run.close()
+
+
+def test_only_dtype_auto_names_what_it_resolved_to():
+    state = {"amp_step": {"dtype": "bfloat16"}}
+    plan = Plan("p.pt", state, [])
+    auto, named = {"amp": {"dtype": "auto"}}, {"amp": {"dtype": "float32"}}
+    assert with_precision(plan, auto, "bfloat16") == plan and with_precision(Plan(), auto, "float32") == Plan()
+    assert with_precision(plan, named, "float32") == plan  # the config's own change says it (amp.dtype auto -> ...)
+    assert [str(c) for c in with_precision(plan, auto, "float16").changes] == ["amp.dtype auto bfloat16 -> float16"]
