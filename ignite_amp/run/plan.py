@@ -107,7 +107,7 @@ def _check_model_runs(cfg: dict, model: torch.nn.Module, device: torch.device) -
 
     first = next(model.parameters(), None)
     mode = first.fake_mode if isinstance(first, FakeTensor) else contextlib.nullcontext()
-    step = types.SimpleNamespace(model=model, device=device, autocast=contextlib.nullcontext)
+    step = types.SimpleNamespace(model=model, device=device, autocast=contextlib.nullcontext, channels_last=False)
     try:
         with mode, quiet_trace():
             check_model_runs(cfg, step, passes=_fake_limits())
