@@ -136,8 +136,8 @@ def input_path(ctx: Context) -> None:
         run = build_run(cfg, print_fn=lambda line: None)
         run.train()
         text = " ".join(run.health_lines)
-        wait = re.search(r"data wait ([0-9.]+)% of the time", text)
-        speed = re.search(r"median ([0-9.e+]+) samples/s", text)
+        wait = re.search(r"data wait:? ([0-9.]+)% of the time", text)
+        speed = re.search(r"speed: ([0-9.e+]+) samples/s", text)
         waits[workers] = float(wait.group(1)) if wait else None
         ctx.row(num_workers=workers, workers=run.facts["num_workers"], why=run.facts["num_workers_why"],
                 data_wait_pct=waits[workers], samples_per_s=float(speed.group(1)) if speed else None,
