@@ -26,7 +26,7 @@ def dtype_auto_without_timing(tmp_path_factory):
     whole session (in-process runs and CLI subprocesses, which inherit the environment), so no test's outcome
     depends on the machine's load. tests/run/test_dtype_probe.py drives the probe itself with a fake clock.
     The kept choices go to a temporary folder, never the user's cache folder."""
-    from ignite_amp.run.dtype_choice import CACHE_ENV
+    from ignite_amp.files.dtype_choice import CACHE_ENV
     from ignite_amp.run.dtype_probe import PROBE_ENV
 
     before = {name: os.environ.get(name) for name in (PROBE_ENV, CACHE_ENV)}

@@ -50,10 +50,13 @@ class DeviceMemory:
         self.window = PeakWindow(device, allocator) if device.type == "cuda" else None
         self.peak_mb = 0.0
 
-    def attach(self, trainer: Engine) -> None:
+    def attach(self, trainer: Engine, close: bool = True) -> None:
+        """Windows from each run's start; ``close``: also leave CUDA's counter as found at the run's end (a caller
+        whose last read comes later, at COMPLETED, calls :meth:`close` after it)."""
         trainer.add_event_handler(Events.STARTED, self._started)
-        for event in (Events.COMPLETED, Events.TERMINATE):
-            trainer.add_event_handler(event, self.close)
+        if close:
+            for event in (Events.COMPLETED, Events.TERMINATE):
+                trainer.add_event_handler(event, self.close)
 
     def _started(self, engine: Engine) -> None:
         if self.window is not None:  # the first window's peak is the training's, not a search's before it

@@ -208,7 +208,7 @@ class TensorBoardMetrics:
         self.window = TrainWindow(step, self.clipping)
         self.window.attach(trainer, self.log_every, self._log)  # the log's iteration is in its window
         self.memory = DeviceMemory(step.device, self.ranks)
-        self.memory.attach(trainer)
+        self.memory.attach(trainer, close=False)  # closed after _completed's last read (below)
         metrics = {}  # (run, tag) -> title
         if evaluator is not None:
             for name in self.hparam_metrics:
@@ -219,6 +219,8 @@ class TensorBoardMetrics:
         tb.attach(trainer, self.run_facts, Events.STARTED)
         trainer.add_event_handler(Events.STARTED, self._started)
         tb.attach(trainer, self._completed, Events.COMPLETED)
+        for event in (Events.COMPLETED, Events.TERMINATE):  # after the last window's read and the health summary
+            trainer.add_event_handler(event, self.memory.close)
         shape = BatchShape(step, self.window, lambda: self.facts_written)
         shape.attach(trainer)
         # shape reads the window before it starts the next; _log flushes: a crashed run keeps what it logged.

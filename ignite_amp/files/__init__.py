@@ -1,1 +1,1 @@
-"""Files on disk: crash-safe checkpoint files and the run directory."""
+"""Files on disk: crash-safe checkpoint files, the run directory, and the kept `dtype: auto` choices."""

@@ -10,7 +10,7 @@ import ignite_amp.core.device
 from conftest import CLOCK, ClockedCNN, tiny_config
 from ignite_amp import probe_cpu_dtype
 from ignite_amp.run import dtype_probe
-from ignite_amp.run.dtype_choice import CACHE_ENV, choices_path
+from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path
 from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
