@@ -109,7 +109,7 @@ def _evaluator(trainer, model):
 
     step = trainer.amp_step
     return create_amp_evaluator(model, {"accuracy": Accuracy(device=step.device)}, device=step.device,
-                                dtype=step.dtype)
+                                dtype=step.dtype, channels_last=step.channels_last)  # the trainer's layout
 
 
 def _ours_alone() -> Dict[str, Callable]:
@@ -198,7 +198,7 @@ def variants(base, batches, device, dtype, optimizer_fn, logdir, clock=time.thre
     for name, attach in {OURS: None, **_ours_alone()}.items():
         for twin in ((False, True) if name in (OURS, TB) else (False,)):
             model, opt = fresh()
-            trainer = create_amp_trainer(model, opt, cross_entropy, device=device, dtype=dtype)
+            trainer = create_amp_trainer(model, opt, cross_entropy, device=device, dtype=dtype, channels_last=False)
             stamps = Stamps(clock)
             if twin:
                 stamps.attach(trainer)

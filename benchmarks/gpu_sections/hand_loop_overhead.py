@@ -104,9 +104,10 @@ def _interleaved(model_name: str, kwargs: dict, batch: int, image: int, block: i
     hand_model, hand_opt = fresh()
     hand_scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     amp_model, amp_opt = fresh()
-    trainer = create_amp_trainer(amp_model, amp_opt, cross_entropy, device=device, dtype=dtype)
+    trainer = create_amp_trainer(amp_model, amp_opt, cross_entropy, device=device, dtype=dtype,
+                                 channels_last=False)  # the hand loop's layout: overhead, not layout
     full_model, full_opt = fresh()
-    full = create_amp_trainer(full_model, full_opt, cross_entropy, device=device, dtype=dtype)
+    full = create_amp_trainer(full_model, full_opt, cross_entropy, device=device, dtype=dtype, channels_last=False)
     with tempfile.TemporaryDirectory(prefix="gpu-suite-overhead-") as logdir:
         attach_default_handlers(full, full_model, full_opt, logdir)
         variants = {

@@ -176,7 +176,7 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
             model.load_state_dict(initial)
             amp = cfg["amp"]
             try:
-                return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model),
+                return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model, device),
                                           torch.nn.functional.cross_entropy, device=device, dtype=dtype,
                                           scaler=use_scaler, channels_last=amp["channels_last"],
                                           fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"])

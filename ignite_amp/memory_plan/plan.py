@@ -88,8 +88,8 @@ class MemoryPlan:
     untraced: Optional[str] = None  #: why the step could not be traced fake (None: it was)
     checkpointed: List[str] = dataclasses.field(default_factory=list)  #: blocks checkpointed in the plan
     auto_checkpointing: Optional[str] = None  #: what ``activation_checkpointing: auto`` chose, in a line
-    #: the first cut batch's peak with the one-time split check, ``(batch size, bytes)`` (None: no check runs);
-    #: the peaks above are the steady step's (the check is skipped with a warning where it does not fit)
+    #: the peak of a cut batch that also runs the split check (the first few cut batches do), ``(batch size,
+    #: bytes)`` (None: no check runs); the peaks above are the steady step's
     split_check: Optional[tuple] = None
 
     @property
@@ -134,12 +134,12 @@ class MemoryPlan:
             out.append(f"largest batch that fits {format_bytes(self.memory)} less {self.margin:.0%}: {fit}")
             if self.device == "cpu":
                 out.append("traced on the CPU: for a GPU, plan where it is (autocast's operator lists and the "
-                           "optimizer's default foreach path differ a little on CUDA)")
+                           "optimizer's step, foreach or fused, differ a little on CUDA)")
         if self.split_check is not None:
             size, peak = self.split_check
-            out.append(f"once, the first cut batch also runs the split check: peak {format_bytes(peak)} at batch "
-                       f"{size} (where it does not fit it is skipped with a warning; the peaks above are the steady "
-                       f"step's)")
+            out.append(f"the first cut batches also run the split check: peak {format_bytes(peak)} at batch {size} "
+                       f"(an out-of-memory error in it is retried on a smaller part of a later batch, then the loss "
+                       f"is left unchecked with a warning; the peaks above are the steady step's)")
         out.append(f"not counted: {NOT_COUNTED}; the plan keeps {self.margin:.0%} of the memory free for them")
         return out
 
@@ -228,7 +228,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             plan.largest_fit = _largest_fit(trace, plan.budget, sizes)
         if fit and tracer.checks_split:  # planned apart: a one-time cost, not the step's
             size = max(2, sizes[0])
-            plan.split_check = (size, tracer.trace(size, check=True)[0])
+            plan.split_check = (size, tracer.trace(size, check=True)[0] + libraries)
     except _OneSample:
         raise
     except Exception as exc:  # shapes that depend on values, an operator with no fake kernel
