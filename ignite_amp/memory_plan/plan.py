@@ -32,7 +32,7 @@ __all__ = ["estimate_memory", "MemoryPlan", "StepPeak", "KINDS", "NOT_COUNTED", 
 logger = logging.getLogger("ignite_amp")
 
 #: What a plan does not count; :data:`~ignite_amp.memory_plan.plan.DEFAULT_MARGIN` of the memory is kept free for it.
-#: (cuBLAS's workspaces are counted on a GPU: measured there, :mod:`~ignite_amp.memory_plan.cuda_extras`.)
+#: (cuBLAS's workspaces are counted on a GPU: measured there, ``ignite_amp.memory_plan.cuda_extras``.)
 NOT_COUNTED = ("the CUDA caching allocator's fragmentation, cuDNN's convolution workspaces (chosen at run time), "
                "NCCL buffers, the CUDA context, torch.compile's changes to the step")
 #: The share of the memory a plan keeps free for what it does not count (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).

@@ -5,7 +5,7 @@ torch build (the quickstart ran at 0.78-0.81x float32's speed on torch 2.15.0 an
 same 2-core AMD EPYC, benchmarks/RESULTS.md), so no fixed rule is right there.
 :func:`~ignite_amp.probe_cpu_dtype` times both on the model; :func:`~ignite_amp.run.dtype_probe.config_dtype`
 is what a config run (the CLI, ``train_from_config``) and ``ignite-amp plan`` ask. The probe's choice is kept per
-machine and model (:mod:`ignite_amp.files.dtype_choice`), so a later run, a plan and a resume make the same one;
+machine and model (``ignite_amp.files.dtype_choice``), so a later run, a plan and a resume make the same one;
 an inconclusive probe (over its budget, or a close call) chooses float32, the safe choice, and says so.
 Elsewhere the choice is fixed without a probe: ``ignite_amp.core.device.resolve_dtype``'s rule.
 """
@@ -87,7 +87,7 @@ def probe_cpu_dtype(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor], 
     as they were. ``clock`` is the timer (a fake one makes the decision deterministic in tests).
 
     The timing is the machine's at that moment; a config run keeps the first choice per machine and model
-    (:mod:`ignite_amp.files.dtype_choice`) so that its runs repeat.
+    (``ignite_amp.files.dtype_choice``) so that its runs repeat.
     """
     if max_pairs < 1 or budget_s < 0:
         raise ValueError(f"max_pairs must be >= 1 and budget_s >= 0; got max_pairs={max_pairs}, budget_s={budget_s}")
@@ -147,7 +147,7 @@ def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], de
     The probe (:func:`~ignite_amp.probe_cpu_dtype`, on ``model`` as built, before the trainer; ``model`` may be a
     function that builds it, called only when a probe runs) runs only where the choice is open: a CPU with native
     bfloat16 (AVX512-BF16) and no AMX, in one process, and only once per machine and model: its choice is kept
-    (:mod:`ignite_amp.files.dtype_choice`) and read back by every later run and plan of that model. With AMX it is
+    (``ignite_amp.files.dtype_choice``) and read back by every later run and plan of that model. With AMX it is
     bfloat16, without bfloat16 instructions float32 (emulated bfloat16 ran 8x slower), across several processes
     float32 (every rank must run the same). :data:`~ignite_amp.run.dtype_probe.PROBE_ENV` fixes the outcome without
     a probe. ``resumed``: the dtype the resumed checkpoint trained in (float32 or bfloat16): kept, so that a resume
