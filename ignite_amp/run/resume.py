@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 
 from ignite_amp.files.checkpoints import load_checkpoint
-from ignite_amp.core.collectives import broadcast_text, is_distributed
+from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.config.tree import Config, default_config, flatten_config
 from ignite_amp.errors import CheckpointError
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
@@ -153,8 +153,17 @@ def choose_checkpoint(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[st
                 say(f"starting over in {cfg['output_dir']} ({why}): moved the previous run's files to {moved}")
     if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
         path = broadcast_text(path or "") or None
+        failed = None
         if not main and path:
-            state = load_checkpoint(path)
+            try:
+                state = load_checkpoint(path)
+            except CheckpointError as exc:  # raised after the barrier: the other ranks are not left waiting in it
+                failed = exc
+        # A barrier: rank 0 may move a finished run aside next (rerun with another config), and must not before
+        # every rank has read its checkpoint (rank 1 read a moved file: "no such file").
+        any_rank(failed is not None)
+        if failed is not None:
+            raise failed
     return path, state
 
 
