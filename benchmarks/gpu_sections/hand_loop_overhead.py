@@ -20,6 +20,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch.nn.functional import cross_entropy
 
+from bench_amp import Timer
 from overhead import attach_default_handlers, hand_written_loop
 
 from ignite_amp import create_amp_trainer
@@ -131,15 +132,7 @@ def _interleaved(model_name: str, kwargs: dict, batch: int, image: int, block: i
 
 
 def _block_seconds(fn, device: torch.device) -> float:
-    """Seconds ``fn`` takes from an idle device to its last kernel (CUDA events; the wall clock on a CPU)."""
+    """Seconds ``fn`` takes from an idle device to its last kernel (bench_amp's Timer: CUDA events; the wall clock
+    on a CPU)."""
     sync(device)
-    if device.type != "cuda":
-        begin = time.perf_counter()
-        fn()
-        return time.perf_counter() - begin
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return Timer(device)(fn)
