@@ -9,6 +9,7 @@ from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader
 
+from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.errors import BatchSizeFloorError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.engine import amp_step_of
@@ -136,7 +137,9 @@ class OOMBackoff(Serializable):
         """At each epoch's start (not at the previous one's end: the checkpoint saved there must hold what the
         next epoch starts from, so a resume makes the same choice): after backoffs, the loader yields the
         micro-batch size that worked, in one micro-batch."""
-        step, loader = self.step, engine.state.dataloader
+        step, data = self.step, engine.state.dataloader
+        # A loader prefetched to the device: its DataLoader is rebuilt, then wrapped the same way again.
+        loader = data.loader if isinstance(data, DevicePrefetcher) else data
         # The loader's batch, not the epoch's last (often partial) one.
         full = loader.batch_size if isinstance(loader, DataLoader) and loader.batch_size else step.batch_size
         if self.history and step.micro_batches > 1 and full and full > 1:
@@ -150,7 +153,7 @@ class OOMBackoff(Serializable):
         if loader.batch_size == self.loader_batch_size:
             return
         new = _with_batch_size(loader, self.loader_batch_size)
-        engine.set_data(new)
+        engine.set_data(data.with_loader(new) if isinstance(data, DevicePrefetcher) else new)
         # Ignite keeps epoch_length across set_data: make it the new loader's, and keep the
         # iteration a whole number of epochs so resume and the end-of-run check stay right.
         engine.state.epoch_length = len(new)

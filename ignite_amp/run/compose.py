@@ -23,6 +23,7 @@ from ignite_amp.run.plan import plan_run
 from ignite_amp.run.search import search_built
 from ignite_amp.run.console import drop_unfinished_bar, safe_print, silent
 from ignite_amp.data.datasets import build_loaders
+from ignite_amp.data.prefetch import device_loader
 from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.step.facts import config_facts
@@ -103,6 +104,8 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
                                                         cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg),
                                                         micro_batches=cfg["amp"]["micro_batches"])
+    # On CUDA the next batch is copied to the device on a side stream while the current one computes.
+    train_loader, val_loader = device_loader(train_loader, device), device_loader(val_loader, device)
     check_classes(cfg, n_classes)
     trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files,
                                                         resumed_dtype(resuming.state))
@@ -120,7 +123,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned,
                  **({"dtype_auto": dtype_why} if dtype_why else {})}
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
-    run.facts.update(speed_facts(cfg, model, optimizer, device))  # what the auto values chose, and why
+    run.facts.update(speed_facts(cfg, model, optimizer, device, train_loader))  # what the auto values chose, and why
     if progress:
         from ignite.handlers import ProgressBar
 

@@ -1,14 +1,15 @@
 """The speed defaults of a config run (issue 51): what ``auto`` chose for the memory format, the optimizer step and
-the loader's workers, and why: for the start line and the run facts.
+the loader's workers, and why, and whether batches are prefetched to the GPU: for the start line and the run facts.
 
 Each choice is its own rule (:mod:`ignite_amp.transforms.memory_format`, :mod:`ignite_amp.run.fused`,
-:mod:`ignite_amp.data.workers`); this module applies them to a config and says them in one place.
+:mod:`ignite_amp.data.workers`, :mod:`ignite_amp.data.prefetch`); this module applies them to a config and says them in one place.
 """
-from typing import Any, Dict
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
 from ignite_amp.data.datasets import data_workers
+from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.run.fused import fused_choice
 from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_channels_last
 
@@ -25,8 +26,9 @@ def config_channels_last(cfg: dict, model: torch.nn.Module, device: torch.device
 
 
 def speed_facts(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                device: torch.device) -> Dict[str, Any]:
-    """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it)."""
+                device: torch.device, loader: Optional[Iterable] = None) -> Dict[str, Any]:
+    """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it);
+    ``prefetch``: the training ``loader`` copies the next batch to the device on a side stream."""
     layout = config_channels_last(cfg, model, device)
     opt = cfg["optimizer"]
     fused = fused_choice(opt["name"], opt["kwargs"], device, sharded=cfg["distributed"]["strategy"] == "fsdp")
@@ -34,16 +36,19 @@ def speed_facts(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimi
     return {"channels_last": layout.on, "channels_last_why": layout.why,
             "fused_optimizer": any(bool(group.get("fused")) for group in optimizer.param_groups),
             "fused_optimizer_why": fused.why,
-            "num_workers": workers.workers, "num_workers_why": workers.why}
+            "num_workers": workers.workers, "num_workers_why": workers.why,
+            "prefetch": isinstance(loader, DevicePrefetcher) and loader.prefetches}
 
 
 def speed_words(facts: Dict[str, Any], optimizer_name: str) -> str:
     """The start line's words for :func:`speed_facts`:
-    ``channels_last off (auto: ...), AdamW step unfused (...), 0 loader workers (auto: ...)``."""
+    ``channels_last off (auto: ...), AdamW step unfused (...), 0 loader workers (auto: ...)``, and on CUDA
+    ``, prefetch to GPU on a side stream``."""
     def why(key: str) -> str:
         return f" ({facts[key]})" if facts.get(key) else ""
 
     workers = facts["num_workers"]
     return (f"channels_last {'on' if facts['channels_last'] else 'off'}{why('channels_last_why')}, "
             f"{optimizer_name} step {'fused' if facts['fused_optimizer'] else 'unfused'}{why('fused_optimizer_why')}, "
-            f"{workers} loader worker{'' if workers == 1 else 's'}{why('num_workers_why')}")
+            f"{workers} loader worker{'' if workers == 1 else 's'}{why('num_workers_why')}"
+            f"{', prefetch to GPU on a side stream' if facts.get('prefetch') else ''}")
