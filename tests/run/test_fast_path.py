@@ -8,6 +8,7 @@ from torch.nn.functional import cross_entropy
 import ignite_amp.run.fused as fused
 from conftest import assert_doctests_pass, tiny_config
 from ignite_amp.config.tree import load_config
+from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.run.builders import build_optimizer
 from ignite_amp.run.fast_path import config_channels_last, speed_facts, speed_words
@@ -92,7 +93,8 @@ def test_a_config_run_on_cpu_keeps_the_steps_it_had_and_says_why(tmp_path):
     optimizer = build_optimizer(cfg["optimizer"], model, CPU)
     facts = speed_facts(cfg, model, optimizer, CPU)
     assert facts == {"channels_last": False, "channels_last_why": "auto: CUDA only", "fused_optimizer": False,
-                     "fused_optimizer_why": "auto: CUDA only", "num_workers": 0, "num_workers_why": "auto: 0 off a GPU"}
+                     "fused_optimizer_why": "auto: CUDA only", "num_workers": 0, "num_workers_why": "auto: 0 off a GPU",
+                     "prefetch": False}
     assert speed_words(facts, "AdamW") == ("channels_last off (auto: CUDA only), AdamW step unfused (auto: CUDA "
                                            "only), 0 loader workers (auto: 0 off a GPU)")
 
@@ -104,11 +106,14 @@ def test_on_cuda_the_config_chooses_the_fast_path(monkeypatch):
     cfg = load_config({"data": {"name": "shapes"}})
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
     optimizer = build_optimizer(cfg["optimizer"], model, CUDA)
-    facts = speed_facts(cfg, model, optimizer, CUDA)
-    assert (facts["channels_last"], facts["fused_optimizer"], facts["num_workers"]) == (True, True, 4)
+    loader = DevicePrefetcher([], CUDA, streams=object())  # what a config run's loader is on CUDA (device_loader)
+    facts = speed_facts(cfg, model, optimizer, CUDA, loader)
+    assert (facts["channels_last"], facts["fused_optimizer"], facts["num_workers"], facts["prefetch"]) == \
+        (True, True, 4, True)
     assert speed_words(facts, "AdamW") == (
         "channels_last on (auto: 2-d convolutions hold 93% of the weights), AdamW step fused (auto: on CUDA), "
-        "4 loader workers (auto: 16 cores less one per process, at most 4 per process for data in memory)")
+        "4 loader workers (auto: 16 cores less one per process, at most 4 per process for data in memory), "
+        "prefetch to GPU on a side stream")
     given = load_config({"amp": {"channels_last": False}, "data": {"num_workers": 2},
                          "optimizer": {"kwargs": {"fused": False}}})
     facts = speed_facts(given, model, build_optimizer(given["optimizer"], model, CUDA), CUDA)
