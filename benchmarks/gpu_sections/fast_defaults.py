@@ -6,7 +6,7 @@ m. Memory format and fused step: ResNet-50 at 224x224, batch 128, data on the GP
    defaults but an unfused step (what the fused step alone gives); the fused and the foreach step's parameters after
    the same steps, to ``torch.testing.assert_close``'s tolerance.
 n. The input path: the quickstart config trained by ``build_run`` for two epochs with ``data.num_workers: auto``
-   (pinned memory and non-blocking copies on CUDA) and with ``num_workers: 0``; the data-wait share its own health
+   (pinned memory, non-blocking copies and the next batch prefetched on a side stream on CUDA) and with ``num_workers: 0``; the data-wait share its own health
    summary reports.
 o. CUDA graphs: ResNet-18 (CIFAR stem) at 32x32, batch 256, bfloat16, eager against ``compile="reduce-overhead"``
    (after its compilation and parity check), both with the fused step; whether the parity check passed.
