@@ -73,6 +73,10 @@ class DevicePrefetcher:
         streams: the stream operations; default :func:`side_stream` of ``device`` (None off CUDA: no copy, no
             stream, the loader's batches as they are).
 
+    Only tensors the batch holds in tuples, lists, dicts and namedtuples are recorded on the consumer's stream:
+    the tensors inside an object that moves itself (its own ``.to``) are not reachable here, so for such batches
+    leave the loader unwrapped (the step's ``prepare_batch`` then moves them on the consumer's stream).
+
     Example:
         >>> batches = DevicePrefetcher([(torch.ones(2), torch.zeros(2))] * 3, "cpu")
         >>> len(batches), [x.sum().item() for x, _ in batches]
