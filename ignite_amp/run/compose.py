@@ -120,7 +120,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned,
                  **({"dtype_auto": dtype_why} if dtype_why else {})}
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
-    run.facts.update(speed_facts(cfg, model, optimizer, device))  # what the auto values chose, and why
+    run.facts.update(speed_facts(cfg, model, optimizer, device, train_loader))  # what the auto values chose, and why
     if progress:
         from ignite.handlers import ProgressBar
 
