@@ -84,7 +84,8 @@ def test_each_ranks_share_equals_the_dataloaders(world):
         assert len(device) == len(host)
         assert_same(batches(device, 2), batches(host, 2))
         lockstep = LockstepBatches(val, 4, num_replicas=world, rank=rank)
-        assert_same(batches(DeviceBatches(val, batch_sampler=lockstep)), batches(DataLoader(val, batch_sampler=lockstep)))
+        assert_same(batches(DeviceBatches(val, batch_sampler=lockstep)),
+                    batches(DataLoader(val, batch_sampler=lockstep)))
 
 
 def test_a_pass_started_inside_equals_the_host_paths():

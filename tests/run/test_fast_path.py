@@ -91,7 +91,8 @@ def test_a_config_run_on_cpu_keeps_the_steps_it_had_and_says_why(tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
     optimizer = build_optimizer(cfg["optimizer"], model, CPU)
     facts = speed_facts(cfg, model, optimizer, CPU)
-    assert facts == {"data_on_device": False, "channels_last": False, "channels_last_why": "auto: CUDA only", "fused_optimizer": False,
+    assert facts == {"data_on_device": False, "channels_last": False, "channels_last_why": "auto: CUDA only",
+                     "fused_optimizer": False,
                      "fused_optimizer_why": "auto: CUDA only", "num_workers": 0, "num_workers_why": "auto: 0 off a GPU"}
     assert speed_words(facts, "AdamW") == ("channels_last off (auto: CUDA only), AdamW step unfused (auto: CUDA "
                                            "only), 0 loader workers (auto: 0 off a GPU)")
