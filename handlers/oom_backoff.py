@@ -54,7 +54,18 @@ def backoff_micro_batches(batch_size: int, micro_batches: int) -> Optional[int]:
     return math.ceil(batch_size / (size // 2))
 
 
+def _resizable(loader) -> bool:
+    """A torch DataLoader, or a loader that offers ``with_batch_size(n)`` (``ignite_amp.data.device_batches``),
+    with a batch size."""
+    return (isinstance(loader, DataLoader) or hasattr(loader, "with_batch_size")) and bool(
+        getattr(loader, "batch_size", None))
+
+
 def _with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
+    """``loader`` yielding batches of ``batch_size``: its own ``with_batch_size`` where it has one, else a
+    DataLoader built from its attributes."""
+    if hasattr(loader, "with_batch_size"):
+        return loader.with_batch_size(batch_size)
     extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
     return DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
@@ -141,14 +152,14 @@ class OOMBackoff(Serializable):
         # A loader prefetched to the device: its DataLoader is rebuilt, then wrapped the same way again.
         loader = data.loader if isinstance(data, DevicePrefetcher) else data
         # The loader's batch, not the epoch's last (often partial) one.
-        full = loader.batch_size if isinstance(loader, DataLoader) and loader.batch_size else step.batch_size
+        full = loader.batch_size if _resizable(loader) else step.batch_size
         if self.history and step.micro_batches > 1 and full and full > 1:
             self.loader_batch_size = micro_batch_size(full, step.micro_batches)
             step.micro_batches = 1
             self.history.clear()
             logger.warning("the loader yields batches of %d from epoch %d on", self.loader_batch_size,
                            engine.state.epoch)
-        if self.loader_batch_size is None or not isinstance(loader, DataLoader) or loader.batch_size is None:
+        if self.loader_batch_size is None or not _resizable(loader):
             return
         if loader.batch_size == self.loader_batch_size:
             return

@@ -49,8 +49,8 @@ OPT_IN = (
     # Issue 51's defaults on a GPU (opt-in: outside the default suite's 6 minutes):
     Section("p_memory_format_fused", "p. Memory format and fused step with the defaults (ResNet-50, 224x224, batch "
             "128)", memory_format_and_fused, 90, 45),
-    Section("q_input_path", "q. The input path with the defaults (the quickstart, num_workers auto against 0)",
-            input_path, 75, 40),
+    Section("q_input_path", "q. The input path with the defaults (the quickstart: data on the GPU, workers auto, 0)",
+            input_path, 75, 60),
     Section("r_cuda_graphs", "r. CUDA graphs against the eager step (CIFAR ResNet-18, 32x32, batch 256, bfloat16)",
             cuda_graphs, 180, 90),
 )

@@ -18,10 +18,11 @@ from ignite_amp.core.collectives import adopt_ignite_loggers
 from ignite_amp.errors import ConfigError
 from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
 from ignite_amp.data.workers import WorkersChoice, choose_num_workers, usable_cores
+from ignite_amp.data.device_batches import DeviceBatches, OnDeviceChoice, choose_on_device, device_memory
 from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, LockstepBatches, ShuffleShardSampler
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
 
-__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "data_workers", "SHAPE_CLASSES"]
+__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "data_workers", "data_on_device", "SHAPE_CLASSES"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -45,6 +46,10 @@ class DataConfig:
                                "auto: 0 off a GPU, on one the cores less one per process, at most 4 per process for "
                                "an in-memory set and 8 for imagefolder")
     download: bool = setting(False, Boolean(), "cifar only: download when missing")
+    on_device: bool = setting("auto", Boolean(also=("auto",)),
+                              "keep the images on the device and cut batches there (no workers); auto: on CUDA for "
+                              "an in-memory set taking at most 5% of the device's memory and 2 GiB; true on a CPU: "
+                              "batches indexed in memory")
     augment: bool = setting(False, Boolean(),
                             "cifar: padded random crop + flip; imagefolder: random resized crop + flip")
     image_size: int = setting(None, Integer(8, 4096, nullable=True), "default: shapes/fake 32, imagefolder 224",
@@ -55,6 +60,9 @@ class DataConfig:
 
     @staticmethod
     def check_values(values: dict, path: str) -> None:
+        if values["name"] == "imagefolder" and values["on_device"] is True:
+            raise ConfigError(f"{path}.on_device: true needs a data set held in memory (shapes, cifar10, cifar100, "
+                              f"fake); imagefolder reads its images from files")
         if values["name"] == "imagefolder":
             for key in ("train_size", "val_size"):
                 if values[key] is not None:
@@ -222,7 +230,7 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
                 seed: int = 0, no_single_last: bool = False, lockstep: bool = False,
-                micro_batches: int = 1) -> DataLoader:
+                micro_batches: int = 1, on_device: bool = False) -> DataLoader:
     """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
 
     ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
@@ -234,6 +242,8 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     cannot train on), or cut in ``micro_batches`` a micro-batch of one, leaves it out, with a warning;
     the order is shuffled, so not the same samples.
     ``lockstep``: validation batches as many on every rank (:class:`LockstepBatches`), for a sharded model.
+    ``on_device``: a :class:`~ignite_amp.data.device_batches.DeviceBatches` over ``dataset`` (a
+    :class:`TensorImageDataset`) copied to ``device``, with the same samplers and last batch; no workers.
     """
     adopt_ignite_loggers()
     world = idist.get_world_size()
@@ -241,6 +251,9 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         if len(dataset) < world:
             raise ConfigError(f"data: {len(dataset)} validation samples for {world} processes; a sharded model needs "
                               f"one per process at least")
+        if on_device:
+            return DeviceBatches(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
+                                 device=device)
         workers = -(-num_workers // idist.get_nproc_per_node())
         return DataLoader(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
                           num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
@@ -259,6 +272,9 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         logger.warning(f"data: the last batch of each epoch would hold {held} which BatchNorm layers cannot train "
                        f"on: it is left out (different samples each epoch: the order is shuffled); change "
                        f"data.batch_size or data.train_size to keep it")
+    if on_device:  # auto_dataloader's batch per process: the global batch over the ranks, when it divides
+        per_rank = batch_size // world if world > 1 and batch_size >= world else batch_size
+        return DeviceBatches(dataset, per_rank, sampler, drop_last=drop_last, device=device, seed=seed)
     return idist.auto_dataloader(
         dataset,
         batch_size=batch_size,
@@ -274,6 +290,14 @@ def data_workers(data: dict, device: torch.device) -> WorkersChoice:
     """``data.num_workers`` for this machine (``auto``: :func:`ignite_amp.data.workers.choose_num_workers`)."""
     return choose_num_workers(data["num_workers"], device.type, in_memory=data["name"] != "imagefolder",
                               cores=usable_cores(), processes=idist.get_nproc_per_node())
+
+
+def data_on_device(data: dict, device: torch.device, datasets: Sequence[Dataset]) -> OnDeviceChoice:
+    """``data.on_device`` for these data sets on ``device`` (``auto``:
+    :func:`ignite_amp.data.device_batches.choose_on_device`, from their uint8 images' bytes)."""
+    in_memory = all(isinstance(d, TensorImageDataset) for d in datasets)
+    size = sum(d.images.numel() for d in datasets) if in_memory else 0
+    return choose_on_device(data.get("on_device", "auto"), device.type, in_memory, size, device_memory(device))
 
 
 def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False,
@@ -294,7 +318,9 @@ def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int 
                           f"least 2: use at most {per_process // 2}, or a larger data.batch_size")
     data = dict(data, num_workers=data_workers(data, device).workers)
     train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
+    on_device = data_on_device(data, device, (train_set, val_set)).on
     train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm,
-                        micro_batches=micro_batches)
-    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device, lockstep=lockstep)
+                        micro_batches=micro_batches, on_device=on_device)
+    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device, lockstep=lockstep,
+                      on_device=on_device)
     return train, val, n_classes

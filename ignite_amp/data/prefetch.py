@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, 
 import torch
 
 from ignite_amp.core.nested import map_tensors, to_device
+from ignite_amp.data.device_batches import DeviceBatches
 
 __all__ = ["SideStream", "DevicePrefetcher", "side_stream", "device_loader"]
 
@@ -130,6 +131,9 @@ class DevicePrefetcher:
 
 
 def device_loader(loader: Iterable, device: Union[str, torch.device]) -> Iterable:
-    """``loader`` as a config run reads it: a :class:`DevicePrefetcher` on CUDA, ``loader`` itself elsewhere."""
+    """``loader`` as a config run reads it: a :class:`DevicePrefetcher` on CUDA, ``loader`` itself elsewhere and
+    for batches already cut on the device (``data.on_device``: nothing to copy)."""
+    if isinstance(loader, DeviceBatches):
+        return loader
     streams = side_stream(device)
     return loader if streams is None else DevicePrefetcher(loader, device, streams=streams)

@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 
 from ignite_amp.data.datasets import data_workers
+from ignite_amp.data.device_batches import DeviceBatches
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.run.fused import fused_choice
 from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_channels_last
@@ -27,13 +28,17 @@ def config_channels_last(cfg: dict, model: torch.nn.Module, device: torch.device
 
 def speed_facts(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 device: torch.device, loader: Optional[Iterable] = None) -> Dict[str, Any]:
-    """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it);
-    ``prefetch``: the training ``loader`` copies the next batch to the device on a side stream."""
+    """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it).
+    ``loader``: the run's training loader; batches cut on the device (``data.on_device``) take no workers,
+    ``prefetch``: it copies the next batch to the device on a side stream."""
     layout = config_channels_last(cfg, model, device)
     opt = cfg["optimizer"]
     fused = fused_choice(opt["name"], opt["kwargs"], device, sharded=cfg["distributed"]["strategy"] == "fsdp")
     workers = data_workers(cfg["data"], device)
-    return {"channels_last": layout.on, "channels_last_why": layout.why,
+    on_device = isinstance(loader, DeviceBatches)
+    if on_device:
+        workers = workers._replace(workers=0, why=f"data on the {'GPU' if device.type == 'cuda' else device.type}")
+    return {"data_on_device": on_device, "channels_last": layout.on, "channels_last_why": layout.why,
             "fused_optimizer": any(bool(group.get("fused")) for group in optimizer.param_groups),
             "fused_optimizer_why": fused.why,
             "num_workers": workers.workers, "num_workers_why": workers.why,

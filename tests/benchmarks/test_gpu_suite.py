@@ -311,7 +311,8 @@ def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp
     assert [r["status"] for r in table] == ["measured"] * 4 and all(r["images_per_s"] > 0 for r in table)
     assert not any(r["channels_last"] or r["fused"] for r in table)  # on CPU: NCHW, torch's default step
     assert [t["value"] for t in m["targets"]][1] == "equal (on CPU: not a GPU figure)"  # the parity, run on CPU
-    assert [(r["num_workers"], r["workers"]) for r in rows(n)] == [("auto", 0), (0, 0)]
+    assert [(r["num_workers"], r["on_device"], r["workers"], r["data_on_device"]) for r in rows(n)] == [
+        ("auto", "auto", 0, False), ("auto", False, 0, False), (0, False, 0, False)]  # on CPU: the host path
     assert all(r["data_wait_pct"] is not None for r in rows(n))
     o = report["sections"]["r_cuda_graphs"]
     assert [r["status"][:8] for r in rows(o)] == ["measured", "skipped:"] and rows(o)[0]["step_ms"] > 0

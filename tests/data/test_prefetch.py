@@ -266,6 +266,16 @@ def test_the_start_line_says_the_input_path_only_when_prefetching():
     assert "prefetch" not in speed_words(dict(facts, prefetch=False), "AdamW")
 
 
+def test_batches_already_cut_on_the_device_are_not_wrapped():
+    # data.on_device: the batches are made on the GPU; a side-stream copy would have nothing to do
+    from ignite_amp.data.datasets import TensorImageDataset
+    from ignite_amp.data.device_batches import DeviceBatches
+
+    images = torch.randint(0, 256, (8, 3, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    on_device = DeviceBatches(TensorImageDataset(images, torch.arange(8) % 2, (0.5,) * 3, (0.25,) * 3), 4)
+    assert device_loader(on_device, "cuda") is on_device  # (decided before any CUDA stream is made)
+
+
 @pytest.mark.gpu  # skipped without CUDA (conftest)
 def test_gpu_batches_equal_the_plain_loaders_moved_to_the_device():
     """On a real GPU: the prefetched batches (pinned, side stream, record_stream) equal the plain loader's moved with

@@ -92,9 +92,9 @@ def test_a_config_run_on_cpu_keeps_the_steps_it_had_and_says_why(tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
     optimizer = build_optimizer(cfg["optimizer"], model, CPU)
     facts = speed_facts(cfg, model, optimizer, CPU)
-    assert facts == {"channels_last": False, "channels_last_why": "auto: CUDA only", "fused_optimizer": False,
-                     "fused_optimizer_why": "auto: CUDA only", "num_workers": 0, "num_workers_why": "auto: 0 off a GPU",
-                     "prefetch": False}
+    assert facts == {"data_on_device": False, "channels_last": False, "channels_last_why": "auto: CUDA only",
+                     "fused_optimizer": False, "fused_optimizer_why": "auto: CUDA only", "num_workers": 0,
+                     "num_workers_why": "auto: 0 off a GPU", "prefetch": False}
     assert speed_words(facts, "AdamW") == ("channels_last off (auto: CUDA only), AdamW step unfused (auto: CUDA "
                                            "only), 0 loader workers (auto: 0 off a GPU)")
 
@@ -120,6 +120,19 @@ def test_on_cuda_the_config_chooses_the_fast_path(monkeypatch):
     assert (facts["channels_last"], facts["fused_optimizer"], facts["num_workers"]) == (False, False, 2)
     assert speed_words(facts, "AdamW") == ("channels_last off, AdamW step unfused (optimizer.kwargs.fused), "
                                            "2 loader workers")
+
+
+def test_with_the_data_on_the_gpu_the_start_line_says_no_workers_and_why():
+    """data.on_device (ignite_amp.data.device_batches): batches are cut on the GPU, no worker process."""
+    from ignite_amp.data.datasets import TensorImageDataset
+    from ignite_amp.data.device_batches import DeviceBatches
+
+    cfg = load_config({"data": {"name": "shapes"}})
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
+    dataset = TensorImageDataset(torch.zeros(4, 3, 2, 2, dtype=torch.uint8), torch.arange(4), (0.5,) * 3, (0.25,) * 3)
+    facts = speed_facts(cfg, model, build_optimizer(cfg["optimizer"], model, CUDA), CUDA, DeviceBatches(dataset, 2))
+    assert (facts["data_on_device"], facts["num_workers"], facts["num_workers_why"]) == (True, 0, "data on the GPU")
+    assert speed_words(facts, "AdamW").endswith("AdamW step fused (auto: on CUDA), 0 loader workers (data on the GPU)")
 
 
 def test_auto_channels_last_is_off_under_fsdp_where_true_is_refused():

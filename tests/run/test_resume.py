@@ -288,6 +288,10 @@ COMBINATIONS = {  # a pass over the loader is 4 batches of 32
     "epoch_length-longer-than-the-loader-onecycle": {"train": {"epoch_length": 6}, "scheduler": {"name": "onecycle"}},
     "oom-micro_batch-onecycle": dict(OOM, scheduler={"name": "onecycle"}),
     "oom-batch-accumulation": dict(OOM, handlers={"oom_backoff": {"mode": "batch"}}, amp={"accumulation_steps": 3}),
+    # data.on_device (ignite_amp.data.device_batches): the batches and the augmentation's draws of a resumed pass
+    "on_device-augment-epoch_length": {"data": {"on_device": True, "augment": True}, "train": {"epoch_length": 3}},
+    "on_device-oom-batch": dict(OOM, data={"on_device": True, "augment": True},
+                                handlers={"oom_backoff": {"mode": "batch"}}),
 }
 
 
@@ -297,7 +301,7 @@ def resumable(tmp_path, name, over):
     cfg = tiny_config(tmp_path, output_dir=str(tmp_path / name), data={"train_size": 128, "val_size": 32},
                       amp={"dtype": "bfloat16"}, train={"epochs": 2})
     for key, value in over.items():
-        cfg[key] = {**cfg[key], **value} if key in ("amp", "train", "handlers") else value
+        cfg[key] = {**cfg[key], **value} if key in ("amp", "train", "handlers", "data") else value
     return cfg
 
 
