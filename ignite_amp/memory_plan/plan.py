@@ -153,7 +153,7 @@ class MemoryPlan:
 
 
 def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                    batch: Any, batch_sizes: Sequence[int] = (1, 8, 32), memory: Union[None, int, str] = None,
+                    batch: Any, batch_sizes: Sequence[int] = (1, 8, 32), memory: Union[None, int, float, str] = None,
                     margin: float = DEFAULT_MARGIN, device: Union[str, torch.device] = "auto",
                     fit: bool = True, progress: Optional[Callable[[StepPeak], None]] = None,
                     checkpoint: Union[Sequence[str], Dict[str, str]] = (),
