@@ -160,6 +160,16 @@ def test_nothing_to_resume_returns_none(tmp_path):
     assert ckpt.resume() is None
 
 
+def test_resume_with_a_state_and_no_path_is_refused(tmp_path):
+    # Found by the type checker: the state's file was then read as path None (a TypeError deep in os.path).
+    trainer, ckpt = scripted(tmp_path, [0.5])
+    trainer.run([0], max_epochs=1)
+    state = torch.load(tmp_path / "last_checkpoint_1.pt", weights_only=False)
+    with pytest.raises(ValueError, match="state= is the file at path="):
+        ckpt.resume(state=state)
+    assert ckpt.resume(str(tmp_path / "last_checkpoint_1.pt"), state=state).endswith("last_checkpoint_1.pt")
+
+
 def test_bad_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_path):
     trainer, _ = scripted(tmp_path, [0.5], model=torch.nn.Linear(2, 2))
     trainer.run([0], max_epochs=1)
