@@ -6,7 +6,7 @@ loaders, the checkpoint handler, the run directory's files). :meth:`Run.train` t
 (profiler, TensorBoard, progress bar), prints the end-of-run health summary and releases the run directory,
 also after an exception. It builds nothing: the composition root (:mod:`ignite_amp.run.compose`) does.
 """
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from ignite.engine import Engine
 
@@ -33,7 +33,7 @@ class Run:
         self.to_save = to_save
         self._print = print_fn
         self.files = files
-        self.history = []
+        self.history: List[dict] = []  # a record per epoch (EpochSummary's)
         self.checkpoint: Optional[Any] = None  # the BestCheckpoint the handlers attach
         self.closers: list = []
         self.health: Callable[[], list] = list  # the end-of-run health summary (TensorBoardMetrics.health)
