@@ -241,7 +241,7 @@ def test_resume_equivalence(quick_cfg, tmp_path):
     assert sa == sb
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
-    for pa, pb in zip(oa["state"].values(), ob["state"].values()):
+    for pa, pb in zip(oa["state"].values(), ob["state"].values(), strict=True):
         for name in pa:
             assert torch.equal(torch.as_tensor(pa[name]), torch.as_tensor(pb[name])), name
 
@@ -292,7 +292,7 @@ def test_a_scripts_resume_loads_what_a_checkpoint_holds_and_says_what_it_did_not
         assert second.resume(saved) == saved
     said = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
     assert len(said) == 1 and "loaded model, optimizer" in said[0] and "it holds no trainer, amp_step" in said[0]
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True))
     assert resumed_opt.state_dict()["state"][0]["momentum_buffer"].equal(opt.state_dict()["state"][0]["momentum_buffer"])
 
     plain = tmp_path / "plain.pt"  # a hand-written loop's checkpoint
