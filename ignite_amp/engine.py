@@ -124,7 +124,7 @@ class DeterministicAmpEngine(DeterministicEngine, AmpEngine):
     (the dataloader's sampling and random states restored per epoch, so a resumed run sees the same batches)."""
 
 
-def _engine(step: StepBase, deterministic: bool = False) -> Engine:
+def _engine(step: StepBase, deterministic: bool = False) -> AmpEngine:
     engine = (DeterministicAmpEngine if deterministic else AmpEngine)(step)
     engine.amp_step = step
     return engine
@@ -204,7 +204,7 @@ def create_amp_trainer(
     num_items: Optional[Callable[[Any, Any], Any]] = None,
     activation_checkpointing: Union[bool, str] = False,
     **kwargs: Any,
-) -> Engine:
+) -> AmpEngine:
     """An Ignite ``Engine`` whose process function is an :class:`AmpStep` (``trainer.amp_step``).
 
     The arguments up to ``model_fn`` are Ignite's ``create_supervised_trainer``'s, in its order and with
@@ -290,7 +290,7 @@ def create_amp_evaluator(
     *,
     dtype: Union[str, torch.dtype] = "auto",
     **kwargs: Any,
-) -> Engine:
+) -> AmpEngine:
     """An Ignite ``Engine`` evaluating ``model`` under autocast with no grad, with ``metrics`` attached.
 
     The arguments up to ``model_fn`` are Ignite's ``create_supervised_evaluator``'s, in its order and with

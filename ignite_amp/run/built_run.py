@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional
 
 from ignite.engine import Engine
 
+from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
 from ignite_amp.step.facts import start_words
 from ignite_amp.run.fast_path import speed_words
@@ -24,7 +25,7 @@ class Run:
     is built until :meth:`close` (which :meth:`train` calls at its end).
     """
 
-    def __init__(self, cfg: dict, trainer: Engine, evaluator: Engine, model, optimizer, scheduler,
+    def __init__(self, cfg: dict, trainer: AmpEngine, evaluator: Engine, model, optimizer, scheduler,
                  train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
         self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler

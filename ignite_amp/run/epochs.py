@@ -7,7 +7,7 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.engine import amp_step_of
+from ignite_amp.engine import trainer_step_of
 from ignite_amp.core.config_keys import FIXED_UNDER_SCHEDULE, Integer, setting
 
 __all__ = ["TrainConfig", "Validation", "EpochSummary"]
@@ -54,7 +54,7 @@ class EpochSummary:
         self.measured: dict = {}
 
     def attach(self, trainer: Engine) -> None:
-        self.step = amp_step_of(trainer)
+        self.step = trainer_step_of(trainer, "EpochSummary")
         trainer.add_event_handler(Events.EPOCH_STARTED, self.started)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self.iteration)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self.measure)
