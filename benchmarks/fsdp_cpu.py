@@ -58,7 +58,7 @@ def train(model, args, rank, dtype):
 
     start = time.perf_counter()
     trainer.run(batches)
-    steps = [b - a for a, b in zip([start] + times[:-1], times)][1:]  # the first step warms up
+    steps = [b - a for a, b in zip([start] + times[:-1], times, strict=True)][1:]  # the first step warms up
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return statistics.median(steps), local_bytes(model.parameters()), local_bytes(state)
 

@@ -28,6 +28,7 @@ hand loops' twins give the norm's in-loop cost the same way).
 """
 import argparse
 import copy
+import itertools
 import statistics
 import tempfile
 import time
@@ -162,7 +163,7 @@ class Stamps:
 
     def between_logs(self) -> float:
         """Median seconds of the iterations that do not log (iteration i runs from stamp i to stamp i + 1)."""
-        spans = [b - a for i, (a, b) in enumerate(zip(self.times, self.times[1:]), 1) if i % LOG_EVERY]
+        spans = [b - a for i, (a, b) in enumerate(itertools.pairwise(self.times), 1) if i % LOG_EVERY]
         self.times.clear()
         return statistics.median(spans)
 
@@ -257,7 +258,7 @@ def overhead_table(times: Dict[str, list], iters: int, unit: str = "us") -> dict
            for name, values in times.items()}
 
     def over(name: str, ref: str) -> float:  # the median of the per-repeat differences
-        return statistics.median(a - b for a, b in zip(per[name], per[ref]))
+        return statistics.median(a - b for a, b in zip(per[name], per[ref], strict=True))
 
     rows: List[dict] = []
     for name, values in per.items():
@@ -343,7 +344,7 @@ def phase_loop(model, optimizer, batches, call: Optional[Callable], out: Dict[st
         t4 = clock()
         optimizer.step()
         t5 = clock()
-        for phase, span in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+        for phase, span in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             out[phase].append(span / 1e3)
 
 

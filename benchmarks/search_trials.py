@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     results = run(args.draws, args.seed, args.noise, args.margin, args.smallest, args.largest, args.objective,
                   args.overhead)
     if args.verbose:
-        for i, (p, m, b) in enumerate(zip(results["plan"], results["model"], results["bisect"])):
+        for i, (p, m, b) in enumerate(zip(results["plan"], results["model"], results["bisect"], strict=True)):
             print(f"{i:>3} best {m['best']:>6}  plan {p['trials']} trials -> {p['chosen']:>6} {p['strategy']:<16} "
                   f"model {m['trials']} trials -> {m['chosen']:>6} {m['strategy']:<18} "
                   f"ooms {m['ooms']}  bisect {b['trials']:>2} trials -> {b['chosen']:>6}")

@@ -52,7 +52,7 @@ def on_rank(args):
 
 
 def rel(got: list, want: list) -> float:
-    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
 
 
 def main() -> None:
@@ -61,17 +61,17 @@ def main() -> None:
     print("| split | processes | weighting | max rel. gradient diff | max rel. weight-update diff |")
     print("|---|---|---|---|---|")
     start = [p.detach().clone() for p in TinyLM().parameters()]
-    want_update = [w - s for w, s in zip(want_weights, start)]
+    want_update = [w - s for w, s in zip(want_weights, start, strict=True)]
     for micro, acc in ((2, 1), (1, 2), (2, 2), (4, 2)):
         for weigh in (False, True):
             grads, weights = trained(iterations(batch, acc), micro, acc, weigh)
-            update = [w - s for w, s in zip(weights, start)]
+            update = [w - s for w, s in zip(weights, start, strict=True)]
             print(f"| {micro} micro x {acc} acc | 1 | {'num_items' if weigh else 'samples'} | "
                   f"{rel(grads, want_grads):.2e} | {rel(update, want_update):.2e} |")
     cfg = load_config({"device": "cpu", "distributed": {"nproc_per_node": 2}})
     for weigh in (False, True):
         grads, weights = launch(cfg, on_rank, (iterations(batch, 2), 2, 2, weigh))
-        update = [w - s for w, s in zip(weights, start)]
+        update = [w - s for w, s in zip(weights, start, strict=True)]
         print(f"| 2 micro x 2 acc | 2 (gloo DDP) | {'num_items' if weigh else 'samples'} | "
               f"{rel(grads, want_grads):.2e} | {rel(update, want_update):.2e} |")
 

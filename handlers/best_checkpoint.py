@@ -233,6 +233,8 @@ class BestCheckpoint:
         """
         if self.best is None:
             raise RuntimeError("BestCheckpoint.resume() needs attach() first")
+        if state is not None and path is None:
+            raise ValueError("BestCheckpoint.resume: state= is the file at path=; give both, or neither")
         fall_back = path is None if fall_back is None else fall_back
         if state is None:
             if path is None:
@@ -241,6 +243,7 @@ class BestCheckpoint:
                     return None
             else:
                 state = load_checkpoint(path)
+        assert path is not None and state is not None  # (find_resumable finds both, or neither)
         while True:
             try:
                 return self._load(path, state)
@@ -264,6 +267,7 @@ class BestCheckpoint:
         return path, load_checkpoint(path)
 
     def _load(self, path: str, state: dict) -> str:
+        assert self.best is not None and self.last is not None  # resume() checked attach()
         self._check_keys(path, state)
         self.resumed_path = path
         # The stored config is kept apart: later checkpoints store the config of this run.
@@ -289,7 +293,7 @@ class BestCheckpoint:
         match = re.fullmatch(r"(last|best)_checkpoint_(\d+)(?:_.+)?\.(?:pt|dcp)", os.path.basename(path))
         epoch = int(match.group(2)) if match else None
         in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname)
-        if match and match.group(1) == self.LAST_PREFIX and in_dir:
+        if match and epoch is not None and match.group(1) == self.LAST_PREFIX and in_dir:
             _load_table(self.last, [(epoch, os.path.basename(path))])
             remove_replaced_lasts(self.dirname, epoch, self.LAST_PREFIX)
         if epoch is not None:

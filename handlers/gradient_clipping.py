@@ -6,7 +6,7 @@ import torch
 from ignite.engine import Engine
 
 from ignite_amp.step.events import AmpEvents
-from ignite_amp.engine import amp_step_of
+from ignite_amp.engine import trainer_step_of
 from ignite_amp.errors import ConfigError
 from ignite_amp.core.config_keys import Number, argument, setting
 from ignite_amp.step.grad_norm import clip_to_norm_
@@ -89,7 +89,7 @@ class GradientClipping:
 
     def attach(self, engine: Engine) -> None:
         """Clip at each ``AmpEvents.GRADS_READY`` of ``engine`` (a trainer from :func:`~ignite_amp.create_amp_trainer`)."""
-        self.step = amp_step_of(engine)
+        self.step = trainer_step_of(engine, type(self).__name__)
         # Parameters without a gradient at a step are skipped by the clipping functions themselves.
         self._params = self.parameters if self.parameters is not None else list(self.step.model.parameters())
         # The step's grad_norm is the L2 norm of every model gradient: the one this clipping needs.

@@ -4,7 +4,7 @@ import logging
 import math
 from collections import deque
 from types import SimpleNamespace
-from typing import Deque, List, Tuple
+from typing import Any, Deque, List, Tuple
 
 import torch
 from ignite.engine import Engine, Events
@@ -12,7 +12,7 @@ from ignite.engine import Engine, Events
 from ignite_amp.errors import NonFiniteError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.core.device import dtype_name
-from ignite_amp.engine import amp_step_of
+from ignite_amp.engine import trainer_step_of
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 
 __all__ = ["NonFiniteConfig", "NonFiniteGuard", "NonFiniteError"]
@@ -29,7 +29,7 @@ class NonFiniteConfig:
     max_consecutive: int = setting(20, POSITIVE_INT, "skipped float16 steps in a row that stop the run")
 
 
-def loss_code(loss: torch.Tensor, items) -> torch.Tensor:
+def loss_code(loss: torch.Tensor, items: Any) -> torch.Tensor:
     """0: finite; 1: non-finite; 2: no loss at all (num_items counted 0 items: padding only), on the loss's
     device. ``items`` as the step has it: a count (a Python int is never copied to the device: that copy
     would wait for it) or a device tensor."""
@@ -72,7 +72,7 @@ class NonFiniteGuard:
 
     def attach(self, engine: Engine) -> None:
         """Watch ``engine``'s skipped steps, finite steps and (without a scaler) its losses."""
-        self.step = amp_step_of(engine)
+        self.step = trainer_step_of(engine, type(self).__name__)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         if self.step.scaler.is_enabled():  # only a scaler skips steps: without one nothing to count per step
             engine.add_event_handler(AmpEvents.STEP_SKIPPED, self._skipped)
@@ -107,6 +107,7 @@ class NonFiniteGuard:
 
     def _check_loss(self, engine: Engine) -> None:
         loss = self.step.loss
+        assert loss is not None  # (after the step's iteration)
         if self._on_cpu:  # no pipeline to protect: reading it costs no wait
             if not math.isfinite(loss.item()):
                 self._report(engine.state.iteration, EMPTY if float(self.step.items) == 0 else BAD)

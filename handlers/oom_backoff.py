@@ -2,7 +2,8 @@
 import dataclasses
 import logging
 import math
-from typing import Optional
+from collections import OrderedDict
+from typing import Any, Dict, Mapping, Optional
 
 import ignite.distributed as idist
 from ignite.base.mixins import Serializable
@@ -66,7 +67,7 @@ def _with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     DataLoader built from its attributes."""
     if hasattr(loader, "with_batch_size"):
         return loader.with_batch_size(batch_size)
-    extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
+    extra: Dict[str, Any] = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
     return DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
@@ -170,12 +171,12 @@ class OOMBackoff(Serializable):
         engine.state.epoch_length = len(new)
         engine.state.iteration = (engine.state.epoch - 1) * len(new)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> "OrderedDict[str, Any]":
         """The backoffs so far (count, history, the loader's batch size) for a checkpoint."""
-        return {"events": self.events, "loader_batch_size": self.loader_batch_size,
-                "history": list(self.history), "clean": self.clean}
+        return OrderedDict(events=self.events, loader_batch_size=self.loader_batch_size, history=list(self.history),
+                           clean=self.clean)
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: Mapping) -> None:
         """Restore :meth:`state_dict`'s values on resume."""
         super().load_state_dict(state_dict)
         self.events = int(state_dict["events"])

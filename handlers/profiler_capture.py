@@ -2,7 +2,7 @@
 import dataclasses
 import logging
 import os
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import ignite.distributed as idist
 import torch
@@ -119,7 +119,7 @@ class ProfilerCapture:
             argument(ProfilerConfig, name, value)
         self.logdir = str(logdir)
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
-        self.options = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)
+        self.options: Dict[str, Any] = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)
         self.row_limit = row_limit
         self.from_config = from_config
         self.profiler: Optional[torch.profiler.profile] = None

@@ -147,8 +147,10 @@ def batch_size_of(x: Any, y: Any = None) -> int:
             raise BatchError(f"batch: x and y disagree on the number of samples (x has {n} rows, y {targets}): "
                              f"{SIZE_HOOK} (and {SPLIT_HOOK.split('pass ')[1]} for micro-batches)")
         return n
-    if n is not None or targets is not None:
-        return n if n is not None else targets
+    if n is not None:
+        return n
+    if targets is not None:
+        return targets
     lists = [(kind, size) for kind, _, size in in_x + in_y if kind != "tensor"]
     if lists:
         common = set.intersection(*({v for v in size if v is not None} if kind == "tensors" else {size}
@@ -183,8 +185,8 @@ def split_into(value: Any, n: int, chunks: int, path: str = "x", tensors_as_samp
         return [type(value)(value[bounds[i]:bounds[i + 1]]) for i in range(chunks)]
     if isinstance(value, (list, tuple)):
         if hasattr(value, "_fields") or any(torch.is_tensor(v) or isinstance(v, (list, tuple, Mapping)) for v in value):
-            parts = [split_into(v, n, chunks, f"{path}[{i}]", tensors_as_samples) for i, v in enumerate(value)]
-            return [rebuild(value, [p[i] for p in parts]) for i in range(chunks)]
+            pieces = [split_into(v, n, chunks, f"{path}[{i}]", tensors_as_samples) for i, v in enumerate(value)]
+            return [rebuild(value, [p[i] for p in pieces]) for i in range(chunks)]
         return [value] * chunks  # a list of settings (not one item per sample)
     if isinstance(value, (str, bytes, int, float, bool, type(None))) or not _holds_tensors(value):
         return [value] * chunks

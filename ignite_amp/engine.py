@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from ignite.engine import Engine, Events, EventsList
+from ignite.engine.events import RemovableEventHandle
 from ignite.engine.deterministic import DeterministicEngine
 from torch import nn
 
@@ -31,7 +32,7 @@ from ignite_amp.step.train import AmpStep
 from ignite_amp.transforms.memory_format import CHANNELS_LAST
 from ignite_amp.step.base import StepBase, call_model, identity
 
-__all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "create_amp_trainer",
+__all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "trainer_step_of", "create_amp_trainer",
            "create_amp_evaluator"]
 
 logger = logging.getLogger("ignite_amp")
@@ -76,13 +77,15 @@ class AmpEngine(Engine):
     small model's step. :meth:`fire_amp_event` skips events no handler was ever added to.
     """
 
+    amp_step: StepBase  #: the process function (:func:`amp_step_of` reads it)
+
     def __init__(self, process_function: Callable):
         super().__init__(process_function)
         # Filters count iterations: AmpEvents.GRADS_READY(every=10) fires on every 10th iteration that steps.
         self.register_events(*AmpEvents, event_to_attr={event: "iteration" for event in AmpEvents})
         self._listened: set = set()  # names of AmpEvents with a handler (never shrinks: always safe)
 
-    def add_event_handler(self, event_name: Any, handler: Callable, *args: Any, **kwargs: Any):
+    def add_event_handler(self, event_name: Any, handler: Callable, *args: Any, **kwargs: Any) -> RemovableEventHandle:
         handle = super().add_event_handler(event_name, handler, *args, **kwargs)
         for event in (event_name if isinstance(event_name, EventsList) else (event_name,)):
             self._listened.add(getattr(event, "name", event))  # a filtered event keeps its name
@@ -121,7 +124,7 @@ class DeterministicAmpEngine(DeterministicEngine, AmpEngine):
     (the dataloader's sampling and random states restored per epoch, so a resumed run sees the same batches)."""
 
 
-def _engine(step: StepBase, deterministic: bool = False) -> Engine:
+def _engine(step: StepBase, deterministic: bool = False) -> AmpEngine:
     engine = (DeterministicAmpEngine if deterministic else AmpEngine)(step)
     engine.amp_step = step
     return engine
@@ -129,7 +132,7 @@ def _engine(step: StepBase, deterministic: bool = False) -> Engine:
 
 def _check_keywords(factory: Callable, step: type, kwargs: dict) -> None:
     """Every keyword left for the step is one the step (or the float8 conversion) takes; the closest name otherwise."""
-    accepted = {*inspect.signature(factory).parameters, *inspect.signature(step.__init__).parameters,
+    accepted = {*inspect.signature(factory).parameters, *inspect.signature(step).parameters,
                 "float8_recipe", "float8_filter"} - {"self", "kwargs"}
     check_keywords(factory.__name__, kwargs, accepted)
 
@@ -143,6 +146,16 @@ def amp_step_of(engine: Engine) -> StepBase:
     if not isinstance(step, StepBase):
         raise TypeError("expected an engine made by ignite_amp.create_amp_trainer (or create_amp_evaluator), "
                         "got a plain Ignite Engine")
+    return step
+
+
+def trainer_step_of(engine: Engine, handler: str) -> AmpStep:
+    """:func:`amp_step_of` for a handler that needs the training step (its scaler, gradients, optimizer):
+    an evaluator is a TypeError naming ``handler`` and the engine it attaches to."""
+    step = amp_step_of(engine)
+    if not isinstance(step, AmpStep):
+        raise TypeError(f"{handler} attaches to a trainer (made by ignite_amp.create_amp_trainer), got an evaluator "
+                        f"(its step has no gradients)")
     return step
 
 
@@ -191,7 +204,7 @@ def create_amp_trainer(
     num_items: Optional[Callable[[Any, Any], Any]] = None,
     activation_checkpointing: Union[bool, str] = False,
     **kwargs: Any,
-) -> Engine:
+) -> AmpEngine:
     """An Ignite ``Engine`` whose process function is an :class:`AmpStep` (``trainer.amp_step``).
 
     The arguments up to ``model_fn`` are Ignite's ``create_supervised_trainer``'s, in its order and with
@@ -244,9 +257,10 @@ def create_amp_trainer(
                    model_transform=model_transform, output_transform=output_transform, num_items=num_items,
                    scaler=scaler, **kwargs)
     engine = _engine(_with_float8(step, float8), deterministic)
-    engine.state.scaler = step.scaler  # Ignite's place for it (its docs checkpoint it as to_save["scaler"])
+    # Ignite's place for it (its docs checkpoint it as to_save["scaler"]); State takes any attribute
+    engine.state.scaler = step.scaler  # type: ignore[attr-defined]
     if float8 is None:  # an evaluator's float8 would convert the layers this trainer trains (see create_amp_evaluator)
-        unwrap(model)._ignite_amp_trained_in = step.dtype
+        unwrap(model)._ignite_amp_trained_in = step.dtype  # type: ignore[assignment]  # (torch: tensors/modules only)
     if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
         # float8 all-gather: the weights' scales for the next forward, once per optimizer step
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
@@ -276,7 +290,7 @@ def create_amp_evaluator(
     *,
     dtype: Union[str, torch.dtype] = "auto",
     **kwargs: Any,
-) -> Engine:
+) -> AmpEngine:
     """An Ignite ``Engine`` evaluating ``model`` under autocast with no grad, with ``metrics`` attached.
 
     The arguments up to ``model_fn`` are Ignite's ``create_supervised_evaluator``'s, in its order and with

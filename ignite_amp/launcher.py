@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import io
 import os
 import pickle
 import shutil
@@ -22,7 +23,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Tuple
 
 import ignite.distributed as idist
 import torch
@@ -185,11 +186,13 @@ def _spawned(local_rank: int, fn: Callable, outbox: str, log_level: int, parent:
     logging.getLogger().addHandler(terminal_log_handler(log_level))
     # As in the CLI's process: a log line that cannot be written (disk full) is not a page of "Logging error".
     logging.raiseExceptions = False
-    sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
+    if isinstance(sys.stdout, io.TextIOWrapper):  # (a spawned process's own stdout is)
+        sys.stdout.reconfigure(line_buffering=True)  # rank 0's epoch lines as they come, also through a pipe
     rank = idist.get_rank()
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does (N x all cores thrashes)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // idist.get_nproc_per_node()))
     _quiet_other_ranks()
+    outcome: Tuple[Any, ...]  # ("ok", result) or ("error", exception, traceback)
     try:
         outcome = ("ok", _call(fn, args))
     except BaseException as exc:  # the parent re-raises it; a non-zero exit makes it stop the other ranks
@@ -255,6 +258,7 @@ def _stop_ranks(outbox: str, grace: float = 120.0) -> None:
             signal.signal(number, signal.SIG_IGN)
     children = multiprocessing.active_children()
     for child in children:
+        assert child.pid is not None  # an active child was started
         started = os.path.exists(os.path.join(outbox, f"started-{child.pid}"))
         try:
             os.kill(child.pid, signal.SIGINT if started else signal.SIGKILL)

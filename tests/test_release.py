@@ -46,7 +46,7 @@ def test_ci_builds_checks_and_trains_from_the_wheel_outside_the_checkout():
              'cd "$work"', '"$work/venv/bin/ignite-amp" init quickstart -o mine.yaml',
              '"$work/venv/bin/ignite-amp" train quickstart --set train.epochs=1']
     at = [ci.find(step) for step in steps]
-    assert -1 not in at and at == sorted(at), dict(zip(steps, at))
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
     assert ci.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in ci
     assert 'startswith(venv + os.sep)' in ci  # the wheel's own files are what runs, not the checkout's
     cfg = configparser.ConfigParser()

@@ -26,7 +26,7 @@ class ScalarEvent:
     """Stands for an Ignite ``TensorboardLogger`` in a log handler (``handler(engine, logger, event_name)``):
     its ``writer.add_scalar`` gathers; :meth:`write` writes them as one event to a real writer."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary  # imported on use, as the package's others
 
         self.writer = self  # handlers call logger.writer.add_scalar

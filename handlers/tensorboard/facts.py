@@ -68,7 +68,7 @@ def hparams_summaries(facts: Dict[str, Any], metrics: Dict[Tuple[str, str], str]
     return [config, summary_v2.hparams_pb(values, trial_id="")]
 
 
-def session_end_summary():
+def session_end_summary() -> Any:
     """The HParams session's end (status success, the time now), written when the trainer completes."""
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
@@ -91,7 +91,8 @@ class RunFacts:
     """What ran, at each start (after a resume, too): the facts as text (``FACTS_TAG``) and as HParams, the
     extra ``texts``."""
 
-    def __init__(self, facts: Dict[str, Any], texts: Dict[str, str], metrics: Dict[str, str], step: Any):
+    def __init__(self, facts: Dict[str, Any], texts: Dict[str, str], metrics: Dict[Tuple[str, str], str],
+                 step: Any):
         self.facts, self.texts, self.metrics, self.step = facts, texts, metrics, step
         self.written: Dict[str, Any] = {}
 

@@ -84,6 +84,7 @@ def health_lines(h: Health) -> List[str]:
     speed = _median(h.windows, "throughput/samples_per_sec")
     if speed is not None:
         step_ms = _median(h.windows, "throughput/step_time_ms")
+        assert step_ms is not None  # logged with the speed (scalars.TrainWindow)
         wait = _share(h.windows, "throughput/data_wait_share", "iterations") or 0.0
         each = f" per process ({h.processes} processes)" if h.processes > 1 else ""
         windows = sum(1 for w in h.windows if "throughput/samples_per_sec" in w)
@@ -96,7 +97,7 @@ def health_lines(h: Health) -> List[str]:
                          f"bottleneck; raise {_setting(h, 'data.num_workers', 'the DataLoader num_workers')} or make "
                          f"the dataset cheaper")
     tflops = _median(h.windows, "throughput/tflops")
-    if tflops is not None:
+    if tflops is not None and h.flops_per_sample is not None:  # (TFLOP/s are logged when the FLOPs are known)
         mfu = _median(h.windows, "throughput/mfu")
         of_peak = f"; MFU {mfu:.1%} of the {h.peak_name}" if mfu is not None else ""
         mfu_float8 = _median(h.windows, "throughput/mfu_float8")

@@ -108,9 +108,10 @@ class RanksMemory:
         trainer.add_event_handler(Events.ITERATION_COMPLETED(every=self.every), self._gather)
         trainer.add_event_handler(Events.COMPLETED, self._last)
         if self.window is not None:
-            trainer.add_event_handler(Events.STARTED, lambda _: self.window.start())
+            window = self.window
+            trainer.add_event_handler(Events.STARTED, lambda _: window.start())
             for event in (Events.COMPLETED, Events.TERMINATE):
-                trainer.add_event_handler(event, lambda _: self.window.close())
+                trainer.add_event_handler(event, lambda _: window.close())
 
     def _last(self, engine: Engine) -> None:  # the run's last window (all of a run shorter than a window)
         if engine.state.iteration % self.every:

@@ -12,7 +12,7 @@ run logs.
 """
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ignite.distributed as idist
 import torch
@@ -20,7 +20,8 @@ from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
 from ignite_amp.core.device import dtype_name
-from ignite_amp.engine import amp_step_of
+from ignite_amp.step.train import AmpStep
+from ignite_amp.engine import amp_step_of, trainer_step_of
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.handlers.gradient_clipping import GradientClipping
 from ignite_amp.handlers.tensorboard.health import Health, health_lines
@@ -162,7 +163,11 @@ class TensorBoardMetrics:
         self.hparam_metrics = tuple(hparam_metrics)
         self.tb: Optional[TensorboardLogger] = None  # the run's own: text, HParams, layout
         self.splits: Dict[str, TensorboardLogger] = {}  # train, val: the scalars
-        self.step = self.window = self.memory = self.run_facts = None
+        # made by attach (on rank 0): the handlers that run after it read them as set
+        self.step: Optional[AmpStep] = None
+        self.window: Optional[TrainWindow] = None
+        self.memory: Optional[DeviceMemory] = None
+        self.run_facts: Optional[RunFacts] = None
         self.validation = Validation(None, self.modes)
         self.trainer: Optional[Engine] = None
         self._ended = True  # the trainer's run completed (or never started): close() has nothing to add
@@ -197,7 +202,7 @@ class TensorBoardMetrics:
             self.ranks.attach(trainer)
         if idist.get_rank() != 0:
             return
-        self.step = step = amp_step_of(trainer)
+        self.step = step = trainer_step_of(trainer, type(self).__name__)
         self.trainer = trainer
         step.track_grad_norm()
         optimizer = optimizer if optimizer is not None else step.optimizer
@@ -205,27 +210,28 @@ class TensorBoardMetrics:
         self.splits = {split: TensorboardLogger(log_dir=os.path.join(self.logdir, split))
                        for split in (SPLITS if evaluator is not None else SPLITS[:1])}
         train = self.splits["train"]
-        self.window = TrainWindow(step, self.clipping)
-        self.window.attach(trainer, self.log_every, self._log)  # the log's iteration is in its window
-        self.memory = DeviceMemory(step.device, self.ranks)
-        self.memory.attach(trainer, close=False)  # closed after _completed's last read (below)
-        metrics = {}  # (run, tag) -> title
+        self.window = window = TrainWindow(step, self.clipping)
+        window.attach(trainer, self.log_every, self._log)  # the log's iteration is in its window
+        self.memory = memory = DeviceMemory(step.device, self.ranks)
+        memory.attach(trainer, close=False)  # closed after _completed's last read (below)
+        metrics: Dict[Tuple[str, str], str] = {}  # (run, tag) -> title
         if evaluator is not None:
             for name in self.hparam_metrics:
                 metrics[("val", name)] = f"val {name} (final)"
                 metrics[("val", f"{name}/best")] = f"val {name} (best)"
         metrics[("train", "throughput/median_samples_per_sec")] = "samples/s (median)"
-        self.run_facts = RunFacts(self.facts, self.texts, metrics, step)
-        tb.attach(trainer, self.run_facts, Events.STARTED)
+        self.run_facts = run_facts = RunFacts(self.facts, self.texts, metrics, step)
+        tb.attach(trainer, run_facts, Events.STARTED)
         trainer.add_event_handler(Events.STARTED, self._started)
         tb.attach(trainer, self._completed, Events.COMPLETED)
         for event in (Events.COMPLETED, Events.TERMINATE):  # after the last window's read and the health summary
-            trainer.add_event_handler(event, self.memory.close)
-        shape = BatchShape(step, self.window, lambda: self.facts_written)
+            trainer.add_event_handler(event, memory.close)
+        shape = BatchShape(step, window, lambda: self.facts_written)
         shape.attach(trainer)
         # shape reads the window before it starts the next; _log flushes: a crashed run keeps what it logged.
         # (No EXCEPTION_RAISED handler: Ignite does not re-raise when one exists.) close() is safe to call twice.
-        self._log_handlers = [shape, self.window, LearningRates(optimizer), self.memory]
+        # each called as (engine, logger, event): the logger a ScalarEvent that gathers their scalars
+        self._log_handlers: List[Callable[..., None]] = [shape, window, LearningRates(optimizer), memory]
         self._lr_groups = len(optimizer.param_groups)
         self.trainer_metrics = TrainerMetrics(train)
         self.trainer_metrics.attach(trainer)
@@ -243,6 +249,7 @@ class TensorBoardMetrics:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
             restart = Event(step=engine.state.iteration + 1, session_log=SessionLog(status=SessionLog.START))
+            assert self.tb is not None  # attached
             for logger in (self.tb, *self.splits.values()):
                 file_writer(logger.writer).add_event(restart)
 
@@ -253,11 +260,13 @@ class TensorBoardMetrics:
             handler(engine, scalars, Events.ITERATION_COMPLETED)
         scalars.write(writer, engine.state.iteration)
         writer.flush()
+        assert self.tb is not None  # attached
         self._logged_once(engine, self.tb, Events.ITERATION_COMPLETED)
 
     def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         if not self._layout_written:  # at the first log: the FLOP count and what is logged are known
             step = self.step
+            assert step is not None and self.window is not None and self.run_facts is not None  # attached
             if step.flops_per_sample:
                 peak = self.window.peak
                 self.run_facts.add(logger, engine.state.iteration, gflops_per_sample=step.flops_per_sample / 1e9,
@@ -275,7 +284,7 @@ class TensorBoardMetrics:
         step, window = self.step, self.window
         if step is None:
             return []
-        window.flush(0)
+        assert window is not None and self.memory is not None  # attached with the step
         scaler = step.scaler.is_enabled()
         micro = min(step.micro_batches, step.batch_size) if step.batch_size else None
         return health_lines(Health(
@@ -293,6 +302,7 @@ class TensorBoardMetrics:
             processes=idist.get_world_size(), from_config=self.from_config))
 
     def _write_health(self, iteration: int) -> None:
+        assert self.memory is not None and self.tb is not None  # attached
         self.memory.read()
         lines = self.health()
         write_text(self.tb, HEALTH_TAG, "\n".join(f"- {line}" for line in lines), iteration)
@@ -300,6 +310,7 @@ class TensorBoardMetrics:
 
     def _completed(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
+        assert self.window is not None  # attached
         if self.window.losses:  # the last iterations since the last log (all of a run shorter than log_every)
             self._log(engine)
         self._write_health(engine.state.iteration)
@@ -312,7 +323,7 @@ class TensorBoardMetrics:
         later run of the trainer opens new event files)."""
         if self.tb is not None:
             try:
-                if not self._ended:
+                if not self._ended and self.trainer is not None:
                     self._ended = True
                     self._write_health(self.trainer.state.iteration)
             finally:

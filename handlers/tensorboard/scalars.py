@@ -145,6 +145,7 @@ class TrainWindow:
             if clip_norm is not None and clip_norm is not self._last_clip_norm:
                 self.clip_norms.append(clip_norm)
                 self._last_clip_norm = clip_norm
+        assert step.loss is not None  # the step ran: its loss is set
         self.losses.append(step.loss)
         self.empty.append(step.items == 0)  # num_items counted nothing (padding only): no loss to average
         n = step.batch_size
@@ -168,6 +169,7 @@ class TrainWindow:
             # One stack, then one cast (exact, whatever the norms' dtype): not a cast per step at each log.
             reads["optimizer/grad_norm"] = torch.stack(self.norms).to(device, torch.float32).mean()
         if self.clip_norms:  # one run's norms share a dtype: stacked as they are, compared in it
+            assert self.clipping is not None and self.clipping.max_norm is not None  # (clip norms come from it)
             bound = torch.stack(self.clip_norms).to(device) > self.clipping.max_norm
             reads["optimizer/clip_share"] = bound.float().mean()
         scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
@@ -257,7 +259,7 @@ class Validation:
             self.final[name] = value
             pick = better(self.modes.get(name) or metric_mode(name))
             self.best[name] = pick(self.best.get(name, value), value)
-            if logger is not None:
+            if logger is not None and self.trainer is not None:
                 iteration = self.trainer.state.iteration
                 logger.writer.add_scalar(name, value, iteration)
                 logger.writer.add_scalar(f"{name}/best", self.best[name], iteration)

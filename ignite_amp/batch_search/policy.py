@@ -93,6 +93,7 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
     note = ""
     if strategy == "plan":
         try:
+            assert planned is not None  # checked above
             plan_search(search, planned, noise, max_overhead)
         except Untrusted as why:
             used, strategy, note = "plan, then model", "model", f" (plan: {why}; the memory model took over)"
@@ -107,7 +108,7 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
         bisect_search(search, start, tolerance, batch_margin)
     largest = search.lo
     chosen = _kept(search)
-    if budget is None:
+    if capacity is None:  # (no budget)
         reason = f"largest fit less {margin:.0%}"
     else:
         reason = f"largest fit under {1 - margin:.0%} of {capacity / GIB:.1f} GiB"
@@ -147,7 +148,7 @@ def _fastest(search: Search, largest: int, speed_tolerance: float) -> Tuple[int,
         if seen.get(size, 0.0) < (1 - speed_tolerance) * best or (below and size // 2 <= max(below)):
             break  # slower already, or the next size down was timed already
         size //= 2
-    best_size = max(seen, key=seen.get)
+    best_size = max(seen, key=lambda s: seen[s])
     best = seen[best_size]
     chosen = min(s for s, v in seen.items() if v >= (1 - speed_tolerance) * best)
     return chosen, (f"fastest: the smallest batch within {speed_tolerance:.0%} of the best samples/s "

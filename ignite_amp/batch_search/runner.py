@@ -11,7 +11,7 @@ import copy
 import sys
 import time
 import traceback
-from typing import Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Protocol, Tuple, Union
 
 import ignite.distributed as idist
 import torch
@@ -19,6 +19,7 @@ from ignite.utils import apply_to_type
 
 from ignite_amp.batch_search.policy import VERIFY_STAGES, search_batch_size
 from ignite_amp.batch_search.results import GIB, TABLE_HEADER, BatchSizeResult, Trial, format_trial
+from ignite_amp.batch_search.strategies import Untrusted
 from ignite_amp.core.collectives import is_distributed, min_across_ranks, unwrap
 from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.core.rng import get_rng_state, set_rng_state
@@ -28,6 +29,15 @@ from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 
 __all__ = ["MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner", "find_batch_size",
            "print_progress"]
+
+
+class Allocator(Protocol):
+    """What :class:`CudaMemoryMeter` calls on its allocator besides :class:`~ignite_amp.core.memory.PeakWindow`'s
+    counters (:class:`~ignite_amp.core.memory.CudaAllocator` has them all)."""
+
+    def empty_cache(self, device: Any) -> None: ...
+
+    def capacity(self, device: Any) -> float: ...
 
 
 class MemoryMeter:
@@ -78,10 +88,10 @@ class CudaMemoryMeter(MemoryMeter):
         pressed: a reserve within this share of the capacity is pressed against it: its slack is not measured.
     """
 
-    def __init__(self, device: Union[str, torch.device], allocator: Optional[object] = None, pressed: float = 0.02):
+    def __init__(self, device: Union[str, torch.device], allocator: Optional[Allocator] = None, pressed: float = 0.02):
         # with its index: the memory fraction calls refuse "cuda" without one
         self.device = resolve_device(device) if allocator is None else device
-        self.allocator = CUDA if allocator is None else allocator
+        self.allocator: Allocator = CUDA if allocator is None else allocator
         self.window = PeakWindow(self.device, self.allocator)
         self.pressed = pressed
         self.slack = 0.0  #: the largest measured share of the reserve over the allocated peak
@@ -231,6 +241,7 @@ class TrialRunner:
             meter.release()  # every trial starts from an empty cache, whatever the last one left fragmented
         begin = time.perf_counter()
         ms, error, failed = None, None, False
+        batch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         try:
             batch = self.make_batch(size)
             self._train(batch, self.warmup)  # the first step allocates the optimizer state; cuDNN autotunes
@@ -329,17 +340,19 @@ def find_batch_size(
             plan else None
         if strategy == "plan" and planned is None:
             strategy = "model"
-        trial = runner
+        trial: Callable[[int, str], Trial] = runner
         if progress is not None:
             where = f"{runner.device}" + (f", {capacity / GIB:.1f} GiB usable, {1 - margin:.0%} budget"
                                           if capacity else "")
             progress(f"batch-size search on {where} ({objective}, {strategy}):")
             progress(TABLE_HEADER)
 
-            def trial(size: int, stage: str) -> Trial:
+            def shown(size: int, stage: str) -> Trial:
                 result = runner(size, stage)
                 progress(format_trial(result, budget))
                 return result
+
+            trial = shown
 
         result = search_batch_size(trial, capacity=capacity, margin=margin, strategy=strategy, objective=objective,
                                    start=start, max_size=max_size, tolerance=tolerance, planned=planned)
@@ -361,4 +374,13 @@ def _planned(runner: TrialRunner, loss_fn: Callable, start: int, margin: float,
     # the runner converted a float8 model in place already: its fake copy keeps the float8 layers
     plan = estimate_memory(runner.model, runner.optimizer, loss_fn, runner.make_batch, [start],
                            memory=runner.capacity, margin=margin, device=step.device, dtype=step.dtype, **kwargs)
-    return None if plan.untraced or not plan.peaks else plan.peak_at
+    if plan.untraced or not plan.peaks:
+        return None
+
+    def planned(size: int) -> float:
+        peak = plan.peak_at(size)
+        if peak is None:  # one size traced (the largest fit is it, or none fits): no line to read other sizes on
+            raise Untrusted(f"the plan traced batch {plan.peaks[0].batch_size} only")
+        return peak
+
+    return planned

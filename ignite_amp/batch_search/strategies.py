@@ -168,6 +168,7 @@ def model_search(search: Search, start: int, tolerance: float, noise: float, fit
     jumps = 0
     while True:
         if search.lo == 0:  # a verification failed below every other fit: start again below it
+            assert search.hi is not None  # that failure
             _first_fit(search, search.hi - 1, "jump")
         lo, hi, points = search.lo, search.hi, search.points
         ceiling = min(max_size, hi - 1 if hi is not None else max_size, _upper_bound(search, noise))
@@ -184,14 +185,14 @@ def model_search(search: Search, start: int, tolerance: float, noise: float, fit
             target, stage = lo, "verify"  # close enough, but so far only probed
         else:
             if failed or len(points) < 2:  # halfway to the ceiling
-                target = (lo + ceiling + 1) / 2
+                aim = (lo + ceiling + 1) / 2
             elif max(points) >= predicted / 2:  # a short extrapolation: trust the line
-                target = predicted
+                aim = predicted
             else:  # a long one: no further than the readings' noise surely allows
-                target = min(predicted, _lower_bound(search, noise))
+                aim = min(predicted, _lower_bound(search, noise))
             if hi is not None:  # below a failure by the tolerance: a fit there ends the search
-                target = min(target, hi * (1 - tolerance))
-            target, stage = max(lo + 1, math.floor(min(target, ceiling))), "jump"
+                aim = min(aim, hi * (1 - tolerance))
+            target, stage = max(lo + 1, math.floor(min(aim, ceiling))), "jump"
         if jumps == max_jumps:
             raise Untrusted(f"no size within {tolerance:.0%} of the prediction after {max_jumps} jumps")
         jumps += 1
@@ -205,8 +206,9 @@ def _first_fit(search: Search, size: int, stage: str) -> int:
     while not search.run(size, stage):
         if size == 1:
             raise torch.OutOfMemoryError("out of memory even at batch size 1 during the batch-size search")
-        peak = search.points.get(size)
-        size = max(1, min(size - 1, math.floor(size * 0.9 * search.budget / peak) if peak else size // 2))
+        peak, budget = search.points.get(size), search.budget  # (the plan and model strategies': a budget)
+        scaled = math.floor(size * 0.9 * budget / peak) if peak and budget is not None else size // 2
+        size = max(1, min(size - 1, scaled))
     return size
 
 
@@ -215,6 +217,7 @@ def _upper_bound(search: Search, noise: float) -> float:
     peak rose from a reading ``m`` at ``p < h`` past the capacity, so the slope is at least
     ``(capacity - m) / (h - p)``."""
     capacity, budget = search.capacity, search.budget
+    assert capacity is not None and budget is not None  # the model strategy's, which needs a capacity
     bound = math.inf
     for h, ok in search.outcome.items():
         if ok or h in search.points:
@@ -230,6 +233,7 @@ def _lower_bound(search: Search, noise: float) -> float:
     """The largest size that surely fits the budget whatever the readings' ``noise``: the steepest
     line through the two outermost readings (each moved by ``noise``), and ``peak = b * batch``."""
     budget, points = search.budget, search.points
+    assert budget is not None  # the model strategy's, which needs a capacity
     bound = max((s * budget * (1 - noise) / m for s, m in points.items() if m <= budget), default=0.0)
     small, large = min(points), max(points)
     if large > small:
@@ -250,6 +254,7 @@ def bisect_search(search: Search, start: int, tolerance: float, batch_margin: fl
             size = min(size * 2, max_size)
     if search.lo == 0:  # even the first size failed: look below it
         low, high = 0, search.hi
+        assert high is not None  # the doubling's first size failed
         while high - low > 1:
             mid = (low + high) // 2
             if search.run(mid, "bisect"):

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional
 
 import torch
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 
 from ignite_amp.run.builders import build_optimizer, check_classes, check_model_runs, config_device, seed_everything
 from ignite_amp.config.tree import load_config
@@ -149,7 +149,8 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     loader, _, n_classes = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device,
                                          cfg["seed"])
     check_classes(cfg, n_classes)
-    batches, it = [], iter(loader)
+    batches: List[Any] = []
+    it = iter(loader)
     while len(batches) < steps:
         try:
             batches.append(next(it))
@@ -186,7 +187,11 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
         trainer = make_trainer()
         check_model_runs(cfg, trainer.amp_step)  # a shape or head the model cannot take: one line, now
         losses, times, skipped = [], [], [0]
-        trainer.add_event_handler(Events.ITERATION_STARTED, lambda _: (_sync(device), times.append(time.perf_counter())))
+
+        @trainer.on(Events.ITERATION_STARTED)
+        def started(_: Engine) -> None:
+            _sync(device)
+            times.append(time.perf_counter())
 
         @trainer.on(Events.ITERATION_COMPLETED)
         def record(engine):

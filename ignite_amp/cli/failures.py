@@ -35,7 +35,9 @@ def one_line(exc: BaseException) -> str:
 def _checkpoint_kept() -> bool:
     """Whether the run being trained has a checkpoint on disk (what "resume" would load)."""
     folder = state.get("checkpoints")
-    return bool(folder) and os.path.isdir(folder) and any(
+    if not folder:
+        return False
+    return os.path.isdir(folder) and any(
         n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(folder))
 
 
@@ -89,8 +91,9 @@ def describe(exc: BaseException) -> Tuple[int, str]:
 def _written_file(exc: BaseException, otherwise: str = "writing the run") -> str:
     """The file a write error was about: its name, else TensorBoard's event files where its writer raised it (its
     thread's error, raised again in the run's next write), else ``otherwise``."""
-    if getattr(exc, "filename", None):
-        return exc.filename
+    filename = getattr(exc, "filename", None)
+    if filename:
+        return filename
     return "writing TensorBoard's event files" if _from_tensorboard(exc.__traceback__) else otherwise
 
 
@@ -166,10 +169,13 @@ def thread_failed(args: "threading.ExceptHookArgs") -> None:
     line. Others as usual."""
     from ignite_amp.files.checkpoints import disk_full
 
-    if not (disk_full(args.exc_value) or _from_tensorboard(args.exc_traceback)):
+    # (exc_value may be None, threading's documentation says: the usual hook then)
+    if args.exc_value is None or not (disk_full(args.exc_value) or _from_tensorboard(args.exc_traceback)):
         state.get("excepthook", threading.__excepthook__)(args)
         return
     log = state.get("log")
+    if log is None:  # no run's log yet: nowhere to write it
+        return
     try:
         with open(log, "a") as f:
             f.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))

@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import ignite_amp.cli.configs as cli_configs
 from ignite_amp.cli import commands
@@ -24,7 +24,7 @@ __all__ = ["main"]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, as for every user error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as for every user error
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -12,7 +12,7 @@ import importlib.resources
 import json
 import os
 import re
-from typing import List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from ignite_amp.errors import ConfigError
 
@@ -30,7 +30,8 @@ _SUFFIXES = (".yaml", ".yml")
 def _folder() -> str:
     """The installed ``configs/`` folder (a real folder: pip unpacks wheels)."""
     try:
-        return os.fspath(importlib.resources.files(PACKAGE))
+        folder: Any = importlib.resources.files(PACKAGE)  # a Traversable: a path when installed as files
+        return os.fspath(folder)
     except (ModuleNotFoundError, TypeError):  # TypeError: a zipped or namespace install, no plain folder
         raise ConfigError("the built-in configs are not installed with this ignite_amp (an editable install made "
                           "before 0.2.0 does not map ignite_amp.configs: run pip install -e . again)") from None

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import os
 import re
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Union
 
 import yaml
 
@@ -132,7 +132,8 @@ def _parse_override(item: str) -> tuple:
 
 def _apply_override(raw: dict, key: str, value: Any) -> None:
     parts = key.split(".")
-    node, cls = raw, Config
+    node = raw
+    cls: Optional[type] = Config  # None: under a free mapping (kwargs)
     for i, part in enumerate(parts[:-1]):
         where = ".".join(parts[: i + 1])
         f = child(cls, part) if cls is not None else None

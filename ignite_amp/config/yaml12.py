@@ -11,7 +11,7 @@ refuses a key written twice in one mapping. :func:`dump` quotes every string tha
 """
 import math
 import re
-from typing import Any
+from typing import Any, Dict
 
 import yaml
 
@@ -51,7 +51,7 @@ class Loader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
-            seen = {}
+            seen: Dict[Any, int] = {}  # key -> its line
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue

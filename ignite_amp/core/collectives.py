@@ -10,7 +10,7 @@
 Without a process group every function here is a no-op or returns its input.
 """
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional, cast
 
 import ignite.distributed as idist
 import torch
@@ -84,14 +84,16 @@ def min_across_ranks(value: int) -> int:
     """The smallest ``value`` over all ranks (``value`` itself when not distributed)."""
     if not is_distributed():
         return value
-    return int(idist.all_reduce(torch.tensor(value, device=idist.device()), op="MIN").item())
+    # ignite's all_reduce gives back the type it was given (its annotation: a tensor or a float)
+    return int(cast(torch.Tensor, idist.all_reduce(torch.tensor(value, device=idist.device()), op="MIN")).item())
 
 
 def max_across_ranks(value: float) -> float:
     """The largest ``value`` over all ranks (``value`` itself when not distributed); a host sync."""
     if not is_distributed():
         return value
-    return float(idist.all_reduce(torch.tensor(float(value), device=idist.device()), op="MAX").item())
+    total = idist.all_reduce(torch.tensor(float(value), device=idist.device()), op="MAX")
+    return float(cast(torch.Tensor, total).item())  # a tensor in, a tensor out (see min_across_ranks)
 
 
 def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -112,7 +114,8 @@ def all_reduce_gradients(parameters: Iterator[torch.nn.Parameter], bucket_mb: fl
     world = idist.get_world_size()
     grads = [p.grad for p in parameters if p.grad is not None]
     limit = int(bucket_mb * 2**20)
-    bucket, size = [], 0
+    bucket: List[torch.Tensor] = []
+    size = 0
 
     def flush():
         if not bucket:

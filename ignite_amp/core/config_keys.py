@@ -15,7 +15,7 @@ import json
 import math
 import re
 import sys
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, cast
 
 from ignite_amp.errors import ConfigError
 
@@ -267,6 +267,7 @@ def setting(default: Any, check: Check, doc: str, resume: str = APPLIED) -> Any:
     """A config key: its default, its check, a one-line doc and what a resume may do with it."""
     if resume not in RULES:
         raise ValueError(f"Argument resume should be one of {', '.join(RULES)}, got {resume!r}.")
+    kind: Dict[str, Any]
     if isinstance(default, (list, dict)):
         kind = {"default_factory": lambda: copy.deepcopy(default)}
     else:
@@ -329,7 +330,9 @@ def validate(raw: Any, cls: type, path: str = "") -> dict:
 
 
 def defaults_of(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else copy.deepcopy(f.default)
+    if f.default is not dataclasses.MISSING:
+        return copy.deepcopy(f.default)
+    return cast(Callable[[], Any], f.default_factory)()  # a setting or section has a default or a factory
 
 
 def leaves(cls: type, prefix: str = "") -> Iterator[Tuple[str, dataclasses.Field]]:

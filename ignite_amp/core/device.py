@@ -161,7 +161,7 @@ def free_memory(device: torch.device) -> None:
     """Collect garbage and give cached blocks of the device's allocator back."""
     gc.collect()
     backend = getattr(torch, torch.device(device).type, None)
-    if torch.device(device).type != "cpu" and hasattr(backend, "empty_cache"):
+    if torch.device(device).type != "cpu" and backend is not None and hasattr(backend, "empty_cache"):
         backend.empty_cache()
 
 

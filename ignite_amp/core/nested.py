@@ -16,8 +16,9 @@ __all__ = ["rebuild", "map_tensors", "detach", "to_float32", "to_channels_last",
 def rebuild(template: Any, items: Any) -> Any:
     """A container of ``template``'s type holding ``items`` (a dict for mappings, a list for sequences)."""
     if isinstance(template, Mapping):
+        kind: Any = type(template)  # a concrete mapping type, whose constructor may take other arguments
         try:
-            return type(template)(items)
+            return kind(items)
         except TypeError:  # a mapping type whose constructor takes something else (defaultdict)
             return dict(items)
     if isinstance(template, tuple) and hasattr(template, "_fields"):  # a namedtuple

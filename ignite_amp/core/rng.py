@@ -1,7 +1,7 @@
 """Random-number-generator state: Python's and torch's (CPU, and CUDA once it is initialised)."""
 import logging
 import random
-from typing import Mapping
+from typing import Any, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ def get_rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned (also after a round trip through a checkpoint).
 
     CUDA states are restored for the devices this machine has: a checkpoint from a machine with
@@ -51,10 +51,11 @@ class RNGState(Serializable):
 
     _state_dict_all_req_keys = ("python", "torch")
 
-    def state_dict(self) -> dict:
+    # ignite's Serializable says OrderedDict; a dict serves (Checkpoint and load_state_dict only read it)
+    def state_dict(self) -> dict:  # type: ignore[override]
         state = get_rng_state()
         if is_distributed():
-            ranks = [None] * dist.get_world_size()
+            ranks: List[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, state)
             state = dict(state, ranks=ranks)
         return state

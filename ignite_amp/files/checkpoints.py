@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import warnings
-from typing import Any, Callable, Iterator, List, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterator, List, Mapping, Optional, TypeVar, Union
 
 import ignite.distributed as idist
 import torch
@@ -47,7 +47,8 @@ class StoredValue(Serializable):
     def __init__(self, value: Any = None):
         self.value = value
 
-    def state_dict(self) -> dict:
+    # ignite's Serializable says OrderedDict; a dict serves (Checkpoint and load_state_dict only read it)
+    def state_dict(self) -> dict:  # type: ignore[override]
         return {"value": self.value}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
@@ -60,11 +61,12 @@ def interrupt_inside(exc: BaseException) -> Optional[KeyboardInterrupt]:
     that ``torch.save`` calls, it comes out as torch's "unexpected pos" write error, with the interrupt as its
     context."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
     return None
 
 
@@ -92,7 +94,7 @@ def disk_full(exc: BaseException) -> bool:
     return out_of_room(exc) is not None
 
 
-def _kept(dirname: str, room: Optional[tuple] = None) -> str:
+def _kept(dirname: Union[str, os.PathLike], room: Optional[tuple] = None) -> str:
     """After a failed save: what is on disk (the previous checkpoints, or none yet); out of ``room``, what to do."""
     try:
         kept = any(n.endswith((".pt", ".dcp")) and not n.startswith(".") for n in os.listdir(dirname))

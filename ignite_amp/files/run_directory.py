@@ -15,7 +15,7 @@ from ignite_amp.errors import ConfigError, RunDirInUseError
 try:
     import fcntl
 except ImportError:  # not on POSIX: no advisory lock
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # (mypy's idiom for an optional module; checked before each use)
 
 __all__ = ["RunLayout", "RunLock", "check_writable", "move_previous_run", "LogFile", "RUN_ARTIFACTS",
            "TENSORBOARD_SPLITS", "dashboard_command", "free_bytes", "terminal_log_handler", "RunFiles",

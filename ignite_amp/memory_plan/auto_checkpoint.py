@@ -79,11 +79,14 @@ def _ladder(planner: OptionPlanner) -> List[Tuple[int, int]]:
     """The rungs (full, selective) from none to all full, cheapest memory saved first (see the module's doc)."""
     n = len(planner.names)
     none, selective, full = planner(0, 0), planner(0, n), planner(n, 0)
-    if None in (selective.peak, full.peak, selective.flops, full.flops, none.flops):
+    peak0, peak_selective, peak_full = none.peak, selective.peak, full.peak
+    flops0, flops_selective, flops_full = none.flops, selective.flops, full.flops
+    if (peak0 is None or peak_selective is None or peak_full is None or flops0 is None or flops_selective is None
+            or flops_full is None):
         return [(k, 0) for k in range(n + 1)]
-    per_flop_selective = (none.peak - selective.peak) / max(1, selective.flops - none.flops)
-    per_flop_upgrade = (selective.peak - full.peak) / max(1, full.flops - selective.flops)
-    if none.peak > selective.peak and per_flop_selective >= per_flop_upgrade:
+    per_flop_selective = (peak0 - peak_selective) / max(1, flops_selective - flops0)
+    per_flop_upgrade = (peak_selective - peak_full) / max(1, flops_full - flops_selective)
+    if peak0 > peak_selective and per_flop_selective >= per_flop_upgrade:
         return [(0, k) for k in range(n + 1)] + [(k, n - k) for k in range(1, n + 1)]
     return [(k, 0) for k in range(n + 1)]
 
@@ -139,14 +142,20 @@ def checkpoint_to_fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_f
     if none.peak is None:
         return CheckpointChoice([], n, batch_size, planner.budget, None, None, planner.untraced)
     budget = planner.budget
+    assert budget is not None  # a memory was given, or the trace read the GPU's free memory (checked above)
+
+    def fits(rung: Tuple[int, int]) -> bool:
+        peak = planner(*rung).peak
+        return peak is not None and peak <= budget
+
     rung = (0, 0)
     if none.peak > budget and n:
         ladder = _ladder(planner)
         lo, hi = 0, len(ladder) - 1  # lo does not fit; hi fits, or is all the blocks full
-        if planner(*ladder[hi]).peak <= budget:
+        if fits(ladder[hi]):
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if planner(*ladder[mid]).peak <= budget else (mid, hi)
+                lo, hi = (lo, mid) if fits(ladder[mid]) else (mid, hi)
         rung = ladder[hi]
     option = planner(*rung)
     policies = option.policies(planner.names)

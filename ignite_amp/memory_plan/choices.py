@@ -134,6 +134,6 @@ def options_lines(options: Sequence[CheckpointOption], chosen: Optional[Checkpoi
         mark = " (chosen)" if chosen is not None and (option.full, option.selective) == (chosen.full,
                                                                                         chosen.selective) else ""
         recompute = share(option.recompute)
-        fit = "" if not fits else (" yes |" if option.peak is not None and option.peak <= budget else " no |")
+        fit = "" if budget is None else (" yes |" if option.peak is not None and option.peak <= budget else " no |")
         out.append(f"| {option.name}{mark} | {format_bytes(option.peak)} | {recompute} |{fit}")
     return out

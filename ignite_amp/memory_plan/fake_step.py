@@ -96,7 +96,7 @@ def _fake_copies(model: nn.Module, optimizer: torch.optim.Optimizer, mode: Any, 
                                              == 0 else device)
     fake_model = copy.deepcopy(model, memo)
     # Fake parameters cannot be moved or swapped (module.to): the copy is already where the step puts it.
-    fake_model.to = lambda *args, **kwargs: fake_model
+    fake_model.to = lambda *args, **kwargs: fake_model  # type: ignore[method-assign]  # this copy's own .to
     fake_optimizer = copy.deepcopy(optimizer, memo)
     vars(fake_optimizer).pop("step", None)  # an LR scheduler's wrapper of the user's optimizer.step: not the copy's
     return fake_model, fake_optimizer

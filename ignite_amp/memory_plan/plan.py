@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -122,7 +122,9 @@ class MemoryPlan:
         kinds = [k for k in (*KINDS, LIBRARIES) if any(p.kinds.get(k) for p in self.peaks)] or list(self.fixed)
         out.append("| batch | peak | " + " | ".join(kinds) + " |")
         out.append("|---" * (len(kinds) + 2) + "|")
-        rows = [(str(p.batch_size), p.peak, p.kinds) for p in self.peaks] or [("any", None, self.fixed)]
+        rows: List[Tuple[str, Optional[int], Dict[str, int]]] = [(str(p.batch_size), p.peak, p.kinds)
+                                                                  for p in self.peaks]
+        rows = rows or [("any", None, self.fixed)]
         for size, peak, kinds_at in rows:
             peak_text = format_bytes(peak) if peak is not None else f">= {format_bytes(sum(self.fixed.values()))}"
             out.append(f"| {size} | {peak_text} | " + " | ".join(format_bytes(kinds_at.get(k, 0)) for k in kinds)
@@ -151,7 +153,7 @@ class MemoryPlan:
 
 
 def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                    batch: Any, batch_sizes: Sequence[int] = (1, 8, 32), memory: Union[None, int, str] = None,
+                    batch: Any, batch_sizes: Sequence[int] = (1, 8, 32), memory: Union[None, int, float, str] = None,
                     margin: float = DEFAULT_MARGIN, device: Union[str, torch.device] = "auto",
                     fit: bool = True, progress: Optional[Callable[[StepPeak], None]] = None,
                     checkpoint: Union[Sequence[str], Dict[str, str]] = (),
@@ -224,7 +226,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
     try:
         for n in sizes:
             trace(n)
-        if memory is not None and fit:
+        if plan.budget is not None and fit:  # a budget: a memory was given or read
             plan.largest_fit = _largest_fit(trace, plan.budget, sizes)
         if fit and tracer.checks_split:  # planned apart: a one-time cost, not the step's
             size = max(2, sizes[0])
@@ -262,7 +264,11 @@ def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[in
         if hi is not None and (hi - lo <= max(1, math.floor(lo * tolerance)) or hi <= smallest) or lo >= max_size:
             return lo
         if lo == 0:
-            target = smallest if smallest not in points else max(smallest, hi // 2)
+            if smallest not in points:
+                target = smallest
+            else:
+                assert hi is not None  # nothing fits, so every traced size misses: hi is the smallest of them
+                target = max(smallest, hi // 2)
         elif hi is None:
             (n0, p0), (n1, p1) = sorted(points.items())[-2:] if len(points) >= 2 else ((0, 0.0), (lo, points[lo]))
             slope = (p1 - p0) / (n1 - n0)

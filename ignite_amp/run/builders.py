@@ -4,7 +4,7 @@ Each turns a validated config section into a torch object, or raises :class:`Con
 naming the key.
 """
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import ignite.distributed as idist
 import torch
@@ -76,10 +76,11 @@ def build_optimizer(opt: dict, model: torch.nn.Module, device: Optional[torch.de
         raise ConfigError("optimizer.name: LBFGS needs a closure that evaluates the loss again, which a training "
                           "step does not give; use a first-order optimizer (AdamW, SGD...)")
     kwargs = dict(opt["kwargs"])
+    factory: Callable[..., torch.optim.Optimizer] = cls  # a subclass: its own arguments (lr...), not Optimizer's
     if device is not None and fused_choice(opt["name"], kwargs, device, sharded).fused and "fused" not in kwargs:
         kwargs["fused"] = True
     try:
-        optimizer = cls(model.parameters(), lr=opt["lr"], **kwargs)
+        optimizer = factory(model.parameters(), lr=opt["lr"], **kwargs)
     except Exception as exc:  # TypeError, ValueError, an IndexError for betas=[0.9]...: the kwargs are wrong
         raise ConfigError(f"optimizer.kwargs: {opt['name']} refused its arguments ({exc.__class__.__name__}: "
                           f"{exc})") from None

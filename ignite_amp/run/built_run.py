@@ -6,10 +6,11 @@ loaders, the checkpoint handler, the run directory's files). :meth:`Run.train` t
 (profiler, TensorBoard, progress bar), prints the end-of-run health summary and releases the run directory,
 also after an exception. It builds nothing: the composition root (:mod:`ignite_amp.run.compose`) does.
 """
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from ignite.engine import Engine
 
+from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
 from ignite_amp.step.facts import start_words
 from ignite_amp.run.fast_path import speed_words
@@ -24,7 +25,7 @@ class Run:
     is built until :meth:`close` (which :meth:`train` calls at its end).
     """
 
-    def __init__(self, cfg: dict, trainer: Engine, evaluator: Engine, model, optimizer, scheduler,
+    def __init__(self, cfg: dict, trainer: AmpEngine, evaluator: Engine, model, optimizer, scheduler,
                  train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
         self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -33,7 +34,7 @@ class Run:
         self.to_save = to_save
         self._print = print_fn
         self.files = files
-        self.history = []
+        self.history: List[dict] = []  # a record per epoch (EpochSummary's)
         self.checkpoint: Optional[Any] = None  # the BestCheckpoint the handlers attach
         self.closers: list = []
         self.health: Callable[[], list] = list  # the end-of-run health summary (TensorBoardMetrics.health)

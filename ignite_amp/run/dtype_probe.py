@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import ignite.distributed as idist
 import torch
@@ -92,7 +92,7 @@ def probe_cpu_dtype(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor], 
     if max_pairs < 1 or budget_s < 0:
         raise ValueError(f"max_pairs must be >= 1 and budget_s >= 0; got max_pairs={max_pairs}, budget_s={budget_s}")
     x, y = batch
-    times = {torch.float32: [], torch.bfloat16: []}
+    times: Dict[torch.dtype, List[float]] = {torch.float32: [], torch.bfloat16: []}
     start = clock()
     with still(model):
         for dtype in times:  # warm-up: first-call costs (allocations, kernel choice) out of the figures

@@ -1,13 +1,13 @@
 """What a run does at each epoch's end, as two explicit handlers: the validation, and the epoch's line."""
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, cast
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.engine import amp_step_of
+from ignite_amp.engine import trainer_step_of
 from ignite_amp.core.config_keys import FIXED_UNDER_SCHEDULE, Integer, setting
 
 __all__ = ["TrainConfig", "Validation", "EpochSummary"]
@@ -54,7 +54,7 @@ class EpochSummary:
         self.measured: dict = {}
 
     def attach(self, trainer: Engine) -> None:
-        self.step = amp_step_of(trainer)
+        self.step = trainer_step_of(trainer, "EpochSummary")
         trainer.add_event_handler(Events.EPOCH_STARTED, self.started)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self.iteration)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self.measure)
@@ -80,7 +80,8 @@ class EpochSummary:
             device = self.loss_sum.device
             totals = torch.stack([self.loss_sum.double(), torch.as_tensor(self.items, dtype=torch.float64).to(device),
                                   torch.tensor(samples, dtype=torch.float64, device=device)])
-            loss_sum, items, samples = idist.all_reduce(totals).tolist()
+            # ignite's all_reduce gives back the type it was given (its annotation: a tensor or a float)
+            loss_sum, items, samples = cast(torch.Tensor, idist.all_reduce(totals)).tolist()
             train_loss = loss_sum / max(items, 1)
         seconds = time.perf_counter() - self.start  # after the .tolist() sync above, before the validation
         self.measured = {"train_loss": train_loss, "samples_per_sec": samples / max(seconds, 1e-9), "seconds": seconds}

@@ -15,7 +15,7 @@ group's flags from the checkpoint, so a run resumed on a GPU from a checkpoint o
 unfused, and the reverse fused.
 """
 import inspect
-from typing import NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -50,7 +50,7 @@ def fused_choice(name: str, kwargs: dict, device: torch.device, sharded: bool = 
     if "fused" in kwargs:
         return FusedChoice(kwargs["fused"], "optimizer.kwargs.fused")
     cls = getattr(torch.optim, name, None)
-    if not isinstance(cls, type) or "fused" not in inspect.signature(cls.__init__).parameters:
+    if not isinstance(cls, type) or "fused" not in inspect.signature(cls).parameters:
         return FusedChoice(None, f"torch {torch.__version__} has no fused {name}")
     if kwargs.get("foreach"):
         return FusedChoice(None, "optimizer.kwargs.foreach")
@@ -68,7 +68,8 @@ def fused_choice(name: str, kwargs: dict, device: torch.device, sharded: bool = 
 def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
     """Keep ``optimizer``'s ``fused`` and ``foreach`` flags as built when a state dict is loaded into it (torch's
     ``load_state_dict`` would take the saved groups' flags: the kernels are this run's choice, not the checkpoint's)."""
-    built = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
+    built: List[Dict[str, Any]] = [{k: group[k] for k in ("fused", "foreach") if k in group}
+                                   for group in optimizer.param_groups]
 
     def restore(loaded: torch.optim.Optimizer) -> None:
         for group, flags in zip(loaded.param_groups, built):

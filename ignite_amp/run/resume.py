@@ -48,6 +48,7 @@ def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
     path, state = choose_checkpoint(cfg, main, say)
     if state is None:
         return Plan()
+    assert path is not None  # a state is read from a path
     stored = stored_config(state, path)
     if cfg["handlers"]["checkpoint"]["resume"] == "auto" and _starts_a_new_run(stored, state, cfg, main, say):
         return Plan()

@@ -242,6 +242,8 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> A
             return _uncut(chunks, _cannot(m, exc))
         except Exception as exc:  # noqa: BLE001 (the loss on a cut it cannot take, said in one line)
             return _uncut(chunks, _cannot(m, exc))
+        if first is None or second is None:  # a piece's loss has no gradient (no item to learn from in it)
+            return _INCONCLUSIVE
         rel, conclusive = _difference(whole, first, second, (w1, w2))
         if not conclusive:
             return _INCONCLUSIVE
@@ -251,11 +253,15 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> A
         drew = held.drew()
         if drew:  # a draw per forward rather than per row: the second piece from the entry state too
             held.reset()
-            again, _ = _difference(whole, first, grads(*pieces[1]), (w1, w2))
+            second_again = grads(*pieces[1])
+            again = math.inf if second_again is None else _difference(whole, first, second_again, (w1, w2))[0]
             if again <= tol:
                 return _Said(again, tol)
         held.reset()
-        unsteady = _difference(whole, grads(*part), [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
+        whole_again = grads(*part)
+        if whole_again is None:  # the part's loss had a gradient the first time: not this time
+            return _INCONCLUSIVE
+        unsteady = _difference(whole, whole_again, [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
         if unsteady > tol:
             return _Said(math.inf, tol, _unsteady(m, rel, tol, sorted(held.unheld), drew, changed))
         dtype = torch.float32 if step.device.type == "mps" else torch.float64

@@ -17,7 +17,7 @@ detected by the check itself (:mod:`ignite_amp.split_check.check`) and named bef
 """
 import math
 from collections.abc import Mapping
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,10 +40,11 @@ def shares(counts: Sequence[float]) -> Tuple[float, float]:
 def dots(g: Sequence[torch.Tensor], g1: Sequence[torch.Tensor], g2: Sequence[torch.Tensor], dtype: torch.dtype
          ) -> List[float]:
     """``[g1.g1, g1.g2, g2.g2, g1.g, g2.g, g.g]`` over all parameters, in ``dtype`` (one host sync)."""
-    def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
+    def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Union[torch.Tensor, int]:  # 0: no tensors
         return sum(torch.dot(u.reshape(-1).to(dtype), v.reshape(-1).to(dtype)) for u, v in zip(a, b))
     found = [dot(g1, g1), dot(g1, g2), dot(g2, g2), dot(g1, g), dot(g2, g), dot(g, g)]
-    return torch.stack([torch.as_tensor(d, dtype=dtype).to(found[-1].device) for d in found]).tolist()
+    device = found[-1].device if isinstance(found[-1], torch.Tensor) else None
+    return torch.stack([torch.as_tensor(d, dtype=dtype, device=device) for d in found]).tolist()
 
 
 class Measured:

@@ -28,7 +28,7 @@ what it was.
 import contextlib
 import math
 import random
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple, cast
 
 import numpy
 import torch
@@ -176,7 +176,8 @@ class Still:
     :attr:`unheld` the seeded torch operators that ran as they are."""
 
     def __init__(self, buffers: List[Tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        self._numpy = numpy.random.get_state()
+        # the legacy tuple (numpy's stubs say a dict too: that is get_state(legacy=False)'s)
+        self._numpy = cast(Tuple[Any, ...], numpy.random.get_state())
         self._python = random.getstate()
         self._buffers = buffers
         self.unheld: set = set()
@@ -206,7 +207,7 @@ class Still:
 
     def drew(self) -> List[str]:
         """The global generators (NumPy's, Python's) that are not in their entry state: a forward drew from them."""
-        np_now, py_now = numpy.random.get_state(), random.getstate()
+        np_now, py_now = cast(Tuple[Any, ...], numpy.random.get_state()), random.getstate()
         drawn = [] if (np_now[1] == self._numpy[1]).all() and np_now[2] == self._numpy[2] else ["NumPy's"]
         return drawn + ([] if py_now == self._python else ["Python's"])
 
@@ -236,8 +237,8 @@ def _batch_norm_fixed(module: nn.Module) -> Iterator[None]:
 def _no_spec_augment(module: nn.Module) -> Iterator[None]:
     """transformers' SpecAugment (``config.apply_spec_augment``: masks drawn from NumPy once per batch, then row by
     row, so a batch and its chunks cannot draw alike) switched off, then back on."""
-    configs = {id(c): c for m in module.modules() if getattr(c := getattr(m, "config", None), "apply_spec_augment",
-                                                                 False) is True}
+    configs: Dict[int, Any] = {id(c): c for m in module.modules()
+                               if getattr(c := getattr(m, "config", None), "apply_spec_augment", False) is True}
     for config in configs.values():
         config.apply_spec_augment = False
     try:

@@ -5,7 +5,7 @@ out-of-memory retry.
 import contextlib
 import functools
 import traceback
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 from ignite.engine import Engine
@@ -17,6 +17,7 @@ from ignite_amp.core.device import free_memory, is_oom_error, resolve_device, re
 from ignite_amp.errors import BatchError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.transforms.cuda_graphs import REDUCE_OVERHEAD, GraphGuard
+from ignite_amp.transforms.float8 import Float8Report
 from ignite_amp.transforms.memory_format import choose_channels_last
 from ignite_amp.core.config_keys import POSITIVE_INT
 from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
@@ -57,7 +58,7 @@ def keep_in_fp32(model: nn.Module, names: Iterable[str], device_type: str) -> No
         if getattr(module, "_ignite_amp_fp32", False):
             continue
         module.forward = functools.partial(_fp32_forward, module.forward, device_type)
-        module._ignite_amp_fp32 = True
+        module._ignite_amp_fp32 = True  # type: ignore[assignment]  # torch types Module attributes as tensors/modules
 
 
 def _check_micro_batches(value: Any) -> int:
@@ -113,13 +114,14 @@ class StepBase:
         keep_in_fp32(self._model, fp32_modules, self._device.type)
         # compile="reduce-overhead": CUDA graphs, falling back to eager (ignite_amp.transforms.cuda_graphs)
         self.graphs = GraphGuard() if compile == REDUCE_OVERHEAD else None
-        self.forward = (torch.compile(self._model, mode=REDUCE_OVERHEAD) if self.graphs is not None
-                        else torch.compile(self._model) if compile else self._model)
-        if self._dtype == torch.float32:
-            self.autocast = contextlib.nullcontext
-        else:
+        self.forward: nn.Module = self._model
+        if compile:  # torch.compile of a module is a module (an OptimizedModule; torch types it as a callable)
+            mode = REDUCE_OVERHEAD if self.graphs is not None else None
+            self.forward = cast(nn.Module, torch.compile(self._model, mode=mode))
+        self.autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        if self._dtype != torch.float32:
             self.autocast = functools.partial(torch.autocast, device_type=self._device.type, dtype=self._dtype)
-        self.float8 = None  # dtype="float8": the factory's Float8Report (layers converted and skipped)
+        self.float8: Optional[Float8Report] = None  # dtype="float8": the factory's report (layers converted, skipped)
         self._batch_size = 0
         self._oom_count = 0
         self._count_flops = False
@@ -196,9 +198,10 @@ class StepBase:
         chunks = min(self._micro_batches, n)
         if chunks == 1:
             return [batch], (n,)
+        x, y = batch
         if self.split_batch is split_batch:  # the default: n is known, the sizes follow
-            return split_pairs(*batch, n, chunks), chunk_sizes(n, chunks)
-        parts = self.split_batch(*batch, chunks)
+            return split_pairs(x, y, n, chunks), chunk_sizes(n, chunks)
+        parts = self.split_batch(x, y, chunks)
         if not isinstance(parts, (list, tuple)) or not parts or not all(
                 isinstance(p, (list, tuple)) and len(p) == 2 for p in parts):
             raise BatchError(f"split_batch should return a list of (x, y) pairs, got {type(parts).__name__}")

@@ -73,7 +73,8 @@ class ChunkWeights:
         if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1) and \
                 not step._split_check.enabled:
             self._padding_checked = True
-            warn_padding_without_items(*batch, step.loss_fn, step._module)
+            x, y = batch
+            warn_padding_without_items(x, y, step.loss_fn, step._module)
         return BatchChunks(self, step._batch_size, sizes, cycle.length, counted, keep)
 
     def count(self, value: Any, where: str) -> Any:
@@ -96,6 +97,7 @@ class ChunkWeights:
             total = total.to(self.device)
         # A cycle without items has nothing to average: its gradient stays the (zero) sum.
         total = total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
+        assert self.item_ref is not None  # by_items: count() set it at the cycle's first chunk
         factor = self.item_ref * idist.get_world_size() / total
         grads = [p.grad for p in params if p.grad is not None]
         if grads:  # one fused kernel per device and dtype, as torch.optim's foreach paths use
@@ -125,6 +127,7 @@ class BatchChunks:
         """The weight of chunk ``chunk``'s ``loss`` in the cycle's gradient (``count``: its items, or None to
         weigh its samples); its detached loss joins the batch's."""
         sizes = self.sizes
+        weight: Any  # a number, or a tensor (items counted on the device)
         if count is None:  # the chunk's share of the batch's samples, and of the cycle
             if len(sizes) == 1:
                 part, weight = loss.detach(), 1 / self.cycle_length
@@ -137,7 +140,10 @@ class BatchChunks:
             # the positives, on background-only images) still has a gradient there, and the cycle divides by the
             # items it counted; a padding-only mean (0/0, no gradient) adds nothing either way.
             least = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
-            weight = least / weights.item_ref if weights.by_items else 1
+            weight = 1
+            if weights.by_items:
+                assert weights.item_ref is not None  # count() set it at the cycle's first chunk
+                weight = least / weights.item_ref
             part = loss.detach() * least
             if torch.is_tensor(count):
                 part = torch.where((count > 0) | torch.isfinite(part), part, torch.zeros_like(part))
@@ -149,12 +155,14 @@ class BatchChunks:
 
     def keep(self, y_pred: Any, count: Any) -> None:
         """Keep a chunk's output (detached, floats in float32) for :meth:`outputs`."""
+        assert self.kept is not None, "keep=False: no outputs are kept"
         self.kept.append((to_float32(detach(y_pred)), count))
 
     def loss(self) -> tuple:
         """The batch's loss (a detached float32 tensor: the mean over its samples, or its items) and what it
         averaged over; with ``num_items`` its items join the cycle's."""
         total = self.total
+        assert total is not None, "loss() before any chunk was weighed"
         if not self.counted:
             return total.float(), self.n
         weights, items = self.weights, self.items
@@ -167,5 +175,6 @@ class BatchChunks:
 
     def outputs(self) -> Any:
         """The kept outputs joined into the batch's (a loss among them: the mean over the samples, or the items)."""
+        assert self.kept is not None, "keep=False: no outputs are kept"
         counts = [c for _, c in self.kept] if self.counted else None
         return join_chunks([p for p, _ in self.kept], self.sizes, counts)

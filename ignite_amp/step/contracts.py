@@ -122,7 +122,7 @@ def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Opti
     return torch.where(valid, count, torch.zeros_like(count)), ~valid
 
 
-def ignore_index_of(loss_fn: Callable) -> Optional[int]:
+def ignore_index_of(loss_fn: Optional[Callable]) -> Optional[int]:
     """The label value ``loss_fn`` ignores, where it says: an ``ignore_index`` attribute (``nn.CrossEntropyLoss``,
     ``nn.NLLLoss``) or keyword (``functools.partial(cross_entropy, ignore_index=255)``); else None."""
     value = getattr(loss_fn, "ignore_index", None)

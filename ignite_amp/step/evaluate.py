@@ -42,7 +42,8 @@ class EvalStep(StepBase):
         names = [] if self._probed else square_blocks(preds, sizes)
         if names:
             self._probed = True  # class logits or in-batch pairs? A smaller piece of the first chunk tells
-            probe = self._split_pieces(*parts[0], sizes[0], 2)[0]
+            x0, y0 = parts[0]
+            probe = self._split_pieces(x0, y0, sizes[0], 2)[0]
             with torch.no_grad(), self.autocast():
                 refuse_pair_blocks(names, self._forward(probe[0]), self._count_samples(*probe))
         x, y = self._joined(batch, parts, sizes)  # each chunk's predictions meet that chunk's own targets

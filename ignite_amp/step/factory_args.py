@@ -10,6 +10,7 @@
   closest accepted name.
 """
 import difflib
+import itertools
 from typing import Iterable, Optional, Union
 
 import torch
@@ -57,9 +58,7 @@ def amp_dtype(amp_mode: Optional[str], dtype: Union[str, torch.dtype]) -> Union[
 
 def model_device(model: nn.Module) -> Union[str, torch.device]:
     """Ignite's ``device=None``: where the model's first parameter or buffer is (``"auto"`` for a model without)."""
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
         return tensor.device
     return "auto"
 

@@ -9,7 +9,7 @@ go through torch's functions. Gradients of an ordinary backward do not require g
 is needed around them. :class:`GradNorm` is the step's: the norm once per step, and clipping to it
 without listing and grouping the gradients again.
 """
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -22,11 +22,12 @@ _foreach_norm, _foreach_mul_, _stack, _vector_norm = (torch._foreach_norm, torch
 
 def _one_group(grads: List[torch.Tensor]) -> Optional[Tuple[torch.device, List[torch.Tensor]]]:
     """The device and the gradients, when they are one (device, dtype) group torch's foreach path takes whole."""
-    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)  # what torch's functions call
+    # What torch's functions call; typed for lists that may hold None (these hold none, and come back as they went).
+    groups = torch._C._group_tensors_by_device_and_dtype([cast(List[Optional[torch.Tensor]], grads)], False)
     if len(groups) != 1:
         return None
     (device, _), ((tensors,), _) = next(iter(groups.items()))
-    return (device, tensors) if device.type in _FUSED else None
+    return (device, cast(List[torch.Tensor], tensors)) if device.type in _FUSED else None
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ class GradNorm:
     """A step's pre-clip gradient norm (:func:`total_norm` of its parameters' gradients), computed once per
     optimizer step when :attr:`tracked`, and clipping to it (:meth:`clip_`) that reuses the norm's grouping."""
 
-    def __init__(self, params: List[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor]):
         self.params = params
         self.tracked = False  #: compute the norm at each :meth:`compute`
         self.value: Optional[torch.Tensor] = None  #: this step's norm; None before it or untracked

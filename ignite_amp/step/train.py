@@ -30,7 +30,8 @@ only when none did are the gradients all-reduced and the optimizer stepped: a re
 """
 import contextlib
 import logging
-from typing import Any, Callable, Optional, Sequence, Union
+from collections import OrderedDict
+from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import torch
 from ignite.base.mixins import Serializable
@@ -152,7 +153,7 @@ class AmpStep(StepBase, Serializable):
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         # A model sharded with FSDP2 (torch.distributed.fsdp.fully_shard): its gradients are reduce-scattered
         # only on the backward that ends an optimizer step, as DDP's no_sync does for all-reduces.
-        self.fsdp = model if hasattr(model, "set_requires_gradient_sync") else None
+        self.fsdp: Any = model if hasattr(model, "set_requires_gradient_sync") else None  # (an FSDPModule)
         if self.ddp is not None:
             no_buffer_sync_in_forward(self.ddp)
         self._scaler = build_scaler(scaler, self._device, self._dtype == torch.float16, scaler_kwargs)
@@ -252,7 +253,7 @@ class AmpStep(StepBase, Serializable):
         self._loss, self._items = chunks.loss()
         if cycle.last and not defer:
             self._optimizer_step(engine)
-        if not keep:
+        if self.output_transform is None:  # (not keep)
             return self._loss
         x, y = self._joined(batch, parts, sizes)  # a custom split_batch may reorder rows: the chunks' own x, y
         return self.output_transform(x, y, chunks.outputs(), self._loss)
@@ -263,7 +264,7 @@ class AmpStep(StepBase, Serializable):
             self._optimizer_step(engine)
         return output
 
-    def _no_sync(self, skip: bool):
+    def _no_sync(self, skip: bool) -> ContextManager[Any]:
         if self.ddp is not None:
             return self.ddp.no_sync() if skip else _SYNC
         if self.fsdp is not None:
@@ -315,14 +316,14 @@ class AmpStep(StepBase, Serializable):
             # scale (read on the device, no sync) resets the per-optimizer state, scale unchanged.
             self._scaler.update(new_scale=self._scaler.scale(torch.ones((), device=self._device)))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> "OrderedDict[str, Any]":
         """What a checkpoint keeps: the scaler, the micro-batch and out-of-memory counts, the float8 recipe, and the
         dtype it trained in (a resume with ``dtype: auto`` keeps it)."""
-        return {"scaler": self._scaler.state_dict(), "micro_batches": self._micro_batches,
-                "oom_count": self._oom_count, "float8": self.float8.recipe if self.float8 is not None else None,
-                "dtype": dtype_name(self._dtype)}
+        return OrderedDict(scaler=self._scaler.state_dict(), micro_batches=self._micro_batches,
+                           oom_count=self._oom_count, float8=self.float8.recipe if self.float8 is not None else None,
+                           dtype=dtype_name(self._dtype))
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: Mapping) -> None:
         """Restore :meth:`state_dict`'s values (the scaler's only when both runs use float16)."""
         super().load_state_dict(state_dict)
         if self._scaler.is_enabled() and state_dict["scaler"]:  # a float16 run resumed in float16

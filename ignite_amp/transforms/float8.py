@@ -101,6 +101,7 @@ def float8_plan(model: nn.Module, recipe: str = DEFAULT_RECIPE, device_type: str
     first, last = (called[0], called[-1]) if called else (None, None)
     plan = []
     for name, module in linears:
+        reason: Optional[str]  # None: converted
         if _within(name, fp32_modules):
             reason = "in fp32_modules"
         elif _within(name, attention):
@@ -232,7 +233,9 @@ def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Un
     elif emulated:
         logger.warning(f"float8 on {torch.device(device).type}: emulated by torchao (float8 numerics, no speed-up; "
                        f"for testing), {len(convert)} Linear layer{'s' if len(convert) != 1 else ''} converted")
-    model._ignite_amp_float8 = report  # a plain attribute (not a submodule, not in the state dict)
+    # a plain attribute (not a submodule, not in the state dict); torch's stubs type Module attributes as tensors
+    # or modules only
+    model._ignite_amp_float8 = report  # type: ignore[assignment]
     return report
 
 

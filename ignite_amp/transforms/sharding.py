@@ -123,7 +123,8 @@ class ShardedModelState(Serializable):
     def __init__(self, model: nn.Module):
         self.module = model
 
-    def state_dict(self) -> Dict[str, Any]:
+    # ignite's Serializable says OrderedDict; a dict serves (Checkpoint and load_state_dict only read it)
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         return get_model_state_dict(self.module)
 
     def load_state_dict(self, state_dict: Mapping) -> None:
@@ -136,7 +137,7 @@ class ShardedOptimizerState(Serializable):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.module, self.optimizer = model, optimizer
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]  # (a dict: see ShardedModelState's)
         return get_optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state_dict: Mapping) -> None:

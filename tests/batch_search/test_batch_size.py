@@ -324,7 +324,7 @@ def test_find_batch_size_runs_real_steps_measures_them_and_verifies():
     evaluations = [i for i, f in enumerate(forwards) if not f[0]]
     fitting = [t for t in result.trials if t.fits]
     assert len(evaluations) == len(fitting)
-    for t, i in zip(fitting, evaluations):
+    for t, i in zip(fitting, evaluations, strict=True):
         resets = forwards[i][3]
         before = [f for f in forwards[:i] if f[3] == resets]
         after = [f for f in forwards[i + 1:] if f[3] == resets and f[2]]  # not the next trial's warm-up

@@ -12,6 +12,7 @@ To stay within the suite's time, each training command gets the same smaller dat
 (``--set data.train_size=... --set data.val_size=...``: the same for every command, so what changes from one
 command to the next is what the page changes). ``IGNITE_AMP_VERBATIM=1`` runs the commands exactly as written.
 """
+import itertools
 import os
 import re
 import shlex
@@ -84,7 +85,7 @@ def not_run(command: Command) -> Optional[str]:
 
 
 def _sets(words: list) -> dict:
-    return dict(w.split("=", 1) for a, w in zip(words, words[1:]) if a == "--set")
+    return dict(w.split("=", 1) for a, w in itertools.pairwise(words) if a == "--set")
 
 
 def _epochs(words: list, cwd) -> int:

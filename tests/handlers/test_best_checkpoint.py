@@ -160,6 +160,16 @@ def test_nothing_to_resume_returns_none(tmp_path):
     assert ckpt.resume() is None
 
 
+def test_resume_with_a_state_and_no_path_is_refused(tmp_path):
+    # Found by the type checker: the state's file was then read as path None (a TypeError deep in os.path).
+    trainer, ckpt = scripted(tmp_path, [0.5])
+    trainer.run([0], max_epochs=1)
+    state = torch.load(tmp_path / "last_checkpoint_1.pt", weights_only=False)
+    with pytest.raises(ValueError, match="state= is the file at path="):
+        ckpt.resume(state=state)
+    assert ckpt.resume(str(tmp_path / "last_checkpoint_1.pt"), state=state).endswith("last_checkpoint_1.pt")
+
+
 def test_bad_checkpoints_are_one_line_and_nothing_is_overwritten(tmp_path):
     trainer, _ = scripted(tmp_path, [0.5], model=torch.nn.Linear(2, 2))
     trainer.run([0], max_epochs=1)
@@ -231,7 +241,7 @@ def test_resume_equivalence(quick_cfg, tmp_path):
     assert sa == sb
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
-    for pa, pb in zip(oa["state"].values(), ob["state"].values()):
+    for pa, pb in zip(oa["state"].values(), ob["state"].values(), strict=True):
         for name in pa:
             assert torch.equal(torch.as_tensor(pa[name]), torch.as_tensor(pb[name])), name
 
@@ -282,7 +292,7 @@ def test_a_scripts_resume_loads_what_a_checkpoint_holds_and_says_what_it_did_not
         assert second.resume(saved) == saved
     said = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
     assert len(said) == 1 and "loaded model, optimizer" in said[0] and "it holds no trainer, amp_step" in said[0]
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True))
     assert resumed_opt.state_dict()["state"][0]["momentum_buffer"].equal(opt.state_dict()["state"][0]["momentum_buffer"])
 
     plain = tmp_path / "plain.pt"  # a hand-written loop's checkpoint

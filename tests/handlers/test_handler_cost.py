@@ -37,12 +37,12 @@ def test_norm_and_clipping_are_torchs_to_the_bit(dtypes, max_norm):
         expected = get_total_norm(grads, 2.0, foreach=True)
         assert norm.dtype == expected.dtype and torch.equal(norm, expected)
         ours, theirs = ([torch.nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
-        for a, b, t in zip(ours, theirs, grads):
+        for a, b, t in zip(ours, theirs, grads, strict=True):
             a.grad, b.grad = t.clone(), t.clone()
         ours[1].grad = theirs[1].grad = None  # a parameter without a gradient is left out by both
         clip_to_norm_(ours, max_norm, norm)
         clip_grads_with_norm_(theirs, max_norm, norm, foreach=True)
-        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs, strict=True))
     assert total_norm([]) is None
 
 
@@ -202,7 +202,7 @@ def test_the_steps_grad_norm_and_its_clipping_are_torchs_to_the_bit(dtypes):
     for drop in (False, True):
         grads = grads_of(dtypes, g)
         ours, theirs = ([torch.nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
-        for a, b, t in zip(ours, theirs, grads):
+        for a, b, t in zip(ours, theirs, grads, strict=True):
             a.grad, b.grad = t.clone(), t.clone()
         norm = GradNorm(ours)
         norm.compute()
@@ -215,6 +215,6 @@ def test_the_steps_grad_norm_and_its_clipping_are_torchs_to_the_bit(dtypes):
             ours[0].grad = theirs[0].grad = None
         norm.clip_(0.5)
         clip_grads_with_norm_(theirs, 0.5, expected, foreach=True)
-        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs, strict=True))
         norm.clear()
         assert norm.value is None

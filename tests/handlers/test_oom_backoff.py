@@ -52,7 +52,7 @@ def test_training_completes_every_sample_once_and_weights_match_reference():
     trainer.run(batches, max_epochs=3)
     assert per_epoch == [list(range(40))] * 3  # every sample of every epoch exactly once
     assert trainer.amp_step.micro_batches == 4 and backoff.events == 2
-    for a, b in zip(ref.parameters(), model.parameters()):
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -115,7 +115,7 @@ def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
     acc = EventAccumulator(str(tmp_path / "two" / "train"))
     acc.Reload()
     own, largest = ([e.value for e in acc.Scalars(t)] for t in ("memory/rss_mb", "memory/max_rank_rss_mb"))
-    assert len(largest) == len(own) > 0 and all(m >= o for m, o in zip(largest, own))
+    assert len(largest) == len(own) > 0 and all(m >= o for m, o in zip(largest, own, strict=True))
     assert "the largest rank's" in two.stdout
 
 

@@ -85,9 +85,9 @@ def test_the_probe_leaves_the_model_and_every_generator_as_they_were():
     assert probe.dtype in (F32, BF16) and probe.pairs >= 1
     assert model.training and all(m.training for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
-    assert all(numpy.array_equal(a, b) for a, b in zip(numpy.random.get_state(), numpy_state))
+    assert all(numpy.array_equal(a, b) for a, b in zip(numpy.random.get_state(), numpy_state, strict=True))
     model.eval()
     probe_cpu_dtype(model, (x, y), max_pairs=1)
     assert not any(m.training for m in model.modules())

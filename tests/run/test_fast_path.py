@@ -82,7 +82,7 @@ def test_a_fused_step_gives_the_unfused_result_under_a_float16_scaler(name, kwar
     plain_params, plain_skipped, plain_scale = _trained(name, False, kwargs)
     assert fused_skipped == plain_skipped and fused_skipped  # the overflow was seen, and skipped, by both
     assert fused_scale == plain_scale
-    for a, b in zip(fused_params, plain_params):
+    for a, b in zip(fused_params, plain_params, strict=True):
         torch.testing.assert_close(a, b)
 
 

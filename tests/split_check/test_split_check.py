@@ -35,7 +35,7 @@ def train(model, batches, loss_fn, micro_batches=2, **kwargs):
 
 
 def assert_same_weights(a, b, rtol=1e-5, atol=1e-6):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
 
 

@@ -106,7 +106,7 @@ def test_per_sample_lists_of_images_are_counted_and_cut_by_sample(n):
         assert [len(f) for f in firsts] == [len(range(n)[:(n + 1) // 2]), n // 2]
         assert all(img.shape[0] == 3 for f in firsts for img in f)  # images whole, never cut along channels
         joined = [img for f in firsts for img in f]
-        assert all(a is b for a, b in zip(joined, images))
+        assert all(a is b for a, b in zip(joined, images, strict=True))
 
 
 def test_tuple_of_batched_inputs_stays_fields_also_when_its_length_is_the_batch():

@@ -17,6 +17,20 @@ def test_handlers_need_an_amp_trainer():
         GradientClipping(max_norm=1.0).attach(Engine(lambda e, b: None))
 
 
+@pytest.mark.parametrize("make", ["GradientClipping(max_norm=1.0)", "NonFiniteGuard()", "TensorBoardMetrics(logdir)"])
+def test_handlers_that_need_gradients_refuse_an_evaluator_naming_themselves(make, tmp_path):
+    # Found by the type checker: attached to an evaluator they failed with "'EvalStep' object has no attribute
+    # 'track_grad_norm'" (or 'scaler'), not with what to do.
+    from ignite_amp import create_amp_evaluator
+    from ignite_amp.handlers import GradientClipping, NonFiniteGuard, TensorBoardMetrics  # noqa: F401 (eval below)
+
+    handler = eval(make, {**locals(), "logdir": str(tmp_path)})
+    evaluator = create_amp_evaluator(torch.nn.Linear(3, 2), device="cpu")
+    with pytest.raises(TypeError, match=f"^{type(handler).__name__} attaches to a trainer .*got an evaluator"):
+        handler.attach(evaluator)
+    assert not list(tmp_path.iterdir())  # nothing written for a refused attach
+
+
 def test_amp_events_nobody_listens_to_are_not_dispatched_and_late_handlers_still_fire(monkeypatch):
     from ignite_amp.engine import AmpEngine as Engine  # its own _fire_event (Ignite's without the debug line)
 

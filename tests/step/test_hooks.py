@@ -64,7 +64,7 @@ def reference_grads(batch: dict) -> list:
 
 
 def max_relative(got: list, want: list) -> float:
-    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
 
 
 def iterations(batch: dict, count: int) -> list:
@@ -385,7 +385,7 @@ def test_a_negative_or_nan_num_items_tensor_stops_before_the_weights_change(coun
                                  num_items=lambda x, y: torch.tensor(count))
     with pytest.raises(ValueError, match=rf"num_items returned {shown} for chunk 1 of iteration 1: .* >= 0"):
         trainer.run([padded_batch()], max_epochs=1)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_a_batch_of_padding_only_is_said_once_and_training_goes_on(caplog):

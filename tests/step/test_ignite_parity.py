@@ -26,7 +26,7 @@ from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 
 X = torch.tensor([[0.1], [0.3], [0.7], [0.9], [1.3], [0.5]])
 Y = torch.tensor([[0.3], [0.5], [0.9], [1.3], [0.3], [0.8]])
-SAMPLES = list(zip(X, Y))  # Ignite's tests: one sample per batch, without a batch dimension
+SAMPLES = list(zip(X, Y, strict=True))  # Ignite's tests: one sample per batch, without a batch dimension
 BATCHES = [(X[:3], Y[:3]), (X[3:], Y[3:])]
 
 
@@ -54,7 +54,7 @@ def amp_trainer(*args, **kwargs):
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.allclose(p, q, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
+    return all(torch.allclose(p, q, atol=1e-6) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def loss_and_pred(x, y, y_pred, loss):
@@ -146,7 +146,7 @@ def test_deterministic_is_ignites_deterministic_engine_with_amp_events():
         trainer = create_amp_trainer(model, SGD(model.parameters(), 0.1), mse_loss, "cpu", deterministic=True)
         stepped = []
         trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda e: stepped.append(e.state.iteration))
-        loader = torch.utils.data.DataLoader(list(zip(X, Y)), batch_size=2, shuffle=True)
+        loader = torch.utils.data.DataLoader(list(zip(X, Y, strict=True)), batch_size=2, shuffle=True)
         trainer.run(loader, max_epochs=2)
         runs.append(model.weight.item())
         assert isinstance(trainer, DeterministicEngine) and stepped == list(range(1, 7))
@@ -206,7 +206,7 @@ def test_the_evaluator_matches_ignite(trace):
         outputs.append((state.output, state.metrics["mse"]))
     (their_out, their_mse), (our_out, our_mse) = outputs
     assert our_mse == pytest.approx(their_mse) and our_mse > 0
-    assert all(torch.allclose(a, b) for a, b in zip(our_out, their_out))
+    assert all(torch.allclose(a, b) for a, b in zip(our_out, their_out, strict=True))
 
 
 def test_the_evaluator_hooks_and_amp_mode():
@@ -216,7 +216,7 @@ def test_the_evaluator_hooks_and_amp_mode():
     data = [{"x": x, "y": y} for x, y in BATCHES]
     their = create_supervised_evaluator(linear(), device="cpu", **hooks).run(data).output
     ours = create_amp_evaluator(linear(), None, "cpu", dtype="float32", **hooks).run(data).output
-    assert all(torch.equal(a, b) for a, b in zip(ours, their))
+    assert all(torch.equal(a, b) for a, b in zip(ours, their, strict=True))
     half = create_amp_evaluator(linear(), None, "cpu", False, amp_mode="amp")
     assert half.amp_step.dtype == torch.float16 and half.run(BATCHES).output[0].dtype == torch.float32
 

@@ -40,7 +40,7 @@ def test_grads_at_grads_ready_are_unscaled(dtype):
     trainer.run([(x, y)], max_epochs=1)
     assert len(seen) == 1
     tol = 1e-6 if dtype == "float32" else 3e-2
-    for got, want in zip(seen[0], expected):
+    for got, want in zip(seen[0], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert trainer.amp_step.scaler.is_enabled() == (dtype == "float16")
 
@@ -59,7 +59,7 @@ def test_inf_gradient_skips_step_fires_event_and_lowers_scale():
     trainer.run([(x, torch.tensor([0, 1, 2, 0]))], max_epochs=1)
     assert events == ["skipped"]
     assert trainer.amp_step.scaler.get_scale() == 512.0
-    for p, b in zip(model.parameters(), before):
+    for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
 
 
@@ -73,7 +73,7 @@ def test_finite_step_updates_weights_and_fires_grads_ready_only():
     trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: events.append("ready"))
     trainer.run(id_batches(8, 8), max_epochs=1)
     assert events == ["ready"]
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3, 8])
@@ -85,7 +85,7 @@ def test_micro_batches_give_the_full_batch_gradient(micro_batches):
                                  device="cpu", dtype="float32", micro_batches=micro_batches)
     seen = grads_at_ready(trainer)
     trainer.run([(x, y)], max_epochs=1)
-    for got, want in zip(seen[0], expected):
+    for got, want in zip(seen[0], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.isclose(trainer.state.output, cross_entropy(mlp()(x), y).detach(), atol=1e-6)
 
@@ -99,7 +99,7 @@ def test_accumulation_gives_the_full_batch_gradient_and_steps_once_per_cycle():
     seen = grads_at_ready(trainer)
     trainer.run([(x[:4], y[:4]), (x[4:], y[4:])], max_epochs=1)
     assert len(seen) == 1
-    for got, want in zip(seen[0], expected):
+    for got, want in zip(seen[0], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -155,7 +155,7 @@ def test_oom_with_handler_retries_same_batch_and_loses_no_sample():
     t_oom.add_event_handler(AmpEvents.OUT_OF_MEMORY, halve)
     t_ref.run(batches, max_epochs=2)
     t_oom.run(batches, max_epochs=2)
-    for a, b in zip(ref2.parameters(), model2.parameters()):
+    for a, b in zip(ref2.parameters(), model2.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -280,7 +280,7 @@ def test_float16_step_reads_the_inf_flag_once(monkeypatch):
     before = [p.detach().clone() for p in model.parameters()]
     trainer.run(id_batches(24, 8), max_epochs=1)
     assert calls["found_inf"] == 3
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_out_of_memory_inside_the_optimizer_step_is_not_retried():
@@ -329,7 +329,7 @@ def test_out_of_memory_in_a_grads_ready_handler_retries_with_a_clean_scaler():
     for t in trainers:
         t.run(batches, max_epochs=1)
     assert failed == [1] and trainers[0].amp_step.scaler.get_scale() == trainers[1].amp_step.scaler.get_scale()
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
@@ -380,7 +380,7 @@ def test_an_accumulation_cycle_ends_with_the_epoch(epoch_length, steps):
     ref.zero_grad()
     for x, y in batches[epoch_length - last:epoch_length]:
         (cross_entropy(ref(x), y) / last).backward()
-    for got, want in zip(grads[len(steps) - 1], [p.grad for p in ref.parameters()]):
+    for got, want in zip(grads[len(steps) - 1], [p.grad for p in ref.parameters()], strict=True):
         torch.testing.assert_close(got, want)
 
 

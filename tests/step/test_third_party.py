@@ -30,7 +30,7 @@ def ours(model, batches, loss_fn, lr=0.1, **kwargs):
 
 
 def assert_same_weights(a, b, rtol=1e-5, atol=1e-6):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
 
 
@@ -235,7 +235,7 @@ def test_a_custom_batch_object_trains_with_two_hooks_and_matches_the_hand_writte
     with pytest.raises(BatchError, match=r"x and y disagree .*\(x has \d+ rows, y 6\).*batch_size=fn"):
         ours(copy.deepcopy(model), batches, cross_entropy)  # nodes or graphs? the default does not guess
     _, trainer = ours(model, batches, cross_entropy, batch_size=lambda x, y: x.num_graphs,
-                      split_batch=lambda x, y, chunks: list(zip(x.split(chunks), torch.tensor_split(y, chunks))))
+                      split_batch=lambda x, y, chunks: list(zip(x.split(chunks), torch.tensor_split(y, chunks), strict=True)))
     hand_loop(reference, batches, lambda m, b: cross_entropy(m(b[0]), b[1]))
     assert_same_weights(model, reference)
     assert trainer.amp_step.batch_size == 6  # graphs, not the nodes

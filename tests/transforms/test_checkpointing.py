@@ -79,7 +79,7 @@ def train(model, checkpointing, data, dtype="float32", **kwargs):
 
 def relative_difference(a, b):
     return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a.state_dict().values(),
-                                                                       b.state_dict().values()))
+                                                                       b.state_dict().values(), strict=True))
 
 
 def block_calls(model):
@@ -122,7 +122,7 @@ def test_batch_norm_running_statistics_are_updated_once():
         x = torch.randn(8, 4, 6, 6)
         plain(x).sum().backward()
         checkpointed(x).sum().backward()
-    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
+    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name  # num_batches_tracked is 2, not 4; the running means and variances agree
 
 
@@ -153,9 +153,9 @@ def test_compile_captures_the_checkpointed_blocks_in_one_graph():
         compiled(x).sum().backward()
     assert len(graphs) == 1 and captured_ops() >= plain_ops > 0
     assert checkpointed_blocks(checkpointed) == ["0", "1", "2"]  # still reported
-    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
+    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name  # BatchNorm statistics updated once under compile too
-    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
@@ -183,7 +183,7 @@ def test_a_6_block_model_saves_at_least_2x_fewer_activation_bytes():
     without, with_it = saved_bytes(plain, x), saved_bytes(checkpointed, x)
     assert without >= 2 * with_it > 0, (without, with_it)  # 8.5x on this model
     assert relative_difference(plain, checkpointed) == 0.0 and all(
-        torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), checkpointed.parameters()))
+        torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True))
 
 
 def test_the_run_facts_name_the_blocks_and_a_model_without_blocks_is_one_warning():

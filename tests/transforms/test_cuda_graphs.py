@@ -87,7 +87,7 @@ def test_a_compiled_forward_that_disagrees_falls_back_to_eager_before_it_trains(
     eager = create_amp_trainer(reference, torch.optim.SGD(reference.parameters(), lr=0.1), cross_entropy,
                                device="cpu", dtype="float32")
     eager.run(data, max_epochs=1)
-    for a, b in zip(model.parameters(), reference.parameters()):  # every step eager, the first one included
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):  # every step eager, the first one included
         torch.testing.assert_close(a, b)
 
 
@@ -157,5 +157,5 @@ def test_reduce_overhead_compiles_for_real_on_cpu_and_passes_its_parity_check():
     assert trainer.amp_step.graphs.parity == "passed" and trainer.amp_step.graphs.off is None
     create_amp_trainer(reference, torch.optim.SGD(reference.parameters(), lr=0.1), cross_entropy, device="cpu",
                        dtype="float32").run(data, max_epochs=1)
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b)

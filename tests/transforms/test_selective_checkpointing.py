@@ -61,8 +61,8 @@ def test_gradients_are_bitwise_those_without_checkpointing(name, gpt):
     names = checkpoint_blocks(selective, policy="selective")
     assert len(names) >= 3 and set(checkpoint_policies(selective).values()) == {"selective"}
     expected, got = gradients(plain, x, loss), gradients(selective, x, loss)
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    for (key, a), b in zip(plain.state_dict().items(), selective.state_dict().values()):
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    for (key, a), b in zip(plain.state_dict().items(), selective.state_dict().values(), strict=True):
         assert torch.equal(a, b), key  # BatchNorm's running statistics updated once
 
 

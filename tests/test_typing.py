@@ -1,0 +1,78 @@
+"""The annotations users' type checkers see (the wheel ships py.typed): a user's script written against the public
+names type-checks clean, and the same script with the mistakes a user makes is told each one, so the names are
+typed (an untyped name would be Any and pass anything)."""
+import ast
+import os
+import subprocess
+import textwrap
+
+from conftest import ROOT
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from ignite.engine import Engine
+    from ignite.metrics import Accuracy, Loss
+
+    from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer, load_config
+    from ignite_amp.handlers import BestCheckpoint, GradientClipping, OOMBackoff, ProfilerCapture, TensorBoardMetrics
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = torch.nn.functional.cross_entropy
+    trainer: Engine = create_amp_trainer(model, optimizer, loss_fn, device="cpu", dtype="bfloat16")
+    evaluator: Engine = create_amp_evaluator(model, metrics={"accuracy": Accuracy(), "loss": Loss(loss_fn)},
+                                             device="cpu")
+    GradientClipping(max_norm=1.0).attach(trainer)
+    BestCheckpoint("runs/x/ckpt", to_save={"model": model}, metric="accuracy").attach(trainer, evaluator)
+    OOMBackoff(min_batch_size=1).attach(trainer)
+    ProfilerCapture("runs/x/tb", wait=5, warmup=2, active=5).attach(trainer)
+    TensorBoardMetrics("runs/x/tb", log_every=50).attach(trainer, evaluator=evaluator, optimizer=optimizer)
+    trainer.add_event_handler(AmpEvents.GRADS_READY, lambda engine: None)
+    config: dict = load_config("quickstart")
+''')
+
+MISTAKES = {  # the line a user writes -> what the checker must say about it
+    'GradientClipping(max_norm="1.0")': 'Argument "max_norm" to "GradientClipping" has incompatible type "str"',
+    "OOMBackoff(min_batch_size=1).attach(trainer, evaluator)": 'Too many arguments for "attach" of "OOMBackoff"',
+    "create_amp_trainer(model, optimizer, loss_fn, accumulation_steps=None).run([])":
+        'Argument "accumulation_steps" to "create_amp_trainer" has incompatible type "None"',
+    "AmpEvents.GRADS_READYY": 'has no attribute "GRADS_READYY"',
+}
+
+
+def typecheck(tmp_path, source):
+    script = tmp_path / "user_script.py"
+    script.write_text(source)
+    done = subprocess.run([os.path.join(ROOT, ".ci", "typecheck"), str(script)], capture_output=True, text=True,
+                          timeout=600)
+    return done.returncode, [line for line in done.stdout.splitlines() if line.startswith(str(script))]
+
+
+def test_a_users_script_type_checks_clean_and_each_mistake_is_told(tmp_path):
+    rc, found = typecheck(tmp_path, SCRIPT)
+    assert (rc, found) == (0, []), found
+    rc, found = typecheck(tmp_path, SCRIPT + "\n".join(MISTAKES) + "\n")
+    assert rc == 1
+    first = len(SCRIPT.splitlines()) + 1
+    for line, (mistake, said) in enumerate(MISTAKES.items(), start=first):
+        assert any(f":{line}: error: " in f and said in f for f in found), (mistake, found)
+
+
+def test_the_top_level_names_are_visible_to_type_checkers():
+    # ignite_amp imports its names on first use (PEP 562): its TYPE_CHECKING block imports the same names from
+    # the same modules, or a checker would see Any.
+    import ignite_amp
+
+    tree = ast.parse(open(os.path.join(ROOT, "ignite_amp", "__init__.py"), encoding="utf-8").read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    seen = {alias.name: node.module for node in block.body for alias in node.names}
+    assert seen == ignite_amp._EXPORTS
+
+
+def test_the_wheel_ships_py_typed():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert "py.typed" in cfg["options.package_data"]["ignite_amp"]
+    assert os.path.isfile(os.path.join(ROOT, "ignite_amp", "py.typed"))
