@@ -30,9 +30,8 @@ from typing import Callable, Optional
 
 import torch
 from ignite.engine import create_supervised_trainer
-from torch.nn.functional import cross_entropy
-
 from overhead import attach_default_handlers, hand_written_loop
+from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.core.device import free_memory, resolve_device

@@ -14,7 +14,6 @@ import statistics
 import time
 
 import torch
-
 from float8_gpt import GPT, next_token_loss
 
 from ignite_amp import create_amp_trainer

@@ -77,7 +77,7 @@ def body(rank, world, port, args, out):
 def measure(rank, args, out):
     results = {}
     for dtype in args.dtypes:
-        for repeat in range(args.repeats):
+        for _ in range(args.repeats):
             for strategy in ("fsdp", "ddp"):
                 model = build(args.width, args.blocks)
                 if strategy == "fsdp":

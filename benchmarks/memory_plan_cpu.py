@@ -14,10 +14,9 @@ import sys
 import time
 
 import torch
+from float8_gpt import GPT, next_token_loss
 from torch import nn
 from torch.nn.functional import cross_entropy
-
-from float8_gpt import GPT, next_token_loss
 
 from ignite_amp import create_amp_trainer, estimate_memory
 from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer

@@ -13,9 +13,8 @@ import gc
 import time
 
 import torch
-from torch.nn.functional import cross_entropy
-
 from float8_gpt import GPT, next_token_loss
+from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer, estimate_memory, find_batch_size
 from ignite_amp.core.device import free_memory

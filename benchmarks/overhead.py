@@ -182,11 +182,11 @@ def variants(base, batches, device, dtype, optimizer_fn, logdir, clock=time.thre
 
     out, twins = {}, {}
     for name, kwargs in ((HAND, {}), (HAND_CLIP, {"max_norm": 1.0}), (HAND_NORM, {"grad_norm": True})):
-        model, opt = fresh()
-        out[name] = lambda m=model, o=opt, s=scaler(), k=kwargs: hand_written_loop(m, o, s, batches, device, dtype, **k)
+        model, opt, sc = *fresh(), scaler()
+        out[name] = lambda m=model, o=opt, s=sc, k=kwargs: hand_written_loop(m, o, s, batches, device, dtype, **k)
         if name != HAND_CLIP:
-            model, opt, stamps = *fresh(), Stamps(clock)
-            twins[name] = (lambda m=model, o=opt, s=scaler(), k=kwargs, st=stamps:
+            model, opt, sc, stamps = *fresh(), scaler(), Stamps(clock)
+            twins[name] = (lambda m=model, o=opt, s=sc, k=kwargs, st=stamps:
                            (hand_written_loop(m, o, s, batches, device, dtype, stamps=st, **k), st.between_logs())[1])
     if dtype == torch.float32 or (dtype == torch.float16 and device.type == "cuda"):
         amp = {} if dtype == torch.float32 else {"amp_mode": "amp", "scaler": True}  # Ignite's float16 autocast

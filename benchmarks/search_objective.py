@@ -16,9 +16,9 @@ import sys
 import torch
 
 from ignite_amp.batch_search import TrialRunner
-from ignite_amp.run.builders import build_optimizer, input_shape, seed_everything
 from ignite_amp.config.tree import load_config
 from ignite_amp.models import build_model
+from ignite_amp.run.builders import build_optimizer, input_shape, seed_everything
 
 
 def main(argv=None) -> int:

@@ -14,8 +14,8 @@ import statistics
 import time
 
 import torch
-
 from float8_gpt import GPT, next_token_loss
+
 from ignite_amp import create_amp_trainer
 
 

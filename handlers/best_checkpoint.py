@@ -12,16 +12,26 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 
-from ignite_amp.files.checkpoints import (SHARDED_KEYS, SafeDiskSaver, ShardedDiskSaver, StoredValue, load_checkpoint,
-                                      remove_path)
 from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
-from ignite_amp.errors import (CheckpointError, NonFiniteError, UnreadableCheckpointError,
-                               first_line)
 from ignite_amp.core.config_keys import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
 from ignite_amp.core.metric_modes import metric_mode, require_metric
 from ignite_amp.core.rng import RNGState
-from ignite_amp.handlers.resumable import (checkpoint_files, find_resumable, load_shards, move_newer_aside,
-                                          remove_replaced_lasts)
+from ignite_amp.errors import CheckpointError, NonFiniteError, UnreadableCheckpointError, first_line
+from ignite_amp.files.checkpoints import (
+    SHARDED_KEYS,
+    SafeDiskSaver,
+    ShardedDiskSaver,
+    StoredValue,
+    load_checkpoint,
+    remove_path,
+)
+from ignite_amp.handlers.resumable import (
+    checkpoint_files,
+    find_resumable,
+    load_shards,
+    move_newer_aside,
+    remove_replaced_lasts,
+)
 from ignite_amp.transforms.sharding import is_sharded, sharded_objects
 
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]

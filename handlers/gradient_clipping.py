@@ -5,10 +5,10 @@ from typing import Iterable, Optional
 import torch
 from ignite.engine import Engine
 
-from ignite_amp.step.events import AmpEvents
+from ignite_amp.core.config_keys import Number, argument, setting
 from ignite_amp.engine import trainer_step_of
 from ignite_amp.errors import ConfigError
-from ignite_amp.core.config_keys import Number, argument, setting
+from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.grad_norm import clip_to_norm_
 
 __all__ = ["ClippingConfig", "GradientClipping"]

@@ -9,11 +9,11 @@ from typing import Any, Deque, List, Tuple
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.errors import NonFiniteError
-from ignite_amp.step.events import AmpEvents
+from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
 from ignite_amp.core.device import dtype_name
 from ignite_amp.engine import trainer_step_of
-from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.errors import NonFiniteError
+from ignite_amp.step.events import AmpEvents
 
 __all__ = ["NonFiniteConfig", "NonFiniteGuard", "NonFiniteError"]
 

@@ -10,11 +10,11 @@ from ignite.base.mixins import Serializable
 from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader
 
+from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, Choice, Integer, argument, setting
 from ignite_amp.data.prefetch import DevicePrefetcher
+from ignite_amp.engine import amp_step_of
 from ignite_amp.errors import BatchSizeFloorError
 from ignite_amp.step.events import AmpEvents
-from ignite_amp.engine import amp_step_of
-from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, Choice, Integer, argument, setting
 from ignite_amp.step.train import AmpStep
 from ignite_amp.transforms.sharding import is_sharded
 

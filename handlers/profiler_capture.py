@@ -6,8 +6,8 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import ignite.distributed as idist
 import torch
-from torch.autograd import DeviceType
 from ignite.engine import Engine, Events
+from torch.autograd import DeviceType
 
 from ignite_amp.core.config_keys import Boolean, Integer, argument, setting
 from ignite_amp.core.phases import PHASES as STEP_PHASES

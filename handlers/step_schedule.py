@@ -5,8 +5,8 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers.param_scheduler import ParamGroupScheduler, ParamScheduler, ReduceLROnPlateauScheduler
 
-from ignite_amp.step.events import AmpEvents
 from ignite_amp.handlers.oom_backoff import OOMBackoff
+from ignite_amp.step.events import AmpEvents
 
 __all__ = ["StepSchedule"]
 

@@ -7,21 +7,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ignite_amp.core.exports import lazy_exports, moved_modules
-from ignite_amp.version import __version__
+from ignite_amp.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: _EXPORTS's names and types (tests/test_typing.py: the same)
-    from ignite_amp.batch_search import find_batch_size
-    from ignite_amp.config.tree import load_config
-    from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
-    from ignite_amp.errors import ConfigError
-    from ignite_amp.memory_plan.plan import estimate_memory
-    from ignite_amp.run.compose import train_from_config
-    from ignite_amp.run.dtype_probe import probe_cpu_dtype
-    from ignite_amp.step.evaluate import EvalStep
-    from ignite_amp.step.events import AmpEvents
-    from ignite_amp.step.train import AmpStep
-    from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
-    from ignite_amp.transforms.sharding import shard_model
+    from ignite_amp.batch_search import find_batch_size as find_batch_size
+    from ignite_amp.config.tree import load_config as load_config
+    from ignite_amp.engine import create_amp_evaluator as create_amp_evaluator
+    from ignite_amp.engine import create_amp_trainer as create_amp_trainer
+    from ignite_amp.errors import ConfigError as ConfigError
+    from ignite_amp.memory_plan.plan import estimate_memory as estimate_memory
+    from ignite_amp.run.compose import train_from_config as train_from_config
+    from ignite_amp.run.dtype_probe import probe_cpu_dtype as probe_cpu_dtype
+    from ignite_amp.step.evaluate import EvalStep as EvalStep
+    from ignite_amp.step.events import AmpEvents as AmpEvents
+    from ignite_amp.step.train import AmpStep as AmpStep
+    from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks as checkpoint_blocks
+    from ignite_amp.transforms.sharding import shard_model as shard_model
 
 # In the order a newcomer looks for them (the API page follows it): the factories first.
 _EXPORTS = {

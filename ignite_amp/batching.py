@@ -29,8 +29,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-from ignite_amp.errors import BatchError
 from ignite_amp.core.nested import is_per_sample, rebuild, to_device
+from ignite_amp.errors import BatchError
 
 __all__ = ["prepare_batch", "batch_size_of", "split_batch", "split_pairs", "chunk_sizes", "split_into"]
 

@@ -15,22 +15,28 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from ignite.engine import Engine, Events, EventsList
-from ignite.engine.events import RemovableEventHandle
 from ignite.engine.deterministic import DeterministicEngine
+from ignite.engine.events import RemovableEventHandle
 from torch import nn
 
 from ignite_amp.batching import prepare_batch as default_prepare_batch
-from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
 from ignite_amp.core.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
+from ignite_amp.core.config_keys import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
 from ignite_amp.core.device import resolve_device
+from ignite_amp.step.base import StepBase, call_model, identity
 from ignite_amp.step.evaluate import EvalStep
 from ignite_amp.step.events import AmpEvents
-from ignite_amp.core.config_keys import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
-from ignite_amp.transforms.float8 import DEFAULT_RECIPE, RECIPES, Float8Report, convert_to_float8, precompute_float8_scales
 from ignite_amp.step.factory_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
 from ignite_amp.step.train import AmpStep
+from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
+from ignite_amp.transforms.float8 import (
+    DEFAULT_RECIPE,
+    RECIPES,
+    Float8Report,
+    convert_to_float8,
+    precompute_float8_scales,
+)
 from ignite_amp.transforms.memory_format import CHANNELS_LAST
-from ignite_amp.step.base import StepBase, call_model, identity
 
 __all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "trainer_step_of", "create_amp_trainer",
            "create_amp_evaluator"]

@@ -11,8 +11,8 @@ Ranks of a CPU run stay on the CPU on a machine with GPUs too: Ignite pins rank 
 import contextlib
 import dataclasses
 import gc
-import logging
 import io
+import logging
 import os
 import pickle
 import shutil
@@ -29,12 +29,12 @@ import ignite.distributed as idist
 import torch
 from torch.multiprocessing.spawn import ProcessException
 
-from ignite_amp.run.builders import config_device
 from ignite_amp.core.collectives import adopt_ignite_loggers
+from ignite_amp.core.config_keys import FIXED, Boolean, Choice, Integer, Names, setting
 from ignite_amp.core.device import is_oom_error
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
-from ignite_amp.core.config_keys import FIXED, Boolean, Choice, Integer, Names, setting
 from ignite_amp.files.run_directory import COMMAND_PID, terminal_log_handler
+from ignite_amp.run.builders import config_device
 
 __all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
 

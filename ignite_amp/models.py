@@ -10,8 +10,8 @@ import importlib
 
 from torch import nn
 
-from ignite_amp.errors import ConfigError
 from ignite_amp.core.config_keys import FIXED, Integer, Mapping, Text, setting
+from ignite_amp.errors import ConfigError
 
 __all__ = ["ModelConfig", "build_model", "small_cnn", "cifar_resnet18"]
 

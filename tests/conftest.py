@@ -232,7 +232,7 @@ def warns_when_built(num_classes: int = 10, heads: int = None) -> nn.Module:
     """A model whose construction warns; ``heads`` sets the head's width (default num_classes)."""
     import warnings
 
-    warnings.warn("built with a made-up concern", UserWarning)
+    warnings.warn("built with a made-up concern", UserWarning, stacklevel=2)
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, heads or num_classes))
 
 

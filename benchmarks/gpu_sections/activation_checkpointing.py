@@ -8,11 +8,10 @@ import time
 from typing import Optional
 
 import torch
-from torch import nn
-from torch.nn.functional import cross_entropy
-
 from bench_amp import resnet50
 from float8_gpt import Block as GPTBlock
+from torch import nn
+from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.core.device import free_memory

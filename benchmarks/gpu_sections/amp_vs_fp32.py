@@ -3,11 +3,9 @@ float32 with TF32 off and on, float16 with the scaler, bfloat16; channels_last; 
 import time
 
 import torch
-
 from bench_amp import measure_variant, resnet50
 
 from .common import NEEDS_CUDA, Context, tiny_cnn
-
 
 AMP_VARIANTS = (  # (label, bench_amp dtype, channels_last, torch.compile): section c, in the default suite
     ("float32, TF32 on", "float32+tf32", False, False),

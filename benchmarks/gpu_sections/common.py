@@ -3,7 +3,7 @@
 import json
 import os
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn

@@ -3,10 +3,9 @@ recipe."""
 import time
 
 import torch
+from overhead import timed
 from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader
-
-from overhead import timed
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.data.datasets import EpochShuffleSampler, build_datasets, data_workers

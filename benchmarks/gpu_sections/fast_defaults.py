@@ -17,9 +17,8 @@ import statistics
 import time
 
 import torch
-from torch.nn.functional import cross_entropy
-
 from bench_amp import DTYPES, Timer, resnet18_32, resnet50, tf32
+from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.run.builders import build_optimizer

@@ -9,7 +9,6 @@ from collections import Counter
 
 from .common import NEEDS_CUDA, ROOT, Context
 
-
 SLOW_TEST = "resnet50_search"
 
 

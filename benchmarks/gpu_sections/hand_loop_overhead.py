@@ -18,10 +18,9 @@ import time
 from typing import Dict, List, Tuple
 
 import torch
-from torch.nn.functional import cross_entropy
-
 from bench_amp import Timer
 from overhead import attach_default_handlers, hand_written_loop
+from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.models import build_model

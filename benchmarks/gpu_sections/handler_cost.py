@@ -3,9 +3,9 @@ ResNet-50 (device-bound), float16."""
 import tempfile
 import time
 
+import overhead as handler_table
 import torch
 
-import overhead as handler_table
 from ignite_amp.models import build_model
 
 from .common import Context

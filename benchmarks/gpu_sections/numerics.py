@@ -3,6 +3,7 @@ import os
 import time
 
 from bench_amp import tf32
+
 from ignite_amp.run.compose import train_from_config
 
 from .common import Context, recipe

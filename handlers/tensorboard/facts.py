@@ -13,8 +13,8 @@ from typing import Any, Dict, Tuple
 from ignite.engine import Engine
 from ignite.handlers import TensorboardLogger
 
-from ignite_amp.step.facts import format_facts, step_facts
 from ignite_amp.handlers.tensorboard.event import file_writer
+from ignite_amp.step.facts import format_facts, step_facts
 
 __all__ = ["FACTS_TAG", "HPARAMS", "FACT_TYPES", "hparams_summaries", "session_end_summary", "write_text", "RunFacts"]
 

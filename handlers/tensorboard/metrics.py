@@ -19,18 +19,25 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
-from ignite_amp.core.device import dtype_name
-from ignite_amp.step.train import AmpStep
-from ignite_amp.engine import amp_step_of, trainer_step_of
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.core.device import dtype_name
+from ignite_amp.core.metric_modes import metric_mode
+from ignite_amp.engine import amp_step_of, trainer_step_of
 from ignite_amp.handlers.gradient_clipping import GradientClipping
-from ignite_amp.handlers.tensorboard.health import Health, health_lines
 from ignite_amp.handlers.tensorboard.event import LearningRates, ScalarEvent, file_writer
-from ignite_amp.handlers.tensorboard.facts import (FACT_TYPES, FACTS_TAG, HPARAMS, RunFacts, hparams_summaries,
-                                                   session_end_summary, write_text)
+from ignite_amp.handlers.tensorboard.facts import (
+    FACT_TYPES,
+    FACTS_TAG,
+    HPARAMS,
+    RunFacts,
+    hparams_summaries,
+    session_end_summary,
+    write_text,
+)
+from ignite_amp.handlers.tensorboard.health import Health, health_lines
 from ignite_amp.handlers.tensorboard.memory import DeviceMemory, RanksMemory
 from ignite_amp.handlers.tensorboard.scalars import SPLITS, BatchShape, TrainerMetrics, TrainWindow, Validation, layout
-from ignite_amp.core.metric_modes import metric_mode
+from ignite_amp.step.train import AmpStep
 
 __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_TAG", "HEALTH_TAG", "layout",
            "hparams_summaries", "HPARAMS"]

@@ -17,9 +17,9 @@ from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
 from ignite_amp.core.device import peak_tflops
-from ignite_amp.step.events import AmpEvents
 from ignite_amp.core.metric_modes import better, metric_mode
 from ignite_amp.files.run_directory import TENSORBOARD_SPLITS
+from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.scaler import scale_tensor
 from ignite_amp.step.train import AmpStep
 

@@ -21,8 +21,15 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ignite_amp.batch_search.results import GIB, BatchSizeResult, Trial
-from ignite_amp.batch_search.strategies import (VERIFY_STAGES, Search, Untrusted, bisect_search, fit_line,
-                                                model_search, plan_search)
+from ignite_amp.batch_search.strategies import (
+    VERIFY_STAGES,
+    Search,
+    Untrusted,
+    bisect_search,
+    fit_line,
+    model_search,
+    plan_search,
+)
 from ignite_amp.core.config_keys import POSITIVE_INT
 
 __all__ = ["search_batch_size", "fit_line", "STRATEGIES", "OBJECTIVES", "VERIFY_STAGES"]

@@ -21,11 +21,11 @@ from ignite_amp.batch_search.policy import VERIFY_STAGES, search_batch_size
 from ignite_amp.batch_search.results import GIB, TABLE_HEADER, BatchSizeResult, Trial, format_trial
 from ignite_amp.batch_search.strategies import Untrusted
 from ignite_amp.core.collectives import is_distributed, min_across_ranks, unwrap
-from ignite_amp.errors import OptimizerOutOfMemoryError
-from ignite_amp.core.rng import get_rng_state, set_rng_state
 from ignite_amp.core.device import free_memory, is_oom_error, resolve_device
 from ignite_amp.core.memory import CUDA, PeakWindow
+from ignite_amp.core.rng import get_rng_state, set_rng_state
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
+from ignite_amp.errors import OptimizerOutOfMemoryError
 
 __all__ = ["MemoryMeter", "CudaMemoryMeter", "memory_meter", "device_clock", "TrialRunner", "find_batch_size",
            "print_progress"]

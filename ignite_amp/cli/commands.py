@@ -16,9 +16,8 @@ def _schema(args: argparse.Namespace) -> int:
     import json
 
     from ignite_amp.config.tree import config_schema
-    from ignite_amp.run.console import safe_print
-
     from ignite_amp.errors import ConfigError
+    from ignite_amp.run.console import safe_print
 
     text = json.dumps(config_schema(), indent=2) + "\n"
     if args.output in (None, "", "-"):
@@ -58,15 +57,16 @@ def _find_batch_size(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from shlex import quote
+
     from ignite_amp.cli.compare import compare, format_table
     from ignite_amp.config.tree import load_config
     from ignite_amp.core.config_keys import POSITIVE_INT, Number
-    from shlex import quote
 
     POSITIVE_INT(args.steps, "--steps")
     Number()(args.tolerance, "--tolerance")
-    from ignite_amp.run.console import safe_print
     from ignite_amp.files.run_directory import RunLayout
+    from ignite_amp.run.console import safe_print
 
     cfg = load_config(args.config, args.overrides)
     results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
@@ -89,9 +89,9 @@ def _train_command(args: argparse.Namespace) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from ignite_amp.config.tree import load_config
-    from ignite_amp.run.console import safe_print
-    from ignite_amp.run.compose import train_from_config
     from ignite_amp.files.run_directory import RunLayout
+    from ignite_amp.run.compose import train_from_config
+    from ignite_amp.run.console import safe_print
 
     cfg = load_config(args.config, args.overrides)
     _refuse_to_replace_the_source(args.config, RunLayout(cfg["output_dir"]).config_path, cfg["output_dir"])
@@ -131,8 +131,8 @@ def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -
     """The run writes its resolved config to ``output_dir/config.yaml``: when that is the file trained from,
     it must be a resolved config already (rerunning a run's own config.yaml resumes it), not the user's."""
     import ignite_amp.config.yaml12 as yaml12
-    from ignite_amp.config.tree import ConfigError, load_config
     from ignite_amp.config.limits import same
+    from ignite_amp.config.tree import ConfigError, load_config
 
     if not (os.path.exists(resolved) and os.path.samefile(source, resolved)):
         return

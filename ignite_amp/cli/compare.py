@@ -15,15 +15,15 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.run.builders import build_optimizer, check_classes, check_model_runs, config_device, seed_everything
 from ignite_amp.config.tree import load_config
 from ignite_amp.data.datasets import build_loaders
-from ignite_amp.errors import ConfigError
-from ignite_amp.step.events import AmpEvents
-from ignite_amp.models import build_model
-from ignite_amp.handlers.tensorboard.metrics import TensorBoardMetrics
-from ignite_amp.files.run_directory import RunLayout, check_writable, move_aside
 from ignite_amp.engine import create_amp_trainer
+from ignite_amp.errors import ConfigError
+from ignite_amp.files.run_directory import RunLayout, check_writable, move_aside
+from ignite_amp.handlers.tensorboard.metrics import TensorBoardMetrics
+from ignite_amp.models import build_model
+from ignite_amp.run.builders import build_optimizer, check_classes, check_model_runs, config_device, seed_everything
+from ignite_amp.step.events import AmpEvents
 
 __all__ = ["compare", "ModeResult", "format_table", "supported_modes"]
 

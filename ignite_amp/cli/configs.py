@@ -10,8 +10,8 @@ import os
 import shlex
 
 from ignite_amp.config.builtin import builtin_names, builtin_path, builtin_summary, find_config, init_config
-from ignite_amp.run.console import safe_print
 from ignite_amp.errors import ConfigError
+from ignite_amp.run.console import safe_print
 
 __all__ = ["add_commands", "COMMANDS", "resolve_config"]
 

@@ -50,9 +50,9 @@ def _rerun() -> str:
 
 def describe(exc: BaseException) -> Tuple[int, str]:
     """(exit code, the one line) for a failure of a command."""
-    from ignite_amp.files.checkpoints import out_of_room
     from ignite_amp.core.device import is_oom_error
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
+    from ignite_amp.files.checkpoints import out_of_room
 
     if isinstance(exc, USER_ERRORS):
         return 2, f"ignite-amp: error: {one_line(exc)}"
@@ -66,7 +66,7 @@ def describe(exc: BaseException) -> Tuple[int, str]:
         # amp.micro_batches may change on a resume; data.batch_size not under a schedule
         then = (f"the last checkpoint is intact: {_rerun()} with --set amp.micro_batches=N (the same batch in N "
                 f"smaller chunks) to resume" if _checkpoint_kept() else "lower data.batch_size, or raise "
-                f"amp.micro_batches (the same batch in smaller chunks), and run it again")
+                "amp.micro_batches (the same batch in smaller chunks), and run it again")
         return 1, f"ignite-amp: stopped: out of memory ({one_line(exc)}); {then}"
     room = out_of_room(exc)
     if room is not None:  # a full disk, a quota, a file-size limit

@@ -31,10 +31,10 @@ def plan_command(args: argparse.Namespace) -> int:
     import json
 
     from ignite_amp.config.tree import load_config
-    from ignite_amp.run.plan import plan_config, plan_dtype
-    from ignite_amp.run.console import safe_print
     from ignite_amp.errors import ConfigError
     from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, format_bytes, parse_bytes
+    from ignite_amp.run.console import safe_print
+    from ignite_amp.run.plan import plan_config, plan_dtype
 
     try:
         memory = None if args.memory is None else parse_bytes(args.memory)
@@ -70,8 +70,7 @@ def plan_command(args: argparse.Namespace) -> int:
         safe_print("for the largest batch that fits: --memory SIZE (e.g. --memory 80GiB)")
     options = None
     if args.checkpointing or cfg["amp"]["activation_checkpointing"] == "auto":
-        from ignite_amp.run.plan import config_batch_sizes
-        from ignite_amp.run.plan import checkpoint_options_lines, config_checkpoint_options
+        from ignite_amp.run.plan import checkpoint_options_lines, config_batch_sizes, config_checkpoint_options
 
         size = max(args.batch_sizes or config_batch_sizes(cfg))  # as auto chooses: at the largest size asked
         options = config_checkpoint_options(decided, size)

@@ -19,13 +19,26 @@ from typing import Any, Iterable, Optional, Union
 
 import yaml
 
-from ignite_amp.run.builders import OptimizerConfig, SchedulerConfig
+import ignite_amp.config.yaml12 as yaml12
+from ignite_amp.config.limits import MAX_DEPTH, check_tree
+from ignite_amp.core.config_keys import (
+    FIXED,
+    NOT_COMPARED,
+    Integer,
+    Mapping,
+    Text,
+    child,
+    defaults,
+    defaults_of,
+    json_schema,
+    section,
+    setting,
+    show,
+    validate,
+)
 from ignite_amp.data.datasets import DataConfig
 from ignite_amp.engine import AmpConfig
-from ignite_amp.run.epochs import TrainConfig
 from ignite_amp.errors import ConfigError
-from ignite_amp.core.config_keys import (FIXED, NOT_COMPARED, Integer, Mapping, Text, child, defaults, defaults_of, json_schema,
-                               section, setting, show, validate)
 from ignite_amp.handlers.best_checkpoint import CheckpointConfig
 from ignite_amp.handlers.gradient_clipping import ClippingConfig
 from ignite_amp.handlers.non_finite_guard import NonFiniteConfig
@@ -34,8 +47,8 @@ from ignite_amp.handlers.profiler_capture import ProfilerConfig
 from ignite_amp.handlers.tensorboard.metrics import TensorBoardConfig
 from ignite_amp.launcher import DistributedConfig
 from ignite_amp.models import ModelConfig
-from ignite_amp.config.limits import MAX_DEPTH, check_tree
-import ignite_amp.config.yaml12 as yaml12
+from ignite_amp.run.builders import OptimizerConfig, SchedulerConfig
+from ignite_amp.run.epochs import TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "default_config", "save_config", "flatten_config",
            "write_batch_size", "config_schema", "MAX_CONFIG_BYTES"]

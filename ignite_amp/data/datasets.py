@@ -15,12 +15,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ignite_amp.core.collectives import adopt_ignite_loggers
-from ignite_amp.errors import ConfigError
-from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
-from ignite_amp.data.workers import WorkersChoice, choose_num_workers, usable_cores
-from ignite_amp.data.device_batches import DeviceBatches, OnDeviceChoice, choose_on_device, device_memory
-from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, LockstepBatches, ShuffleShardSampler
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
+from ignite_amp.data.device_batches import DeviceBatches, OnDeviceChoice, choose_on_device, device_memory
+from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
+from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, LockstepBatches, ShuffleShardSampler
+from ignite_amp.data.workers import WorkersChoice, choose_num_workers, usable_cores
+from ignite_amp.errors import ConfigError
 
 __all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "data_workers", "data_on_device", "SHAPE_CLASSES"]
 

@@ -17,11 +17,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ignite_amp.batching import batch_size_of
-from ignite_amp.transforms.activation_checkpointing import POLICIES, checkpoint_modules, checkpointed_blocks
+from ignite_amp.core.nested import map_tensors
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.memory_plan.flops import count_flops
+from ignite_amp.transforms.activation_checkpointing import POLICIES, checkpoint_modules, checkpointed_blocks
 from ignite_amp.transforms.memory_format import choose_channels_last
-from ignite_amp.core.nested import map_tensors
 
 __all__ = ["StepTracker", "step_tracker", "warm_optimizer", "FakeStep", "KINDS", "quiet_trace"]
 

@@ -10,13 +10,13 @@ import ignite.distributed as idist
 import torch
 from ignite.utils import manual_seed
 
-from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
 from ignite_amp.core.collectives import is_distributed
-from ignite_amp.errors import ConfigError, first_line
-from ignite_amp.core.device import is_oom_error, resolve_device
-from ignite_amp.transforms.float8 import convert_to_float8
-from ignite_amp.run.fused import fused_choice, keep_kernels
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
+from ignite_amp.core.device import is_oom_error, resolve_device
+from ignite_amp.errors import ConfigError, first_line
+from ignite_amp.run.fused import fused_choice, keep_kernels
+from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
+from ignite_amp.transforms.float8 import convert_to_float8
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
            "check_classes", "check_model_runs", "checkpoint_activations"]

@@ -12,8 +12,8 @@ from ignite.engine import Engine
 
 from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
-from ignite_amp.step.facts import start_words
 from ignite_amp.run.fast_path import speed_words
+from ignite_amp.step.facts import start_words
 
 __all__ = ["Run"]
 

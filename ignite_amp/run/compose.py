@@ -13,32 +13,46 @@ import torch
 from ignite.engine import Engine
 from ignite.metrics import Accuracy, Loss
 
-from ignite_amp.run.resume import plan_resume, resume_run, resumed_dtype, with_precision
-from ignite_amp.run.builders import (build_optimizer, build_scheduler, check_classes, check_model_runs,
-                                 checkpoint_activations, config_device, seed_everything)
+from ignite_amp.config.tree import load_config, save_config
 from ignite_amp.core.collectives import is_distributed
 from ignite_amp.core.device import dtype_name
-from ignite_amp.config.tree import load_config, save_config
-from ignite_amp.run.plan import plan_run
-from ignite_amp.run.search import search_built
-from ignite_amp.run.console import drop_unfinished_bar, safe_print, silent
 from ignite_amp.data.datasets import build_loaders
+from ignite_amp.data.passes import training_data
 from ignite_amp.data.prefetch import device_loader
-from ignite_amp.run.dtype_probe import config_dtype
+from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import ConfigError
-from ignite_amp.step.facts import config_facts
-from ignite_amp.transforms.float8 import convert_to_float8
-from ignite_amp.handlers import (BestCheckpoint, GradientClipping, NonFiniteGuard, OOMBackoff, ProfilerCapture,
-                                 StepSchedule, TensorBoardMetrics)
+from ignite_amp.files.run_directory import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
+from ignite_amp.handlers import (
+    BestCheckpoint,
+    GradientClipping,
+    NonFiniteGuard,
+    OOMBackoff,
+    ProfilerCapture,
+    StepSchedule,
+    TensorBoardMetrics,
+)
 from ignite_amp.launcher import launch
 from ignite_amp.models import build_model
-from ignite_amp.data.passes import training_data
-from ignite_amp.transforms.sharding import check_shardable, shard_model
-from ignite_amp.files.run_directory import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
-from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
+from ignite_amp.run.builders import (
+    build_optimizer,
+    build_scheduler,
+    check_classes,
+    check_model_runs,
+    checkpoint_activations,
+    config_device,
+    seed_everything,
+)
 from ignite_amp.run.built_run import Run
+from ignite_amp.run.console import drop_unfinished_bar, safe_print, silent
+from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.run.epochs import EpochSummary, Validation
 from ignite_amp.run.fast_path import config_channels_last, speed_facts
+from ignite_amp.run.plan import plan_run
+from ignite_amp.run.resume import plan_resume, resume_run, resumed_dtype, with_precision
+from ignite_amp.run.search import search_built
+from ignite_amp.step.facts import config_facts
+from ignite_amp.transforms.float8 import convert_to_float8
+from ignite_amp.transforms.sharding import check_shardable, shard_model
 
 __all__ = ["train_from_config", "build_run", "Run"]
 

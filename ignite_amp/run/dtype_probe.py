@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ignite_amp.run.builders import input_shape
-from ignite_amp.files.dtype_choice import choices_path, keep_choice, kept_choice, shown_path
+from ignite_amp.core.device import cpu_has_amx, cpu_has_native_bf16, cpu_model, dtype_name
 from ignite_amp.errors import ConfigError
-from ignite_amp.core.device import cpu_has_amx, cpu_model, cpu_has_native_bf16, dtype_name
+from ignite_amp.files.dtype_choice import choices_path, keep_choice, kept_choice, shown_path
+from ignite_amp.run.builders import input_shape
 from ignite_amp.split_check.randomness import still
 
 __all__ = ["probe_cpu_dtype", "DtypeProbe", "config_dtype", "choice_key", "PROBE_ENV", "FASTER"]

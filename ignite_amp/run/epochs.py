@@ -7,8 +7,8 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.engine import trainer_step_of
 from ignite_amp.core.config_keys import FIXED_UNDER_SCHEDULE, Integer, setting
+from ignite_amp.engine import trainer_step_of
 
 __all__ = ["TrainConfig", "Validation", "EpochSummary"]
 

@@ -9,19 +9,24 @@ import logging
 import types
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+import ignite.distributed as idist
 import torch
 
-import ignite.distributed as idist
-
+from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
 from ignite_amp.memory_plan.choices import CheckpointOption, checkpoint_options, options_lines
 from ignite_amp.memory_plan.fake_step import quiet_trace
-from ignite_amp.run.builders import (build_optimizer, check_model_runs, checkpoint_activations, config_device,
-                                     input_shape, seed_everything)
-from ignite_amp.run.dtype_probe import config_dtype
-from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, MemoryPlan, estimate_memory
 from ignite_amp.models import build_model
+from ignite_amp.run.builders import (
+    build_optimizer,
+    check_model_runs,
+    checkpoint_activations,
+    config_device,
+    input_shape,
+    seed_everything,
+)
+from ignite_amp.run.dtype_probe import config_dtype
 
 __all__ = ["plan_config", "plan_dtype", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run",
            "config_checkpoint_options", "checkpoint_options_lines"]

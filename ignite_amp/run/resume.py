@@ -16,15 +16,14 @@ What a resume may change is each key's ``resume`` rule, declared with the key
 import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-
-from ignite_amp.files.checkpoints import load_checkpoint
-from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
-from ignite_amp.config.tree import Config, default_config, flatten_config
-from ignite_amp.errors import CheckpointError
-from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
-from ignite_amp.handlers.best_checkpoint import BestCheckpoint
-from ignite_amp.files.run_directory import RunLayout, move_previous_run
 from ignite_amp.config.limits import brief, same
+from ignite_amp.config.tree import Config, default_config, flatten_config
+from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
+from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
+from ignite_amp.errors import CheckpointError
+from ignite_amp.files.checkpoints import load_checkpoint
+from ignite_amp.files.run_directory import RunLayout, move_previous_run
+from ignite_amp.handlers.best_checkpoint import BestCheckpoint
 
 __all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint", "stored_config",
            "apply_changes", "RULES", "rerun_of_a_finished_run", "epochs_done", "resumed_dtype", "with_precision"]

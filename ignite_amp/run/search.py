@@ -7,9 +7,9 @@ import ignite.distributed as idist
 import torch
 
 from ignite_amp.batch_search import find_batch_size, print_progress
-from ignite_amp.run.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
 from ignite_amp.errors import ConfigError
 from ignite_amp.models import build_model
+from ignite_amp.run.builders import build_optimizer, checkpoint_activations, config_device, input_shape, seed_everything
 
 __all__ = ["search_built", "search_config"]
 

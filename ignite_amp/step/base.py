@@ -13,14 +13,14 @@ from torch import nn
 
 from ignite_amp.batching import batch_size_of, chunk_sizes, prepare_batch, split_batch, split_pairs
 from ignite_amp.core.collectives import any_rank, unwrap
+from ignite_amp.core.config_keys import POSITIVE_INT
 from ignite_amp.core.device import free_memory, is_oom_error, resolve_device, resolve_dtype
+from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
 from ignite_amp.errors import BatchError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.transforms.cuda_graphs import REDUCE_OVERHEAD, GraphGuard
 from ignite_amp.transforms.float8 import Float8Report
 from ignite_amp.transforms.memory_format import choose_channels_last
-from ignite_amp.core.config_keys import POSITIVE_INT
-from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
 
 __all__ = ["StepBase", "Cycle", "keep_in_fp32", "call_model", "identity", "fire_amp_event"]
 

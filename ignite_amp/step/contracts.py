@@ -8,8 +8,8 @@
 """
 import functools
 import logging
-from collections.abc import Mapping
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, Tuple
 
 import torch

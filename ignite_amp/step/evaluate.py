@@ -5,8 +5,8 @@ from typing import Any, Iterator, Sequence, Tuple
 import torch
 from ignite.engine import Engine
 
-from ignite_amp.errors import SplitCheckError
 from ignite_amp.core.nested import join_chunks, to_float32
+from ignite_amp.errors import SplitCheckError
 from ignite_amp.step.base import StepBase
 
 __all__ = ["EvalStep", "refuse_pair_blocks"]

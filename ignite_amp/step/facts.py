@@ -13,9 +13,9 @@ import ignite
 import ignite.distributed as idist
 import torch
 
-from ignite_amp.transforms.activation_checkpointing import checkpoint_policies, describe_blocks
 from ignite_amp.core.collectives import unwrap
 from ignite_amp.core.device import auto_dtype_reason, describe_device, dtype_name
+from ignite_amp.transforms.activation_checkpointing import checkpoint_policies, describe_blocks
 from ignite_amp.version import __version__
 
 __all__ = ["step_facts", "config_facts", "device_name", "format_facts", "summary_line"]

@@ -41,19 +41,25 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ignite_amp.batching import batch_size_of, prepare_batch, split_batch
 from ignite_amp.core.collectives import all_reduce_gradients, is_distributed, no_buffer_sync_in_forward
-from ignite_amp.step.chunks import ChunkWeights, cycle_at
-from ignite_amp.step.contracts import (check_mean_reduction, check_optimizer, check_requires_grad, check_scalar,
-                                  refuse_a_sum)
-from ignite_amp.core.device import dtype_name, is_oom_error
-from ignite_amp.errors import OptimizerOutOfMemoryError
-from ignite_amp.step.events import AmpEvents
 from ignite_amp.core.config_keys import POSITIVE_INT
-from ignite_amp.transforms.float8 import float8_change
-from ignite_amp.step.grad_norm import GradNorm
+from ignite_amp.core.device import dtype_name, is_oom_error
 from ignite_amp.core.phases import BACKWARD, FORWARD, OPTIMIZER, phase_label
-from ignite_amp.step.scaler import agree_found_inf, build_scaler, found_inf
+from ignite_amp.errors import OptimizerOutOfMemoryError
 from ignite_amp.split_check.check import SplitCheck
-from ignite_amp.step.base import StepBase, call_model, fire_amp_event as _fire, identity
+from ignite_amp.step.base import StepBase, call_model, identity
+from ignite_amp.step.base import fire_amp_event as _fire
+from ignite_amp.step.chunks import ChunkWeights, cycle_at
+from ignite_amp.step.contracts import (
+    check_mean_reduction,
+    check_optimizer,
+    check_requires_grad,
+    check_scalar,
+    refuse_a_sum,
+)
+from ignite_amp.step.events import AmpEvents
+from ignite_amp.step.grad_norm import GradNorm
+from ignite_amp.step.scaler import agree_found_inf, build_scaler, found_inf
+from ignite_amp.transforms.float8 import float8_change
 
 __all__ = ["AmpStep"]
 

@@ -24,9 +24,9 @@ import warnings
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch.utils.checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ignite_amp.transforms.blocks import block_names
 

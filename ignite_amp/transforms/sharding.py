@@ -18,15 +18,26 @@ from ignite.base.mixins import Serializable
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ignite_amp.transforms.blocks import block_names
-from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
-from ignite_amp.files.checkpoints import SHARDED_KEYS, dcp_cause, refused_class, single_process_quiet, type_error, with_types
 from ignite_amp.core.collectives import is_distributed, is_sharded
 from ignite_amp.core.device import resolve_dtype
+from ignite_amp.files.checkpoints import (
+    SHARDED_KEYS,
+    dcp_cause,
+    refused_class,
+    single_process_quiet,
+    type_error,
+    with_types,
+)
+from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
+from ignite_amp.transforms.blocks import block_names
 
 __all__ = ["shard_model", "check_shardable", "is_sharded", "block_names", "ShardedModelState", "ShardedOptimizerState",
            "sharded_objects", "SHARDED_KEYS", "load_sharded", "load_full_model_state", "unreadable_shards"]

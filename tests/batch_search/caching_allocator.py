@@ -104,7 +104,7 @@ class CachingAllocatorStandIn:
         for segment in self.segments:
             if segment.small != small:
                 continue
-            for i, (offset, bsize, free) in enumerate(segment.blocks):
+            for i, (_, bsize, free) in enumerate(segment.blocks):
                 if free and bsize >= size and (best is None or bsize < best[2]):
                     best = (segment, i, bsize)
         if best is None:

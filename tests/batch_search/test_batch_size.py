@@ -12,9 +12,17 @@ from torch.nn.functional import cross_entropy
 import ignite_amp.batch_search.policy
 import ignite_amp.batch_search.runner
 import ignite_amp.batch_search.strategies
-from conftest import OOMAbove, ROOT, assert_doctests_pass
-from ignite_amp.batch_search import VERIFY_STAGES, Trial, fit_line, format_trials, search_batch_size
-from ignite_amp.batch_search import MemoryMeter, TrialRunner, find_batch_size
+from conftest import ROOT, OOMAbove, assert_doctests_pass
+from ignite_amp.batch_search import (
+    VERIFY_STAGES,
+    MemoryMeter,
+    Trial,
+    TrialRunner,
+    find_batch_size,
+    fit_line,
+    format_trials,
+    search_batch_size,
+)
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import load_config, write_batch_size
 
@@ -581,8 +589,8 @@ def test_gpu_backoff_recovers_from_real_ooms():
     CUDA out-of-memory error every time (issue 48: a cap from reserved peaks let 512 train)."""
     from torchvision.models import resnet18
 
-    from ignite_amp.handlers import OOMBackoff
     from ignite_amp import create_amp_trainer
+    from ignite_amp.handlers import OOMBackoff
 
     device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction needs an index
     model = resnet18(num_classes=10).to(device)
@@ -649,7 +657,7 @@ def test_gpu_resnet50_search_in_5_trials_and_30_s_then_an_epoch(tmp_path):
         truth = search_batch_size(fits, strategy="bisect", start=max(1, int(new.largest_fit * 0.9)), margin=0.0,
                                   tolerance=0.01)
         capacity = runner.capacity
-    del runner, fits  # the runner holds the model: give the run below the whole card
+    runner = fits = None  # the runner holds the model: give the run below the whole card
     print(f"\nnew: {len(new.trials)} trials {seconds:.1f} s -> {new.batch_size}; old: {len(old.trials)} trials "
           f"{old_seconds:.1f} s -> {old.batch_size}; true largest fit {truth.largest_fit}; capacity "
           f"{capacity / GiB:.1f} GiB\n{new.table}\n{old.table}")

@@ -5,8 +5,8 @@ import gc
 
 import pytest
 import torch
+from caching_allocator import AllocatingNet, CachingAllocatorStandIn, MiB
 from ignite.engine import Events
-from caching_allocator import MiB, AllocatingNet, CachingAllocatorStandIn
 from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer

@@ -5,8 +5,8 @@ import torch
 import yaml
 from torch import nn
 
-from ignite_amp.cli.main import main
 from ignite_amp.cli.compare import compare, format_table
+from ignite_amp.cli.main import main
 
 
 def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):

@@ -10,11 +10,10 @@ import yaml
 
 import ignite_amp.config.builtin as builtin_configs
 from conftest import CONFIGS, assert_doctests_pass
-from ignite_amp.config.builtin import (SCHEMA_FILE, SCHEMA_LINE, builtin_names, builtin_path, find_config,
-                                        init_config)
 from ignite_amp.cli.commands import _train_command
-from ignite_amp.cli.main import build_parser, main
 from ignite_amp.cli.configs import resolve_config
+from ignite_amp.cli.main import build_parser, main
+from ignite_amp.config.builtin import SCHEMA_FILE, SCHEMA_LINE, builtin_names, builtin_path, find_config, init_config
 from ignite_amp.config.tree import config_schema, load_config
 from ignite_amp.errors import ConfigError
 

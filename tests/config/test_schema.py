@@ -9,8 +9,8 @@ import yaml
 from conftest import CONFIGS
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import Config, config_schema, default_config, load_config
-from ignite_amp.errors import ConfigError
 from ignite_amp.core.config_keys import leaves
+from ignite_amp.errors import ConfigError
 from ignite_amp.run.resume import RULES
 
 SCHEMA_FILE = os.path.join(CONFIGS, "ignite-amp.schema.json")

@@ -3,9 +3,26 @@ import dataclasses
 
 import pytest
 
+from ignite_amp.core.config_keys import (
+    FIXED,
+    POSITIVE_INT,
+    Boolean,
+    Choice,
+    Integer,
+    Mapping,
+    Names,
+    Number,
+    ResumeValue,
+    Text,
+    argument,
+    defaults,
+    json_schema,
+    leaves,
+    section,
+    setting,
+    validate,
+)
 from ignite_amp.errors import ConfigError
-from ignite_amp.core.config_keys import (FIXED, POSITIVE_INT, Boolean, Choice, Integer, Mapping, Names, Number, ResumeValue,
-                               Text, argument, defaults, json_schema, leaves, section, setting, validate)
 
 
 @pytest.mark.parametrize("check, good, bad", [

@@ -7,8 +7,8 @@ import torch
 from ignite.engine import Engine, Events
 
 import ignite_amp.core.metric_modes
-from ignite_amp.handlers import BestCheckpoint, TensorBoardMetrics
 from ignite_amp.core.metric_modes import metric_mode
+from ignite_amp.handlers import BestCheckpoint, TensorBoardMetrics
 
 
 def test_docstring_examples_run():

@@ -16,8 +16,16 @@ import ignite_amp.data.device_batches as device_batches
 from conftest import OOMAbove, assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer
 from ignite_amp.config.tree import ConfigError, load_config
-from ignite_amp.data.datasets import (EpochShuffleSampler, LockstepBatches, ShuffleShardSampler, TensorImageDataset,
-                                      build_datasets, build_loaders, data_on_device, make_loader)
+from ignite_amp.data.datasets import (
+    EpochShuffleSampler,
+    LockstepBatches,
+    ShuffleShardSampler,
+    TensorImageDataset,
+    build_datasets,
+    build_loaders,
+    data_on_device,
+    make_loader,
+)
 from ignite_amp.data.device_batches import AUGMENT_SEED_OFFSET, DeviceBatches, choose_on_device, crop_and_flip
 from ignite_amp.data.passes import PassStream
 from ignite_amp.handlers import OOMBackoff
@@ -102,7 +110,7 @@ def candidates(image: torch.Tensor) -> torch.Tensor:
     """Every 4-pixel padded crop (9 x 9 offsets) of a uint8 image, unflipped and flipped: (162, C, H, W)."""
     c, h, w = image.shape
     padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
-    crops = torch.stack([padded[:, t:t + h, l:l + w] for t in range(9) for l in range(9)])
+    crops = torch.stack([padded[:, t:t + h, left:left + w] for t in range(9) for left in range(9)])
     return torch.cat([crops, crops.flip(-1)])
 
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy
+from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.data.prefetch as prefetch
-from torch.nn.functional import cross_entropy
-
 from conftest import OOMAbove, assert_doctests_pass, mlp, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.core.nested import map_tensors
@@ -155,7 +154,7 @@ def test_the_loaders_attributes_are_read_through_the_wrapper():
     assert len(wrapped) == 3 and wrapped.batch_size == 8 and wrapped.sampler is loader.sampler
     assert wrapped.dataset is loader.dataset and wrapped.drop_last is False
     with pytest.raises(AttributeError):
-        wrapped.no_such_attribute
+        _ = wrapped.no_such_attribute
 
 
 def record_ids(engine):

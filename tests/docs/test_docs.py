@@ -114,8 +114,8 @@ def _extras() -> set:
 def check_command(words: List[str], where: str, made: Optional[set] = None) -> None:
     """One documented shell command names real things (a config: a file, a built-in config's name, or a file
     that an ``ignite-amp init`` earlier in the block wrote: ``made``)."""
-    from ignite_amp.config.builtin import builtin_names
     from ignite_amp.cli.main import build_parser
+    from ignite_amp.config.builtin import builtin_names
 
     while words and "=" in words[0] and words[0] != "CI=true":  # VAR=value before the command
         words = words[1:]

@@ -23,10 +23,10 @@ from typing import List, NamedTuple, Optional
 import pytest
 import torch
 import yaml
-
-from conftest import ROOT
 from test_docs import code_blocks
 from test_layout import checkout_copy
+
+from conftest import ROOT
 
 VERBATIM = os.environ.get("IGNITE_AMP_VERBATIM") == "1"
 SMALLER = {"data.train_size": "64", "data.val_size": "32"}

@@ -1,14 +1,13 @@
 import os
 
 import pytest
-
-from conftest import assert_doctests_pass
 import torch
 from ignite.engine import Engine, Events
 
 import ignite_amp.handlers.best_checkpoint
-from ignite_amp.handlers import BestCheckpoint, CheckpointError
+from conftest import assert_doctests_pass
 from ignite_amp.cli.main import main
+from ignite_amp.handlers import BestCheckpoint, CheckpointError
 from ignite_amp.run.compose import build_run
 
 
@@ -139,8 +138,8 @@ class Runs:
 def test_a_file_that_holds_a_refused_class_is_one_line_and_never_renamed_or_run(tmp_path):
     """Issue 39.1: a sound pickle of a class weights_only loading refuses is not damage: resume stops in one line
     naming the class, and leaves the file (and the older checkpoints) as they are."""
-    from ignite_amp.files.checkpoints import load_checkpoint
     from ignite_amp.errors import CheckpointTypeError
+    from ignite_amp.files.checkpoints import load_checkpoint
 
     trainer, _ = scripted(tmp_path / "ckpts", [0.5])
     trainer.run([0], max_epochs=1)

@@ -8,10 +8,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.handlers.oom_backoff
 from conftest import OOMAbove, assert_doctests_pass, id_batches
-from ignite_amp.handlers import BatchSizeFloorError, OOMBackoff
-from ignite_amp.handlers.oom_backoff import backoff_micro_batches, micro_batch_size
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.config.tree import ConfigError
+from ignite_amp.handlers import BatchSizeFloorError, OOMBackoff
+from ignite_amp.handlers.oom_backoff import backoff_micro_batches, micro_batch_size
 from ignite_amp.run.compose import build_run
 
 

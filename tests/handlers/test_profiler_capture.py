@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.autograd import DeviceType
 from ignite.engine import Events
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.autograd import DeviceType
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.profiler_capture

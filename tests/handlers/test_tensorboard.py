@@ -8,7 +8,8 @@ from ignite.engine import Events
 from ignite.metrics import Accuracy, Loss
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.plugins.hparams import api_pb2, metadata as hparams_metadata
+from tensorboard.plugins.hparams import api_pb2
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.tensorboard.metrics

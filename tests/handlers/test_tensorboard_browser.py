@@ -8,11 +8,11 @@ import re
 import time
 
 import pytest
+from test_tensorboard_server import serve_tensorboard
 
 from ignite_amp import train_from_config
 from ignite_amp.cli.commands import _dashboard_hint
 from ignite_amp.files.run_directory import dashboard_command
-from test_tensorboard_server import serve_tensorboard
 
 DEEP = """const all = (root, sel, out = []) => { for (const el of root.querySelectorAll('*')) {
     if (el.matches(sel)) out.push(el); if (el.shadowRoot) all(el.shadowRoot, sel, out); } return out; };"""

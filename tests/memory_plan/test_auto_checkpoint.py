@@ -9,14 +9,13 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan.auto_checkpoint as auto_checkpoint
+from conftest import assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer, load_config
 from ignite_amp.memory_plan.auto_checkpoint import _ladder, checkpoint_to_fit
 from ignite_amp.memory_plan.choices import OptionPlanner
 from ignite_amp.step.facts import step_facts
-from ignite_amp.transforms.blocks import block_names
 from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpoint_policies, checkpointed_blocks
-
-from conftest import assert_doctests_pass, tiny_config
+from ignite_amp.transforms.blocks import block_names
 
 pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
 

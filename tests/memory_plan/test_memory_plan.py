@@ -7,13 +7,12 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan.plan as memory_plan
+from conftest import assert_doctests_pass
 from ignite_amp import create_amp_trainer
 from ignite_amp.batch_search import MemoryMeter
 from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer
 from ignite_amp.memory_plan.plan import estimate_memory, parse_bytes
 from ignite_amp.models import small_cnn
-
-from conftest import assert_doctests_pass
 
 pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
 

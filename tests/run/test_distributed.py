@@ -78,7 +78,7 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6
 def epoch_lines(text) -> list:
     """Epoch lines without the timing columns."""
     lines = text if isinstance(text, list) else text.splitlines()
-    return [re.sub(r"\s+[\d.]+s$", "", l) for l in lines if re.match(r"epoch \d+/\d+", l)]
+    return [re.sub(r"\s+[\d.]+s$", "", line) for line in lines if re.match(r"epoch \d+/\d+", line)]
 
 
 def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):

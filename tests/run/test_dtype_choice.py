@@ -11,10 +11,10 @@ import yaml
 
 import ignite_amp.core.device
 from conftest import CLOCK, ClockedCNN, tiny_config
+from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path, keep_choice, kept_choice, shown_path
 from ignite_amp.run import dtype_probe
 from ignite_amp.run import plan as run_plan
 from ignite_amp.run.compose import build_run
-from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path, keep_choice, kept_choice, shown_path
 from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype, probe_cpu_dtype
 from ignite_amp.run.resume import Plan, with_precision
 

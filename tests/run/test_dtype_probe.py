@@ -9,11 +9,11 @@ import torch
 import ignite_amp.core.device
 from conftest import CLOCK, ClockedCNN, tiny_config
 from ignite_amp import probe_cpu_dtype
-from ignite_amp.run import dtype_probe
-from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path
-from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype
 from ignite_amp.errors import ConfigError
+from ignite_amp.files.dtype_choice import CACHE_ENV
+from ignite_amp.run import dtype_probe
 from ignite_amp.run.compose import build_run
+from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -166,6 +166,7 @@ def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monk
     assert f"with bfloat16 autocast (dtype auto: {why}); output in" in start
     assert start in open(tmp_path / "run" / "train.log").read()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from ignite_amp.handlers.tensorboard.metrics import FACTS_TAG
 
     events = EventAccumulator(run.tensorboard_dir, size_guidance={"tensors": 0})

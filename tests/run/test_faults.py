@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from conftest import ROOT, error_lines, id_batches, mlp
-from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli.main import main
+from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
 
 
 def cli(*args):

@@ -2,6 +2,7 @@
 import os
 import re
 import shlex
+
 import pytest
 import torch
 import yaml

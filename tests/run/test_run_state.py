@@ -106,7 +106,7 @@ def _child(argv, out, fault):
         _install_fault(*fault)
     try:
         code = main(argv)
-    except BaseException:  # noqa: a bug: show it to the test
+    except BaseException:  # a bug: show it to the test
         import traceback
 
         traceback.print_exc()

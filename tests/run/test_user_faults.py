@@ -9,10 +9,9 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, tiny_config as config
+from conftest import ROOT
+from conftest import tiny_config as config
 from ignite_amp.cli.main import main
-
-
 
 
 def write(tmp_path, cfg, name="c.yaml"):

@@ -15,9 +15,9 @@ from torch.nn.functional import cross_entropy
 from conftest import hand_loop
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.cli.failures import describe
-from ignite_amp.step.contracts import warn_padding_without_items
 from ignite_amp.errors import SplitCheckError
 from ignite_amp.handlers import OOMBackoff
+from ignite_amp.step.contracts import warn_padding_without_items
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")

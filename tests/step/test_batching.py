@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ignite_amp.batching import batch_size_of, chunk_sizes, prepare_batch, split_batch, split_pairs
-from ignite_amp.errors import BatchError
 from ignite_amp.core.nested import detach, join_chunks, to_channels_last, to_float32
+from ignite_amp.errors import BatchError
 
 
 def xs(parts):

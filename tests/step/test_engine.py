@@ -1,16 +1,17 @@
 """ignite_amp.engine: the engines, amp_step_of, and which AmpEvents are dispatched."""
-import ignite_amp.engine
 import pytest
 import torch
+from ignite.engine import Events
 from torch.nn.functional import cross_entropy
 
-from ignite.engine import Events
+import ignite_amp.engine
 from conftest import assert_doctests_pass, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_trainer
 
 
 def test_handlers_need_an_amp_trainer():
     from ignite.engine import Engine
+
     from ignite_amp.handlers import GradientClipping
 
     with pytest.raises(TypeError, match="create_amp_trainer"):

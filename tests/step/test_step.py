@@ -1,11 +1,11 @@
 
-import pytest
 import ignite.distributed as idist
+import pytest
 import torch
+from ignite.engine import Events
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from ignite.engine import Events
 from conftest import OOMAbove, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 

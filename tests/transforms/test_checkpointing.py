@@ -13,12 +13,12 @@ from torch.nn.functional import cross_entropy, gelu
 import ignite_amp.transforms.activation_checkpointing
 from conftest import assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer, find_batch_size
-from ignite_amp.transforms.blocks import block_names
-from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks, describe_blocks
 from ignite_amp.errors import ConfigError
-from ignite_amp.step.facts import step_facts
 from ignite_amp.handlers import OOMBackoff
 from ignite_amp.run.compose import build_run, train_from_config
+from ignite_amp.step.facts import step_facts
+from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks, describe_blocks
+from ignite_amp.transforms.blocks import block_names
 from ignite_amp.transforms.sharding import shard_model
 
 GiB = 2**30

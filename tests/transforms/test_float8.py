@@ -10,11 +10,10 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import ignite_amp.transforms.float8 as f8
+from conftest import assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer, train_from_config
 from ignite_amp.step.facts import step_facts, summary_line
 from ignite_amp.transforms.float8 import convert_to_float8, float8_plan
-
-from conftest import assert_doctests_pass, tiny_config
 
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -429,8 +428,8 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
     load_full_model_state was a raw UnpicklingError. Without torchao it is one line, and nothing is renamed."""
     import subprocess
 
-    from ignite_amp.handlers import BestCheckpoint
     from conftest import ROOT
+    from ignite_amp.handlers import BestCheckpoint
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -493,8 +492,8 @@ def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_pa
     layers without the checkpoint (checkpointed_blocks: none); the Python path had the right order."""
     cfg = tiny_config(tmp_path, amp={"dtype": "float8", "activation_checkpointing": True},
                       model={"name": f"{__name__}:image_linear_blocks", "num_classes": 10, "kwargs": {}})
-    from ignite_amp.transforms.activation_checkpointing import checkpointed_blocks
     from ignite_amp.run.compose import build_run
+    from ignite_amp.transforms.activation_checkpointing import checkpointed_blocks
 
     run = build_run(cfg, print_fn=lambda line: None)
     try:

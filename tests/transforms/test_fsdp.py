@@ -23,8 +23,8 @@ from conftest import ROOT, error_lines, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer, load_config
 from ignite_amp.cli.main import main
 from ignite_amp.data.datasets import LockstepBatches
-from ignite_amp.files.checkpoints import load_checkpoint
 from ignite_amp.errors import CheckpointError, CheckpointWriteError
+from ignite_amp.files.checkpoints import load_checkpoint
 from ignite_amp.handlers import BestCheckpoint, GradientClipping
 from ignite_amp.run.compose import build_run
 from ignite_amp.transforms.sharding import block_names, load_full_model_state, shard_model

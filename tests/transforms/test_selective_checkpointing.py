@@ -7,16 +7,20 @@ import os
 
 import pytest
 import torch
+from test_checkpointing import batches, block_calls, net, relative_difference, train
 from torch import nn
 
 from conftest import ROOT, tiny_config
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
 from ignite_amp.step.facts import step_facts
+from ignite_amp.transforms.activation_checkpointing import (
+    SAVED_OPS,
+    checkpoint_blocks,
+    checkpoint_policies,
+    checkpointed_blocks,
+)
 from ignite_amp.transforms.sharding import shard_model
-from ignite_amp.transforms.activation_checkpointing import (SAVED_OPS, checkpoint_blocks, checkpoint_policies,
-                                                            checkpointed_blocks)
-from test_checkpointing import batches, block_calls, net, relative_difference, train
 
 
 @pytest.fixture
