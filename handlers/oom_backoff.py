@@ -55,7 +55,7 @@ def backoff_micro_batches(batch_size: int, micro_batches: int) -> Optional[int]:
     return math.ceil(batch_size / (size // 2))
 
 
-def _resizable(loader) -> bool:
+def _resizable(loader: Any) -> bool:
     """A torch DataLoader, or a loader that offers ``with_batch_size(n)`` (``ignite_amp.data.device_batches``),
     with a batch size."""
     return (isinstance(loader, DataLoader) or hasattr(loader, "with_batch_size")) and bool(
@@ -85,8 +85,8 @@ class OOMBackoff(Serializable):
     Attach one to the trainer and, if you like, another to the evaluator (which splits its
     batches the same way). Under DDP every rank backs off together: with this handler attached
     the step asks all ranks (one small all-reduce per iteration, on the CPU) whether any ran out
-    of memory before it all-reduces the gradients, so no rank is left waiting in a collective. Stateful: put it in the checkpoint so a resumed run starts at the
-    size that worked.
+    of memory before it all-reduces the gradients, so no rank is left waiting in a collective.
+    Stateful: put it in the checkpoint so a resumed run starts at the size that worked.
 
     Args:
         min_batch_size: smallest micro-batch to try.
@@ -150,6 +150,7 @@ class OOMBackoff(Serializable):
         next epoch starts from, so a resume makes the same choice): after backoffs, the loader yields the
         micro-batch size that worked, in one micro-batch."""
         step, data = self.step, engine.state.dataloader
+        loader: Any  # a DataLoader, DeviceBatches, or an iterable without a batch size (then never resized)
         # A loader prefetched to the device: its DataLoader is rebuilt, then wrapped the same way again.
         loader = data.loader if isinstance(data, DevicePrefetcher) else data
         # The loader's batch, not the epoch's last (often partial) one.
@@ -165,7 +166,7 @@ class OOMBackoff(Serializable):
         if loader.batch_size == self.loader_batch_size:
             return
         new = _with_batch_size(loader, self.loader_batch_size)
-        engine.set_data(data.with_loader(new) if isinstance(data, DevicePrefetcher) else new)
+        engine.set_data(data.with_loader(new) if isinstance(data, DevicePrefetcher) else new)  # (new: resizable)
         # Ignite keeps epoch_length across set_data: make it the new loader's, and keep the
         # iteration a whole number of epochs so resume and the end-of-run check stay right.
         engine.state.epoch_length = len(new)

@@ -167,56 +167,8 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
                  ("" if modes else "; float16 modes are left out (no fast CPU kernels: "
                                    "add them with --modes float16 float16+scaler, slowly)"))
 
-    from torch.utils.tensorboard import SummaryWriter
-
-    results: List[ModeResult] = []
-    for mode, dtype, use_scaler in chosen:
-        def make_trainer():
-            seed_everything(cfg["seed"])
-            model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
-            model.load_state_dict(initial)
-            amp = cfg["amp"]
-            try:
-                return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model, device),
-                                          torch.nn.functional.cross_entropy, device=device, dtype=dtype,
-                                          scaler=use_scaler, channels_last=amp["channels_last"],
-                                          fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"])
-            except ValueError as exc:
-                raise ConfigError(f"amp: {exc}") from None
-
-        trainer = make_trainer()
-        check_model_runs(cfg, trainer.amp_step)  # a shape or head the model cannot take: one line, now
-        losses, times, skipped = [], [], [0]
-
-        @trainer.on(Events.ITERATION_STARTED)
-        def started(_: Engine) -> None:
-            _sync(device)
-            times.append(time.perf_counter())
-
-        @trainer.on(Events.ITERATION_COMPLETED)
-        def record(engine):
-            losses.append(engine.amp_step.loss.item())  # a sync per step: measuring is the point here
-            times[-1] = time.perf_counter() - times[-1]
-
-        trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda _: skipped.__setitem__(0, skipped[0] + 1))
-        # What a training run of this dtype logs (loss scale and skipped steps with a scaler...), every step.
-        tb = TensorBoardMetrics(os.path.join(compare_dir, mode), log_every=1,
-                                facts={"mode": mode, "batch_size": loader.batch_size})
-        tb.attach(trainer)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            trainer.run(batches, max_epochs=1)
-        finally:
-            tb.close()
-        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-        where = _find_non_finite_layer(make_trainer, batches) if not all(map(math.isfinite, losses)) else None
-        results.append(ModeResult(mode, losses, skipped[0], statistics.median(times[1:] or times) * 1e3, peak,
-                                  first_non_finite=where))
-        with SummaryWriter(os.path.join(compare_dir, mode)) as writer:
-            for i, (loss, seconds) in enumerate(zip(losses, times), start=1):
-                writer.add_scalar("compare/loss", loss if math.isfinite(loss) else float("nan"), i)
-                writer.add_scalar("compare/step_ms", seconds * 1e3, i)
+    results = [_run_mode(cfg, device, initial, loader, batches, compare_dir, mode, dtype, use_scaler)
+               for mode, dtype, use_scaler in chosen]
 
     reference = results[0].losses
     # Steps compared: those before the reference went non-finite (after it, there is nothing to compare with).
@@ -229,8 +181,9 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
                 flag = f"NON-FINITE (the reference; first: {r.first_non_finite})"
             finished.append(r._replace(flag=flag))
             continue
-        abs_diffs = [abs(a - b) for a, b in zip(r.losses[:compared], reference)]
-        rel_diffs = [d / max(abs(b), 1e-8) for d, b in zip(abs_diffs, reference)]
+        # the first `compared` steps: zip stops there, with the reference longer
+        abs_diffs = [abs(a - b) for a, b in zip(r.losses[:compared], reference, strict=False)]
+        rel_diffs = [d / max(abs(b), 1e-8) for d, b in zip(abs_diffs, reference, strict=False)]
         max_abs = (max(abs_diffs) if all(map(math.isfinite, abs_diffs)) else math.inf) if abs_diffs else math.nan
         max_rel = (max(rel_diffs) if all(map(math.isfinite, rel_diffs)) else math.inf) if rel_diffs else math.nan
         flags = []
@@ -243,6 +196,59 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
                          if compared else "not compared: float32 went non-finite at step 1")
         finished.append(r._replace(max_abs_diff=max_abs, max_rel_diff=max_rel, flag="; ".join(flags)))
     return finished
+
+def _run_mode(cfg: dict, device: torch.device, initial: dict, loader: Any, batches: List[Any], compare_dir: str,
+              mode: str, dtype: str, use_scaler: bool) -> ModeResult:
+    """Train ``batches`` from the ``initial`` weights in one mode; its losses, step times, skips and peak memory."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    def make_trainer():
+        seed_everything(cfg["seed"])
+        model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+        model.load_state_dict(initial)
+        amp = cfg["amp"]
+        try:
+            return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model, device),
+                                      torch.nn.functional.cross_entropy, device=device, dtype=dtype,
+                                      scaler=use_scaler, channels_last=amp["channels_last"],
+                                      fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"])
+        except ValueError as exc:
+            raise ConfigError(f"amp: {exc}") from None
+
+    trainer = make_trainer()
+    check_model_runs(cfg, trainer.amp_step)  # a shape or head the model cannot take: one line, now
+    losses, times, skipped = [], [], [0]
+
+    @trainer.on(Events.ITERATION_STARTED)
+    def started(_: Engine) -> None:
+        _sync(device)
+        times.append(time.perf_counter())
+
+    @trainer.on(Events.ITERATION_COMPLETED)
+    def record(engine):
+        losses.append(engine.amp_step.loss.item())  # a sync per step: measuring is the point here
+        times[-1] = time.perf_counter() - times[-1]
+
+    trainer.add_event_handler(AmpEvents.STEP_SKIPPED, lambda _: skipped.__setitem__(0, skipped[0] + 1))
+    # What a training run of this dtype logs (loss scale and skipped steps with a scaler...), every step.
+    tb = TensorBoardMetrics(os.path.join(compare_dir, mode), log_every=1,
+                            facts={"mode": mode, "batch_size": loader.batch_size})
+    tb.attach(trainer)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        trainer.run(batches, max_epochs=1)
+    finally:
+        tb.close()
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    where = _find_non_finite_layer(make_trainer, batches) if not all(map(math.isfinite, losses)) else None
+    result = ModeResult(mode, losses, skipped[0], statistics.median(times[1:] or times) * 1e3, peak,
+                        first_non_finite=where)
+    with SummaryWriter(os.path.join(compare_dir, mode)) as writer:
+        for i, (loss, seconds) in enumerate(zip(losses, times, strict=True), start=1):
+            writer.add_scalar("compare/loss", loss if math.isfinite(loss) else float("nan"), i)
+            writer.add_scalar("compare/step_ms", seconds * 1e3, i)
+    return result
 
 
 def format_table(results: List[ModeResult]) -> str:

@@ -1,4 +1,5 @@
-"""Data sets and loaders: the built-in ``shapes`` set, CIFAR-10/100, ImageFolder and ``fake`` (the samplers: ``samplers``).
+"""Data sets and loaders: the built-in ``shapes`` set, CIFAR-10/100, ImageFolder and ``fake`` (the samplers:
+``samplers``).
 
 ``shapes`` is generated from a seed (no download): ten classes of simple figures (disk,
 ring, square, frame, triangle, diamond, plus, cross, bars) at random places, sizes and
@@ -8,7 +9,7 @@ import dataclasses
 import logging
 import os
 import pickle
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, Union, cast
 
 import ignite.distributed as idist
 import torch
@@ -22,7 +23,9 @@ from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, Lock
 from ignite_amp.data.workers import WorkersChoice, choose_num_workers, usable_cores
 from ignite_amp.errors import ConfigError
 
-__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError", "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders", "data_workers", "data_on_device", "SHAPE_CLASSES"]
+__all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError",
+           "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders",
+           "data_workers", "data_on_device", "SHAPE_CLASSES"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -176,13 +179,14 @@ def _download_cifar(root: str, fine: bool) -> None:
                           f"{'cifar-100-python' if fine else 'cifar-10-batches-py'} folder there yourself") from None
 
 
-def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]):
+def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     return (images, labels) if size is None else (images[:size], labels[:size])
 
 
 def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset, Dataset, int]:
     """The train and validation sets for ``cfg["data"]`` and the number of classes they hold."""
     name, root, augment = data["name"], data["root"], data["augment"]
+    classes: Sequence[str]
     if name == "shapes":
         size = data["image_size"] or 32
         train = make_shapes(data["train_size"] or 8000, size, seed=seed)
@@ -192,9 +196,10 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
         fine = name == "cifar100"
         if data["download"]:
             _download_cifar(root, fine)
-        *train, classes = read_cifar(root, train=True, fine=fine)
-        *val, _ = read_cifar(root, train=False, fine=fine)
-        train, val = _subset(*train, data["train_size"]), _subset(*val, data["val_size"])
+        train_images, train_labels, classes = read_cifar(root, train=True, fine=fine)
+        val_images, val_labels, _ = read_cifar(root, train=False, fine=fine)
+        train = _subset(train_images, train_labels, data["train_size"])
+        val = _subset(val_images, val_labels, data["val_size"])
         mean, std = CIFAR_MEAN, CIFAR_STD
     elif name == "fake":
         size = data["image_size"] or 32
@@ -228,14 +233,14 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
     return train_set, val_set, len(classes)
 
 
-def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, device: torch.device,
+def make_loader(dataset: Any, batch_size: int, train: bool, num_workers: int, device: torch.device,
                 seed: int = 0, no_single_last: bool = False, lockstep: bool = False,
-                micro_batches: int = 1, on_device: bool = False) -> DataLoader:
+                micro_batches: int = 1, on_device: bool = False) -> Union[DataLoader, DeviceBatches]:
     """A loader through ``idist.auto_dataloader``, pinned on CUDA, persistent workers when there are workers.
 
     ``batch_size`` is the global batch: under data-parallel training each of the N ranks loads
-    ``batch_size / N`` (validation: rounded down; and ``num_workers`` is shared out over the processes of a machine). The
-    training order is drawn from ``seed + epoch`` (``set_epoch``), the same permutation in one
+    ``batch_size / N`` (validation: rounded down; and ``num_workers`` is shared out over the processes of a
+    machine). The training order is drawn from ``seed + epoch`` (``set_epoch``), the same permutation in one
     process (:class:`EpochShuffleSampler`) as over N (:class:`ShuffleShardSampler`), so the global
     batches are the same sets of samples. Validation is sharded without padding.
     ``no_single_last``: a training epoch whose last batch would hold one sample (which BatchNorm
@@ -257,6 +262,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         workers = -(-num_workers // idist.get_nproc_per_node())
         return DataLoader(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
                           num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    sampler: Any  # one of the samplers module's (each has a len), or None: in order
     if world > 1:
         if train and batch_size % world:
             raise ConfigError(f"data.batch_size: {batch_size} is the global batch and should divide evenly over "
@@ -275,7 +281,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     if on_device:  # auto_dataloader's batch per process: the global batch over the ranks, when it divides
         per_rank = batch_size // world if world > 1 and batch_size >= world else batch_size
         return DeviceBatches(dataset, per_rank, sampler, drop_last=drop_last, device=device, seed=seed)
-    return idist.auto_dataloader(
+    return cast(DataLoader, idist.auto_dataloader(  # (another kind of loader on XLA devices only)
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -283,7 +289,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
-    )
+    ))
 
 
 def data_workers(data: dict, device: torch.device) -> WorkersChoice:
@@ -295,8 +301,9 @@ def data_workers(data: dict, device: torch.device) -> WorkersChoice:
 def data_on_device(data: dict, device: torch.device, datasets: Sequence[Dataset]) -> OnDeviceChoice:
     """``data.on_device`` for these data sets on ``device`` (``auto``:
     :func:`ignite_amp.data.device_batches.choose_on_device`, from their uint8 images' bytes)."""
-    in_memory = all(isinstance(d, TensorImageDataset) for d in datasets)
-    size = sum(d.images.numel() for d in datasets) if in_memory else 0
+    images = [d.images for d in datasets if isinstance(d, TensorImageDataset)]
+    in_memory = len(images) == len(datasets)
+    size = sum(i.numel() for i in images) if in_memory else 0
     return choose_on_device(data.get("on_device", "auto"), device.type, in_memory, size, device_memory(device))
 
 

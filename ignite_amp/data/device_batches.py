@@ -20,10 +20,10 @@ each sample's crop offset and flip come from a generator seeded from the run's s
 (:func:`augment_draws`, drawn on the CPU for every sample of the set), so a run is reproducible, a resumed
 run draws what the uninterrupted one drew, and the draws do not depend on the device or the process count.
 """
-from typing import Iterator, NamedTuple, Optional, Tuple, Union
+from typing import Any, Iterator, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
-from torch.utils.data import Dataset, SequentialSampler
+from torch.utils.data import SequentialSampler
 
 __all__ = ["MAX_SHARE", "MAX_BYTES", "OnDeviceChoice", "choose_on_device", "device_memory", "augment_draws",
            "DeviceBatches"]
@@ -93,6 +93,17 @@ def crop_and_flip(images: torch.Tensor, offsets: torch.Tensor, flips: torch.Tens
                   cols[:, None, None, :]]
 
 
+class TensorImages(Protocol):
+    """What :class:`DeviceBatches` reads of its data set (a ``TensorImageDataset``)."""
+
+    images: torch.Tensor  #: uint8, (N, C, H, W)
+    labels: torch.Tensor
+    mean: torch.Tensor  #: (C, 1, 1), in 0-255 units
+    std: torch.Tensor
+
+    def __len__(self) -> int: ...
+
+
 class DeviceBatches:
     """Batches of an in-memory image set (``images``, ``labels``, ``mean``, ``std``, ``augment``: a
     :class:`~ignite_amp.data.datasets.TensorImageDataset`) cut on ``device``: a drop-in for its DataLoader.
@@ -114,7 +125,8 @@ class DeviceBatches:
     num_workers = 0
     pin_memory = False
 
-    def __init__(self, dataset: Dataset, batch_size: Optional[int] = None, sampler=None, batch_sampler=None,
+    def __init__(self, dataset: TensorImages, batch_size: Optional[int] = None, sampler: Any = None,
+                 batch_sampler: Any = None,
                  drop_last: bool = False, device: Union[str, torch.device] = "cpu", seed: int = 0,
                  _tensors: Optional[tuple] = None):
         if (batch_size is None) == (batch_sampler is None):
@@ -139,6 +151,7 @@ class DeviceBatches:
     def __len__(self) -> int:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
+        assert self.batch_size is not None  # (one of the two, checked in __init__)
         whole, part = divmod(len(self.sampler), self.batch_size)
         return whole + (1 if part and not self.drop_last else 0)
 
@@ -147,10 +160,12 @@ class DeviceBatches:
             for indices in self.batch_sampler:
                 yield torch.as_tensor(indices, dtype=torch.long).to(self.device, non_blocking=True)
             return
+        size = self.batch_size
+        assert size is not None  # (one of the two, checked in __init__)
         order = torch.as_tensor(list(self.sampler), dtype=torch.long).to(self.device, non_blocking=True)
-        end = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
-        for begin in range(0, end, self.batch_size):
-            yield order[begin:begin + self.batch_size]
+        end = len(order) - len(order) % size if self.drop_last else len(order)
+        for begin in range(0, end, size):
+            yield order[begin:begin + size]
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         images, labels, mean, std = self._tensors

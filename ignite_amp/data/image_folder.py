@@ -49,7 +49,7 @@ def _loop_safe_make_dataset(directory, class_to_idx, extensions=None, is_valid_f
             continue
         top_real = os.path.realpath(top)
 
-        def foreign(real: str) -> bool:  # in this split, but not in this class's folder
+        def foreign(real: str, top_real: str = top_real) -> bool:  # in this split, not in this class's folder
             return _inside(real, split) and not _inside(real, top_real)
 
         seen, found, files_seen = {top_real}, [], set()
@@ -112,7 +112,8 @@ def check_images(paths: Sequence[str], workers: int = 0) -> None:
 
 
 def image_folder(root: str, split: str, image_size: int, augment: bool, mean: tuple, std: tuple):
-    """``root/split`` as a loop-safe ``ImageFolder`` with the resize (and, for training, augmentation) of ``image_size``."""
+    """``root/split`` as a loop-safe ``ImageFolder`` with the resize (and, for training, augmentation) of
+    ``image_size``."""
     from torchvision import datasets, transforms
 
     path = os.path.join(root, split)

@@ -40,7 +40,10 @@ class PassStream:
 
     def __iter__(self) -> Iterator:
         passes, batches = divmod(self.position(), len(self.loader))
+        sampler: Any = self.loader.sampler  # (its set_epoch and the batch size: checked in __init__)
+        size = self.loader.batch_size
+        assert size is not None
         while True:
-            self.loader.sampler.set_epoch(passes + 1, start=batches * self.loader.batch_size)
+            sampler.set_epoch(passes + 1, start=batches * size)
             yield from self.loader
             passes, batches = passes + 1, 0

@@ -13,7 +13,7 @@ is tested on a CPU with a recording stand-in. Everything else of the loader (``l
 ``batch_size``, ``dataset``) is the wrapped loader's, read through the wrapper.
 """
 from functools import partial
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 
@@ -84,7 +84,7 @@ class DevicePrefetcher:
         (3, [2.0, 2.0, 2.0])
     """
 
-    def __init__(self, loader: Iterable, device: Union[str, torch.device], prepare: Optional[Callable] = None,
+    def __init__(self, loader: Any, device: Union[str, torch.device], prepare: Optional[Callable] = None,
                  streams: Optional[Any] = None):
         self.loader = loader
         self.device = torch.device(device)
@@ -96,7 +96,7 @@ class DevicePrefetcher:
         """Whether batches are copied ahead on a side stream (on CUDA, or with a given ``streams``)."""
         return self.streams is not None
 
-    def with_loader(self, loader: Iterable) -> "DevicePrefetcher":
+    def with_loader(self, loader: Any) -> "DevicePrefetcher":
         """``loader`` prefetched as this one is (same device, ``prepare`` and side stream)."""
         return DevicePrefetcher(loader, self.device, self.prepare, self.streams)
 
@@ -126,11 +126,12 @@ class DevicePrefetcher:
         batch = next(batches, _END)
         if batch is _END:
             return _END
+        assert self.streams is not None  # (only prefetching copies ahead)
         with self.streams.copying():
             return self.prepare(batch)
 
 
-def device_loader(loader: Iterable, device: Union[str, torch.device]) -> Iterable:
+def device_loader(loader: Any, device: Union[str, torch.device]) -> Any:
     """``loader`` as a config run reads it: a :class:`DevicePrefetcher` on CUDA, ``loader`` itself elsewhere and
     for batches already cut on the device (``data.on_device``: nothing to copy)."""
     if isinstance(loader, DeviceBatches):

@@ -3,10 +3,10 @@ process (:class:`EpochShuffleSampler`) as over several (:class:`ShuffleShardSamp
 batches an uninterrupted one would; validation sharded without padding (:class:`EvenShardSampler`), and as many
 batches on every rank for a sharded model (:class:`LockstepBatches`). ``ignite_amp.data`` re-exports them.
 """
-from typing import Optional
+from typing import Iterator, Optional, Sized
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 __all__ = ["EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "LockstepBatches"]
 
@@ -60,10 +60,11 @@ class EvenShardSampler(DistributedSampler):
 
     def __init__(self, dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
+        self.total = len(dataset)
+        self.num_samples = len(range(self.rank, self.total, self.num_replicas))
 
-    def __iter__(self):
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total, self.num_replicas))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -76,7 +77,7 @@ class LockstepBatches:
     differ by one sample at most, and the last batch takes what is left (up to ``batch_size + 1``).
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: Optional[int] = None,
+    def __init__(self, dataset: Sized, batch_size: int, num_replicas: Optional[int] = None,
                  rank: Optional[int] = None):
         shard = EvenShardSampler(dataset, num_replicas=num_replicas, rank=rank)
         self.indices = list(shard)

@@ -149,7 +149,8 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     _attach_handlers(run)
     if resuming.path is not None:
         run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
-                                epoch_length, scheduled=scheduler is not None))
+                             epoch_length, scheduled=scheduler is not None))
+        assert run.checkpoint is not None  # (a resume plan has a checkpoint handler)
         run.resumed_from = run.checkpoint.resumed_path  # an unreadable choice fell back to an older one
     if main:
         layout = RunLayout(cfg["output_dir"])
@@ -189,7 +190,8 @@ def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if _sharded(cfg) and not is_distributed():  # one process: the same checks of the blocks as on N
         _shard(cfg, model, device, check_only=True)
     if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format
-        model.to(device, memory_format=torch.channels_last if amp["channels_last"] else torch.preserve_format)
+        layout = torch.channels_last if amp["channels_last"] else torch.preserve_format
+        model.to(device, memory_format=layout)  # type: ignore[call-overload]  # (torch's stubs lack this form)
         if _sharded(cfg):
             trained = model = _shard(cfg, model, device)
             optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=True)  # over the shards
@@ -217,7 +219,8 @@ def _sharded(cfg: dict) -> bool:
 
 
 def _shard(cfg: dict, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
-    """``distributed.strategy: fsdp``: the model sharded over the processes (:func:`ignite_amp.transforms.sharding.shard_model`)."""
+    """``distributed.strategy: fsdp``: the model sharded over the processes
+    (:func:`ignite_amp.transforms.sharding.shard_model`)."""
     dist, amp = cfg["distributed"], cfg["amp"]
     try:
         if check_only:
