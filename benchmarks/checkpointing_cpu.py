@@ -39,7 +39,8 @@ def main() -> None:
     batch = (torch.randint(0, vocab, (args.batch, args.tokens), generator=g),
              torch.randint(0, vocab, (args.batch, args.tokens), generator=g))
     planner = OptionPlanner(base, torch.optim.SGD(base.parameters(), lr=0.01, momentum=0.9), next_token_loss,
-                            lambda n: (torch.randint(0, vocab, (n, args.tokens)), torch.randint(0, vocab, (n, args.tokens))),
+                            lambda n: (torch.randint(0, vocab, (n, args.tokens)),
+                                       torch.randint(0, vocab, (n, args.tokens))),
                             args.batch, device="cpu", dtype="float32")
     n = len(planner.names)
     planned = {"none": planner(0, 0), "selective": planner(0, n), "full": planner(n, 0)}

@@ -111,8 +111,9 @@ def main() -> None:
     torch.multiprocessing.spawn(body, args=(args.nproc, port, args, out), nprocs=args.nproc)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(args.nproc)]
     n_params = sum(p.numel() for p in build(args.width, args.blocks).parameters())
-    print(f"{args.nproc} gloo processes, {args.blocks} x Linear({args.width}) + head: {n_params / 1e6:.1f} M parameters, "
-          f"AdamW, {args.batch} samples per process, {args.steps} steps x {args.repeats} repeats, torch {torch.__version__}")
+    print(f"{args.nproc} gloo processes, {args.blocks} x Linear({args.width}) + head: "
+          f"{n_params / 1e6:.1f} M parameters, AdamW, {args.batch} samples per process, "
+          f"{args.steps} steps x {args.repeats} repeats, torch {torch.__version__}")
     print("| dtype | strategy | params MB per rank | optimizer state MB per rank | ms per step (median) |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes:

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the suite's code")
-    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; the opt-in i, k, l, m, n, p, q, r and s only when named)")
+    parser.add_argument("--only", default="", help="section letters to run, e.g. 'ce' (default: a to h and j; "
+                                                   "the opt-in i, k, l, m, n, p, q, r and s only when named)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_suite.py"] + (sys.argv[1:] if argv is None else list(argv)))
     start = time.monotonic() - seconds_since_start()  # the imports count against the 6 minutes too

@@ -2,8 +2,8 @@
 
 For each case the plan (``ignite_amp.estimate_memory``: the step on fake tensors under ``MemTracker``) and the
 real step of the same model, optimizer state and batch, tracked with the same ``MemTracker``
-(``ignite_amp.memory_plan.fake_step.step_tracker``), from a fresh ``create_amp_trainer`` with the optimizer's state as after a
-first step. Then the plan's wall time against one real step (the step alone, not the tracker's cost) for the
+(``ignite_amp.memory_plan.fake_step.step_tracker``), from a fresh ``create_amp_trainer`` with the optimizer's state as
+after a first step. Then the plan's wall time against one real step (the step alone, not the tracker's cost) for the
 quickstart config's model and batch and for a ~110M-parameter GPT-style decoder.
 
     python benchmarks/memory_plan_cpu.py

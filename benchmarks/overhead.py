@@ -42,7 +42,7 @@ from ignite_amp.core.device import resolve_device, resolve_dtype
 from ignite_amp.models import build_model
 
 HAND, HAND_CLIP, HAND_NORM = ("hand-written loop", "hand-written loop + clip_grad_norm_",
-                             "hand-written loop + get_total_norm")
+                              "hand-written loop + get_total_norm")
 IGNITE, OURS, ALL = "Ignite create_supervised_trainer", "create_amp_trainer", "+ all default handlers"
 CLIP, TB = "+ GradientClipping(max_norm=1.0)", "+ TensorBoardMetrics(log_every=50)"
 CLIP_WORK, NORM_WORK = "clip_grad_norm_(params, 1.0, foreach=True) alone", "get_total_norm(grads, foreach=True) alone"
@@ -272,17 +272,19 @@ def overhead_table(times: Dict[str, list], iters: int, unit: str = "us") -> dict
     clip_alone, norm_alone = statistics.median(per[CLIP_WORK]), statistics.median(per[NORM_WORK])
     clip_in_loop, norm_in_loop = by[HAND_CLIP]["over"], over(HAND_NORM + STAMPED, HAND + STAMPED)
     digits = 1 if unit == "us" else 3
-    by[CLIP].update(work=f"`clip_grad_norm_` alone {clip_alone:.{digits}f}; in the hand loop {clip_in_loop:+.{digits}f}")
+    by[CLIP].update(work=f"`clip_grad_norm_` alone {clip_alone:.{digits}f}; "
+                         f"in the hand loop {clip_in_loop:+.{digits}f}")
     between = over(TB + STAMPED, OURS + STAMPED)
     by[TB].update(between_logs=between, work=f"`get_total_norm` alone {norm_alone:.{digits}f}; in the hand loop, "
-                                              f"between logs {norm_in_loop:+.{digits}f}")
+                                             f"between logs {norm_in_loop:+.{digits}f}")
     ignite = by[IGNITE]["over"] if IGNITE in by else None
     ratios = [("all default handlers over ours bare / Ignite's bare over the hand loop", 1.0,
                by[ALL]["over"] / ignite if ignite and ignite > 0 else None),
               ("the same, less the clipping's own work (clip_grad_norm_ in the hand loop)", 1.0,
                (by[ALL]["over"] - clip_in_loop) / ignite if ignite and ignite > 0 else None),
               ("GradientClipping over ours bare / clip_grad_norm_ alone", 1.2, by[CLIP]["over"] / clip_alone),
-              ("GradientClipping over ours bare / clip_grad_norm_ in the hand loop", 1.2, by[CLIP]["over"] / clip_in_loop),
+              ("GradientClipping over ours bare / clip_grad_norm_ in the hand loop", 1.2,
+               by[CLIP]["over"] / clip_in_loop),
               ("TensorBoardMetrics between logs / one get_total_norm alone", 1.2, between / norm_alone),
               ("TensorBoardMetrics between logs / get_total_norm in the hand loop", 1.2, between / norm_in_loop)]
     return {"rows": rows, "ratios": ratios, "unit": unit}

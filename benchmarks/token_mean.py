@@ -37,7 +37,8 @@ def trained(batches: list, micro_batches: int, accumulation_steps: int, weigh_it
                                  device="cpu", dtype="float32", model_fn=lm_model_fn, micro_batches=micro_batches,
                                  accumulation_steps=accumulation_steps, num_items=tokens if weigh_items else None)
     grads = []
-    trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: grads.append([p.grad.clone() for p in model.parameters()]))
+    trainer.add_event_handler(AmpEvents.GRADS_READY,
+                              lambda e: grads.append([p.grad.clone() for p in model.parameters()]))
     trainer.run(batches, max_epochs=1)
     return grads[0], [p.detach().clone() for p in model.parameters()]
 

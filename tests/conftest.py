@@ -120,7 +120,8 @@ class OOMAbove(nn.Module):
 
     def forward(self, x):
         if x.shape[0] > self.limit:
-            self.raised = torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples (stand-in)")
+            self.raised = torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples "
+                                                 "(stand-in)")
             raise self.raised
         if self.training:
             self.seen.extend(x[:, 0].round().long().tolist())

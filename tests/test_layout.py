@@ -165,7 +165,7 @@ def test_the_boundaries_that_matter():
     graph = import_graph()
     importers_of_handlers = {m for m, deps in graph.items()
                              if not m.startswith("ignite_amp.handlers") and any(d.startswith("ignite_amp.handlers")
-                                                                                 for d in deps)}
+                                                                                for d in deps)}
     # The config tree gathers each handler's own declaration, resume finds its checkpoint, the composition root
     # attaches the handlers, compare logs with TensorBoardMetrics. Nothing else imports a handler.
     assert importers_of_handlers == {"ignite_amp.run.compose", "ignite_amp.config.tree", "ignite_amp.run.resume",
@@ -222,7 +222,8 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     assert "ignite_amp/handlers/oom_backoff.py" in names and "ignite_amp/handlers/__init__.py" in names
     assert "ignite_amp/batch_search/policy.py" in names and "ignite_amp/handlers/tensorboard/metrics.py" in names
     # The ready configs and their schema: the wheel trains without a checkout (ignite-amp train quickstart).
-    shipped = {f"ignite_amp/configs/{n}" for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith((".yaml", ".json"))}
+    shipped = {f"ignite_amp/configs/{n}" for n in os.listdir(os.path.join(ROOT, "configs"))
+               if n.endswith((".yaml", ".json"))}
     assert "ignite_amp/configs/quickstart.yaml" in shipped and shipped <= set(names), shipped - set(names)
     from ignite_amp import __version__
     assert wheel.startswith(f"ignite_amp-{__version__}-"), wheel  # the version: ignite_amp/version.py alone
@@ -231,7 +232,8 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
 def test_importing_the_package_leaves_logging_alone():
     code = ("import logging; before = {n: logging.getLogger(n).level for n in logging.root.manager.loggerDict}; "
             "root = logging.getLogger().level; handlers = list(logging.getLogger().handlers); "
-            "import ignite_amp, ignite_amp.run.compose, ignite_amp.cli.main, ignite_amp.launcher, ignite_amp.cli.compare; "
+            "import ignite_amp, ignite_amp.run.compose, ignite_amp.cli.main, ignite_amp.launcher, "
+            "ignite_amp.cli.compare; "
             "changed = {n: l for n, l in before.items() if logging.getLogger(n).level != l}; "
             "new = [n for n in logging.root.manager.loggerDict if logging.getLogger(n).level != logging.NOTSET "
             "and n not in before]; "

@@ -38,7 +38,7 @@ class Browser:
                     raise
                 time.sleep(0.1)
         options = {"binary": browser, "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                                                "--disable-dev-shm-usage", f"--window-size={size[0]},{size[1]}"]}
+                                               "--disable-dev-shm-usage", f"--window-size={size[0]},{size[1]}"]}
         self.session = self._call("POST", "/session", {"capabilities": {"alwaysMatch": {
             "browserName": "chrome", "goog:chromeOptions": options}}})["sessionId"]
 

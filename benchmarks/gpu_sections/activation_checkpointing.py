@@ -142,7 +142,8 @@ def checkpointing_policies(ctx: Context) -> None:
             ctx.target(f"{name}: auto in a limit halfway between none's and full's peaks fits and is faster than full",
                        value, ok)
     ctx.note("Selective keeps the outputs of ignite_amp.transforms.activation_checkpointing.SAVED_OPS (matmuls, "
-             "convolutions, attention) and recomputes the rest. Without CUDA there is no memory figure and no auto row.")
+             "convolutions, attention) and recomputes the rest. Without CUDA there is no memory figure and no auto "
+             "row.")
 
 
 def _checkpointing_step(spec: dict, on, size: dict, device: torch.device, limit_mb: Optional[float] = None) -> dict:

@@ -6,8 +6,8 @@ m. Memory format and fused step: ResNet-50 at 224x224, batch 128, data on the GP
    defaults but an unfused step (what the fused step alone gives); the fused and the foreach step's parameters after
    the same steps, to ``torch.testing.assert_close``'s tolerance.
 n. The input path: the quickstart config trained by ``build_run`` for two epochs with ``data.num_workers: auto``
-   (pinned memory, non-blocking copies and the next batch prefetched on a side stream on CUDA) and with ``num_workers: 0``; the data-wait share its own health
-   summary reports.
+   (pinned memory, non-blocking copies and the next batch prefetched on a side stream on CUDA) and with
+   ``num_workers: 0``; the data-wait share its own health summary reports.
 o. CUDA graphs: ResNet-18 (CIFAR stem) at 32x32, batch 256, bfloat16, eager against ``compile="reduce-overhead"``
    (after its compilation and parity check), both with the fused step; whether the parity check passed.
 """
@@ -158,8 +158,8 @@ def cuda_graphs(ctx: Context) -> None:
         smoke=dict(factory=tiny_cnn, model="small_cnn width 8", batch=8, image=16, steps=2, repeats=2, warmup=2))
     device = ctx.device
     ctx.result["data"].update(model=size["model"], batch=size["batch"], image=size["image"], dtype="bfloat16")
-    ctx.table("eager against CUDA graphs (compile reduce-overhead)", ["variant", "step_ms", "parity", "fell_back",
-                                                                       "status"])
+    ctx.table("eager against CUDA graphs (compile reduce-overhead)",
+              ["variant", "step_ms", "parity", "fell_back", "status"])
     measured = {}
     for label, compile in (("eager", False), ("compile reduce-overhead", "reduce-overhead")):
         if compile and not ctx.cuda:

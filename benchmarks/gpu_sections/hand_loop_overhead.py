@@ -61,7 +61,8 @@ def overhead(ctx: Context) -> None:
             verdict = verdict_of(low, high, limit)
             ctx.target(f"{label} {dtype_name}: {name} within {(limit - 1) * 100:.0f}% of the hand loop",
                        f"{(median - 1) * 100:+.2f}% (95% CI {(low - 1) * 100:+.2f}% to {(high - 1) * 100:+.2f}%, "
-                       f"{len(times[name])} rounds){': inconclusive at this noise' if verdict == 'inconclusive' else ''}",
+                       f"{len(times[name])} rounds)"
+                       f"{': inconclusive at this noise' if verdict == 'inconclusive' else ''}",
                        verdict)
     ctx.note("Default handlers: overhead.attach_default_handlers (the handlers a config attaches by default). "
              "Each round times one block per variant, in a rotating order; batches stay on the device.")

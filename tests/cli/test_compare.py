@@ -28,7 +28,7 @@ def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
             for mode in ("float16", "float16+scaler", "bfloat16")}
     assert {"precision/loss_scale", "precision/skipped_steps", "loss"} <= tags["float16+scaler"]
     assert "loss" in tags["bfloat16"] and not {t for t in tags["bfloat16"] | tags["float16"]
-                                                        if t.startswith("precision/")}
+                                               if t.startswith("precision/")}
 
 
 def scalar_tags(path):
@@ -91,7 +91,7 @@ def _nan_cfg(quick_cfg, nan_from):
 
 def test_a_non_finite_reference_is_named_and_blames_no_finite_mode(quick_cfg):
     results = {r.mode: r for r in compare(_nan_cfg(quick_cfg, 1), steps=3, modes=["bfloat16"],
-                                           print_fn=lambda *a: None)}
+                                          print_fn=lambda *a: None)}
     # The first non-finite value came out of the model's own forward at step 1 (not "layer stem at step 2",
     # where the NaN weights of step 1's update showed up next).
     assert results["float32"].first_non_finite == "the model's own forward (outside its layers) at step 1"

@@ -18,8 +18,9 @@ from ignite_amp.config.tree import config_schema, load_config
 from ignite_amp.errors import ConfigError
 
 # The quickstart made tiny: a run of a few seconds on a CPU.
-TINY = ["--set", "device=cpu", "--set", "data.train_size=64", "--set", "data.val_size=32", "--set", "data.batch_size=32",
-        "--set", "data.image_size=16", "--set", "model.kwargs={width: 8}", "--set", "train.epochs=1",
+TINY = ["--set", "device=cpu", "--set", "data.train_size=64", "--set", "data.val_size=32",
+        "--set", "data.batch_size=32", "--set", "data.image_size=16", "--set", "model.kwargs={width: 8}",
+        "--set", "train.epochs=1",
         "--set", "handlers.tensorboard.enabled=false"]
 
 
@@ -93,7 +94,8 @@ def test_train_by_name_from_another_directory_says_which_config_it_took(elsewher
     args = build_parser().parse_args(["train", "quickstart", "--set", "seed=1"])
     resolve_config(args)
     capsys.readouterr()
-    assert args.config == builtin_path("quickstart") and _train_command(args) == "ignite-amp train quickstart --set seed=1"
+    assert args.config == builtin_path("quickstart")
+    assert _train_command(args) == "ignite-amp train quickstart --set seed=1"
 
 
 def test_find_batch_size_does_not_write_into_the_installed_package(elsewhere, capsys):

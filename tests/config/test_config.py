@@ -35,7 +35,8 @@ def test_config_file_and_overrides(tmp_path):
 
 
 BAD = [
-    ({"handlers": {"clipping": {"max_norm": "x"}}}, 'handlers.clipping.max_norm: expected a positive number or null, got "x"'),
+    ({"handlers": {"clipping": {"max_norm": "x"}}},
+     'handlers.clipping.max_norm: expected a positive number or null, got "x"'),
     ({"handlers": {"clipping": {"max_norm": -1}}}, "handlers.clipping.max_norm: expected a positive number"),
     ({"amp": {"dtyp": "float16"}}, "amp.dtyp: unknown key"),
     ({"amp": {"dtype": "half"}}, 'amp.dtype: expected one of auto, float16, bfloat16, float32, float8, got "half"'),

@@ -38,7 +38,8 @@ def test_the_shipped_schema_file_is_the_generated_one(tmp_path):
     out = tmp_path / "s.json"
     assert main(["schema", "-o", str(out)]) == 0
     assert json.loads(out.read_text()) == config_schema()
-    assert json.load(open(SCHEMA_FILE)) == config_schema(), "regenerate: ignite-amp schema -o configs/ignite-amp.schema.json"
+    assert json.load(open(SCHEMA_FILE)) == config_schema(), \
+        "regenerate: ignite-amp schema -o configs/ignite-amp.schema.json"
     jsonschema.Draft7Validator.check_schema(config_schema())
 
 
@@ -54,8 +55,8 @@ def test_every_shipped_config_names_the_schema_and_passes_it():
 
 
 CANDIDATES = [-1, 0, 1, 2, 8, 1.5, "x", "auto", "never", "shapes", "cuda:1", "1e-3", True, False, None, [], ["a"], {},
-              {"a": 1}, [1], 2.0, 1e3, float("inf"), float("-inf"), float("nan"), "inf", "1_000", " 1e-3", "\u0661\u0660",
-              "on", "yes", "x\n", "caf\u00e9", "cuda:\u0661", {"1a": 1}, {"true": 1}, {"a": {"1": 2}}]
+              {"a": 1}, [1], 2.0, 1e3, float("inf"), float("-inf"), float("nan"), "inf", "1_000", " 1e-3",
+              "\u0661\u0660", "on", "yes", "x\n", "caf\u00e9", "cuda:\u0661", {"1a": 1}, {"true": 1}, {"a": {"1": 2}}]
 
 
 def test_the_schema_and_the_loader_agree_on_every_key():
@@ -157,12 +158,14 @@ DOCUMENTS = [
     ("handlers.clipping.norm_type", ".inf", INF, True, INF), ("handlers.clipping.norm_type", "inf", "inf", True, INF),
     ("handlers.clipping.norm_type", "Infinity", "Infinity", True, INF),
     ("handlers.clipping.norm_type", "1e309", INF, True, INF), ("handlers.clipping.norm_type", "2", 2, True, 2.0),
-    ("handlers.clipping.norm_type", ".nan", NAN, False, None), ("handlers.clipping.norm_type", "-.inf", -INF, False, None),
+    ("handlers.clipping.norm_type", ".nan", NAN, False, None),
+    ("handlers.clipping.norm_type", "-.inf", -INF, False, None),
     ("handlers.clipping.norm_type", "'2'", "2", False, None),
     ("handlers.clipping.max_norm", "null", None, True, None), ("handlers.clipping.max_norm", "~", None, True, None),
     ("handlers.clipping.max_norm", "", None, True, None), ("handlers.clipping.max_norm", "NULL", None, True, None),
     ("handlers.clipping.max_norm", "nil", "nil", False, None),
-    ("model.kwargs", "{a: 1}", {"a": 1}, True, {"a": 1}), ("model.kwargs", "{on: yes}", {"on": "yes"}, True, {"on": "yes"}),
+    ("model.kwargs", "{a: 1}", {"a": 1}, True, {"a": 1}),
+    ("model.kwargs", "{on: yes}", {"on": "yes"}, True, {"on": "yes"}),
     ("model.kwargs", "{1: 2}", {"1": 2}, False, None), ("model.kwargs", "{true: 1}", {"true": 1}, False, None),
     ("model.kwargs", "{'true': 1}", {"true": 1}, False, None), ("model.kwargs", "{null: 1}", {"null": 1}, False, None),
     ("model.kwargs", "{a-b: 1}", {"a-b": 1}, False, None), ("model.kwargs", "{a: {1: 2}}", {"a": {"1": 2}}, True, None),
@@ -180,7 +183,9 @@ def _as_editor(value):
 def _equal(a, b) -> bool:  # the same JSON value; NaN is itself here
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
-    return _same(a, b) if not isinstance(a, (dict, list)) else json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    if not isinstance(a, (dict, list)):
+        return _same(a, b)
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _same(a, b) -> bool:  # JSON equality: true is not 1

@@ -85,9 +85,9 @@ def test_the_next_copy_is_issued_before_a_batch_is_handed_over_and_the_consumer_
     got = consume(DevicePrefetcher(numbered(3), CPU, recording_prepare(streams), streams), streams)
     events = ["record" if isinstance(e, tuple) and e[0] == "record" else e for e in streams.log]
     assert events == [("copy", 0),
-                     "wait", "record", "record", ("copy", 1), ("use", 0),
-                     "wait", "record", "record", ("copy", 2), ("use", 1),
-                     "wait", "record", "record", ("use", 2)]
+                      "wait", "record", "record", ("copy", 1), ("use", 0),
+                      "wait", "record", "record", ("copy", 2), ("use", 1),
+                      "wait", "record", "record", ("use", 2)]
     # Every tensor the consumer receives was recorded on its stream, after the wait and before its use.
     for i, batch in enumerate(got):
         use = streams.log.index(("use", i))

@@ -119,6 +119,9 @@ def check_command(words: List[str], where: str, made: Optional[set] = None) -> N
 
     while words and "=" in words[0] and words[0] != "CI=true":  # VAR=value before the command
         words = words[1:]
+    if words and words[0].startswith(".ci/"):  # the checkout's own scripts (.ci/lint)
+        assert os.access(os.path.join(ROOT, words[0]), os.X_OK), f"{where}: no script {words[0]} in the checkout"
+        return
     assert words and words[0] in COMMANDS, f"{where}: an unknown command {words[:1]} (add it to COMMANDS)"
     head, rest = words[0], words[1:]
     if head == "python3":

@@ -160,7 +160,8 @@ def run_in_order(commands: List[Command], cwd, wheel_dir=None) -> List[str]:
             argv += [a for k, v in SMALLER.items() if k not in _sets(words) for a in ("--set", f"{k}={v}")]
         proc = subprocess.run(argv, cwd=here, capture_output=True, text=True, timeout=900)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"after {done}:\n{command.where}: {shown}\nexited {proc.returncode}:\n{out[-3000:]}"
+        assert proc.returncode == 0, (f"after {done}:\n{command.where}: {shown}\n"
+                                      f"exited {proc.returncode}:\n{out[-3000:]}")
         if training:
             epochs = _epochs(words, here)
             trained = f"after {epochs} epoch" in out

@@ -292,7 +292,8 @@ def test_a_scripts_resume_loads_what_a_checkpoint_holds_and_says_what_it_did_not
     said = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
     assert len(said) == 1 and "loaded model, optimizer" in said[0] and "it holds no trainer, amp_step" in said[0]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True))
-    assert resumed_opt.state_dict()["state"][0]["momentum_buffer"].equal(opt.state_dict()["state"][0]["momentum_buffer"])
+    assert resumed_opt.state_dict()["state"][0]["momentum_buffer"].equal(
+        opt.state_dict()["state"][0]["momentum_buffer"])
 
     plain = tmp_path / "plain.pt"  # a hand-written loop's checkpoint
     torch.save({"model": model.state_dict()}, plain)

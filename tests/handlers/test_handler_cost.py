@@ -42,7 +42,8 @@ def test_norm_and_clipping_are_torchs_to_the_bit(dtypes, max_norm):
         ours[1].grad = theirs[1].grad = None  # a parameter without a gradient is left out by both
         clip_to_norm_(ours, max_norm, norm)
         clip_grads_with_norm_(theirs, max_norm, norm, foreach=True)
-        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs, strict=True))
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad)
+                   for a, b in zip(ours, theirs, strict=True))
     assert total_norm([]) is None
 
 
@@ -185,7 +186,8 @@ def test_a_log_writes_its_scalars_as_one_event(tmp_path):
               if e.summary.value]
     assert [e.step for e in events] == [3, 6]
     tags = {v.tag for v in events[0].summary.value}
-    assert {"loss", "optimizer/grad_norm", "optimizer/lr/group_0", "memory/rss_mb", "throughput/samples_per_sec"} <= tags
+    assert {"loss", "optimizer/grad_norm", "optimizer/lr/group_0", "memory/rss_mb",
+            "throughput/samples_per_sec"} <= tags
     from tensorboard.util.tensor_util import make_ndarray  # the loader gives simple values as tensors
 
     assert [float(make_ndarray(v.tensor)) for v in events[0].summary.value if v.tag == "optimizer/lr/group_0"] == [
@@ -215,6 +217,7 @@ def test_the_steps_grad_norm_and_its_clipping_are_torchs_to_the_bit(dtypes):
             ours[0].grad = theirs[0].grad = None
         norm.clip_(0.5)
         clip_grads_with_norm_(theirs, 0.5, expected, foreach=True)
-        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs, strict=True))
+        assert all(a.grad is None and b.grad is None or torch.equal(a.grad, b.grad)
+                   for a, b in zip(ours, theirs, strict=True))
         norm.clear()
         assert norm.value is None

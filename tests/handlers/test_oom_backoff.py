@@ -32,8 +32,8 @@ def test_backoff_halves_the_micro_batch(batch, chunks, expected):
 def make(limit, lr=0.1, backoff=None, seed=0):
     torch.manual_seed(seed)
     model = OOMAbove(limit=limit)
-    # The stand-in records every forward's samples: the split check's own forwards (tests/split_check/test_split_check.py)
-    # would be counted too.
+    # The stand-in records every forward's samples: the split check's own forwards
+    # (tests/split_check/test_split_check.py) would be counted too.
     trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), cross_entropy,
                                  device="cpu", dtype="float32", check_split=False)
     if backoff is not None:
@@ -48,7 +48,8 @@ def test_training_completes_every_sample_once_and_weights_match_reference():
     backoff = OOMBackoff()
     model, trainer = make(limit=3, backoff=backoff)
     per_epoch = []
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: per_epoch.append(sorted(model.seen)) or model.seen.clear())
+    trainer.add_event_handler(Events.EPOCH_COMPLETED,
+                              lambda e: per_epoch.append(sorted(model.seen)) or model.seen.clear())
     trainer.run(batches, max_epochs=3)
     assert per_epoch == [list(range(40))] * 3  # every sample of every epoch exactly once
     assert trainer.amp_step.micro_batches == 4 and backoff.events == 2

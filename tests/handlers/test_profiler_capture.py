@@ -46,7 +46,7 @@ def test_writes_a_chrome_trace_the_breakdown_and_the_operator_table(tmp_path):
     trainer, capture = trainer_with_profiler(tmp_path, wait=1, warmup=1, active=2)
     trainer.run(loader(), max_epochs=1)
     assert sorted(os.path.basename(f) for f in capture.files) == ["profile_iterations_3-4.txt",
-                                                                    "trace_iterations_3-4.json"]
+                                                                  "trace_iterations_3-4.json"]
     events = read_trace(tmp_path)["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert {"ignite_amp.forward", "ignite_amp.backward", "ignite_amp.optimizer"} <= names
@@ -134,8 +134,8 @@ def test_step_breakdown_counts_iterations_that_ran_a_step():
               span("ignite_amp.backward", 12_000, 14_000), span("ignite_amp.optimizer", 14_000, 15_000),
               span("ProfilerStep#5", 16_000, 30_000)]  # after the last iteration: no step, not counted
     # On a GPU the profiler mirrors each range on the device: host time only, each iteration once.
-    events += [span("ProfilerStep#3", 500, 12_000, DeviceType.CUDA), span("ignite_amp.forward", 1_500, 9_000,
-                                                                            DeviceType.CUDA)]
+    events += [span("ProfilerStep#3", 500, 12_000, DeviceType.CUDA),
+               span("ignite_amp.forward", 1_500, 9_000, DeviceType.CUDA)]
     result = step_breakdown(events)
     assert result == {"data wait": 0.5, "forward": 2.5, "backward": 3.0, "optimizer": 1.0, "total": 8.0,
                       "other": 1.0, "iterations": 2}
@@ -174,7 +174,7 @@ def test_bad_arguments(tmp_path, kwargs, message):
 @pytest.mark.parametrize("from_config, named", [(False, "lower ProfilerCapture's wait or warmup"),
                                                 (True, "lower handlers.profiler.wait/warmup")])
 def test_advice_names_python_arguments_in_a_script_and_config_keys_in_a_config_run(tmp_path, caplog, from_config,
-                                                                                  named):
+                                                                                   named):
     """Issue 28: a Python run is told of Python arguments, a config run of config keys."""
     import logging
 
@@ -196,7 +196,7 @@ def test_a_window_that_ends_on_the_last_iteration_is_named_after_its_iterations(
     trainer, capture = trainer_with_profiler(tmp_path, wait=1, warmup=1, active=2)
     trainer.run(loader(n=8 * batches), max_epochs=epochs)
     assert sorted(os.path.basename(f) for f in capture.files) == ["profile_iterations_3-4.txt",
-                                                                    "trace_iterations_3-4.json"]
+                                                                  "trace_iterations_3-4.json"]
     steps = sorted(e["name"] for e in read_trace(tmp_path)["traceEvents"]
                    if e.get("name", "").startswith("ProfilerStep#"))
     assert steps == ["ProfilerStep#3", "ProfilerStep#4"], steps

@@ -59,7 +59,7 @@ def ignite_cosine(opt):
 def expected_ignite():
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=123.0)
     return CosineAnnealingScheduler.simulate_values(STEPS, param_name="lr", optimizer=opt, start_value=0.05,
-                                                   end_value=0.01, cycle_size=2 * (STEPS - 1))
+                                                    end_value=0.01, cycle_size=2 * (STEPS - 1))
 
 
 @pytest.mark.parametrize("make, expected", [(torch_cosine, expected_torch), (ignite_cosine, expected_ignite)])

@@ -24,7 +24,8 @@ return all(document, 'tf-custom-scalar-multi-line-chart-card').map(card => ({
       e => [e.textContent.replace('\u25fc', '').trim(), e.style.color]),
   lines: all(card.shadowRoot, 'path.line').filter(p => p.getAttribute('d')).map(p => ({
       stroke: p.getAttribute('stroke') || p.style.stroke, height: p.closest('svg').getBoundingClientRect().height,
-      ys: (p.getAttribute('d').match(/-?[\\d.]+(e-?\\d+)?,-?[\\d.]+(e-?\\d+)?/g) || []).map(xy => +xy.split(',')[1])}))}));"""
+      ys: (p.getAttribute('d').match(/-?[\\d.]+(e-?\\d+)?,-?[\\d.]+(e-?\\d+)?/g) || []).map(\
+xy => +xy.split(',')[1])}))}));"""
 
 
 def rgb(color: str) -> tuple:

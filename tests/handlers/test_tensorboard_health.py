@@ -80,7 +80,8 @@ def test_compute_and_mfu_and_oom():
 
 def test_a_run_stopped_before_its_first_window_still_says_its_precision():
     assert health_lines(Health("bfloat16", False, [], 0, 0)) == [
-        "verdict: healthy, nothing to warn about", "precision: bfloat16 autocast (no GradScaler needed), 0 optimizer steps"]
+        "verdict: healthy, nothing to warn about",
+        "precision: bfloat16 autocast (no GradScaler needed), 0 optimizer steps"]
 
 
 def test_speed_and_compute_say_per_process_under_data_parallel():

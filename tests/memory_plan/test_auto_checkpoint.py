@@ -152,7 +152,8 @@ def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the
 
     cfg = tiny_config(tmp_path, amp={"dtype": "bfloat16", "activation_checkpointing": "auto"})
     assert load_config(cfg)["amp"]["activation_checkpointing"] == "auto"
-    with pytest.raises(ValueError, match="amp.activation_checkpointing: expected true or false or auto or selective, got \"some\""):
+    with pytest.raises(ValueError, match="amp.activation_checkpointing: expected true or false or auto or selective, "
+                                         "got \"some\""):
         load_config(tiny_config(tmp_path, amp={"activation_checkpointing": "some"}))
     lines = []
     run = build_run(cfg, print_fn=lines.append)

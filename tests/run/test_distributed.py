@@ -293,7 +293,8 @@ def test_cpu_only_hides_the_gpus_from_cpu_ranks_and_then_restores(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     with cpu_only(enabled=False):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "x",
+                       "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     with cpu_only():
         pass
@@ -458,7 +459,7 @@ def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_p
     (tmp_path / "checkpoints" / "last_checkpoint_1.dcp").mkdir(parents=True)
     (tmp_path / "train.log").write_text("")
     monkeypatch.setattr(cli, "state", {"checkpoints": str(tmp_path / "checkpoints"),
-                                        "log": str(tmp_path / "train.log")})
+                                       "log": str(tmp_path / "train.log")})
     code, line = cli.describe(raised.value)
     assert (code, line) == (1, f"ignite-amp: stopped: rank 1 of 2 (PID {pid}) was killed by SIGKILL (out of memory, "
                                f"or a kill), and the other ranks were stopped; the last checkpoint is intact: run "

@@ -133,7 +133,8 @@ def test_plan_and_train_make_the_same_choice(tmp_path, monkeypatch, capsys):
     path.write_text(yaml.safe_dump(cfg))
     planned = []
     real_estimate = run_plan.estimate_memory
-    monkeypatch.setattr(run_plan, "estimate_memory", lambda *a, **k: planned.append(k["dtype"]) or real_estimate(*a, **k))
+    monkeypatch.setattr(run_plan, "estimate_memory",
+                        lambda *a, **k: planned.append(k["dtype"]) or real_estimate(*a, **k))
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
     out = capsys.readouterr().out
     assert "u: conftest:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out

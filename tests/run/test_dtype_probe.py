@@ -67,7 +67,8 @@ def test_the_two_run_interleaved_after_a_warm_up_each_within_the_budget():
     assert probe.pairs == 1 and probe.dtype == F32 and probe.words() == (
         "a bfloat16 step took 0.10x float32's time in a 22.0 s probe on this CPU: over its 2 s budget after 1 of 3 "
         "timed pairs, so float32, the safe choice")
-    assert dtype_probe.DtypeProbe(F32, 1.5, 0.04, 3).words().endswith("1.50x float32's time in a 0.04 s probe on this CPU")
+    assert dtype_probe.DtypeProbe(F32, 1.5, 0.04, 3).words().endswith("1.50x float32's time in a 0.04 s probe "
+                                                                      "on this CPU")
     with pytest.raises(ValueError, match="max_pairs"):
         probe_cpu_dtype(model, batch(), max_pairs=0)
 

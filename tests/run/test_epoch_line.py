@@ -31,5 +31,5 @@ def test_the_health_lines_fit_80_columns_as_printed():
               "optimizer/grad_norm": 12.34}
     lines = health_lines(Health("bfloat16", False, [window] * 120, 6000, 0, max_norm=5.0, peak_memory_mb=12_345.0))
     assert [line.split(":")[0] for line in lines] == ["verdict", "precision", "clipping", "speed", "data wait",
-                                                       "memory"]
+                                                      "memory"]
     assert all(len("  " + line) <= 80 for line in lines), lines

@@ -36,7 +36,8 @@ def test_a_signal_after_the_first_checkpoint_resumes_with_the_same_command(quick
     ckpts = os.path.join(cfg["output_dir"], "checkpoints")
     proc = subprocess.Popen(cli("train", path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.isdir(ckpts) and any(f.startswith("last_") for f in os.listdir(ckpts))):
+    while time.time() < deadline and not (os.path.isdir(ckpts)
+                                          and any(f.startswith("last_") for f in os.listdir(ckpts))):
         time.sleep(0.05)
     os.kill(proc.pid, signum)
     _, err = proc.communicate(timeout=60)

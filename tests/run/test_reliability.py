@@ -134,7 +134,8 @@ def test_a_batch_of_one_with_batchnorm(quick_cfg, tmp_path, capsys):
 def test_micro_batches_of_one_sample_with_batchnorm(quick_cfg, tmp_path, capsys):
     """Issue 39: micro-batches of one sample were "internal error: ValueError: Expected more than 1 value per
     channel" (exit 1); a batch whose micro-batches all hold 2 or more samples is refused before anything runs."""
-    assert main(["train", write(tmp_path, quick_cfg), "--set", "data.batch_size=6", "--set", "amp.micro_batches=4"]) == 2
+    assert main(["train", write(tmp_path, quick_cfg), "--set", "data.batch_size=6",
+                 "--set", "amp.micro_batches=4"]) == 2
     assert error_lines(capsys.readouterr().err) == [
         "ignite-amp: error: amp.micro_batches: 4 micro-batches of a batch of 6 (per process) hold 1 sample, but the "
         "model has BatchNorm layers, whose training statistics need at least 2: use at most 3, or a larger "

@@ -109,7 +109,7 @@ class _InterruptedFile:
 
 @pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_a_checkpoint_write_is_the_signal_not_a_full_disk(tmp_path, monkeypatch, capsys,
-                                                                           signal_name, code):
+                                                                          signal_name, code):
     # issue 50 item 4: torch.save turned the interrupt into "unexpected pos", which read as a full disk, exit 1
     import builtins
 
@@ -212,7 +212,7 @@ def test_plan_builds_a_model_whose_constructor_reads_values_for_real(tmp_path, c
     ("EIO", "ignite-amp: internal error: OSError: [Errno 5] Input/output error (writing TensorBoard's event files) "
             "(the traceback is in {log})")])
 def test_a_file_size_limit_in_tensorboard_s_writer_thread_is_one_line_naming_it(tmp_path, capsys, monkeypatch,
-                                                                                 number, line):
+                                                                                number, line):
     # issue 50 item 6: "Exception in thread Thread-1: Traceback ..." then "internal error: OSError: [Errno 27] File
     # too large", naming no file
     import errno

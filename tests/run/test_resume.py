@@ -22,13 +22,15 @@ def cfg_with(**overrides):
     ("model.name", "resnet34", "model.name resnet18 -> resnet34"),
     ("model.kwargs.width", 16, "model.kwargs {} -> {'width': 16}"),
     ("optimizer.name", "SGD", "optimizer.name AdamW -> SGD"), ("data.name", "fake", "data.name shapes -> fake"),
-    ("data.image_size", 64, "data.image_size null -> 64"), ("amp.accumulation_steps", 4, "amp.accumulation_steps 1 -> 4"),
+    ("data.image_size", 64, "data.image_size null -> 64"),
+    ("amp.accumulation_steps", 4, "amp.accumulation_steps 1 -> 4"),
     ("scheduler.name", "cosine", "scheduler.name none -> cosine"),
     ("handlers.checkpoint.metric", "loss", "handlers.checkpoint.metric accuracy -> loss"),
     ("seed", 5, "seed 0 -> 5"),
 ])
 def test_keys_that_never_change_under_a_resume(key, value, shown):
-    with pytest.raises(CheckpointError, match=rf"^cannot resume ck.pt: {re.escape(shown)} cannot change under a resume"):
+    with pytest.raises(CheckpointError, match=rf"^cannot resume ck.pt: {re.escape(shown)} "
+                                              r"cannot change under a resume"):
         check_resume(cfg_with(), cfg_with(**{key: value}), "ck.pt")
 
 
@@ -115,9 +117,9 @@ def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tm
             "--set", "optimizer.kwargs.weight_decay=0.2"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "resumed from" in out and "now in effect: data.train_size 128 -> 64, optimizer.lr 0.003 -> 0.01, " \
-                                      "optimizer.kwargs {'weight_decay': 0.05} -> {'weight_decay': 0.2}, " \
-                                      "train.epochs 1 -> 2" in out
+    assert "resumed from" in out and ("now in effect: data.train_size 128 -> 64, optimizer.lr 0.003 -> 0.01, "
+                                      "optimizer.kwargs {'weight_decay': 0.05} -> {'weight_decay': 0.2}, "
+                                      "train.epochs 1 -> 2") in out
     state = last(cfg, 2)
     group = state["optimizer"]["param_groups"][0]
     assert group["lr"] == 0.01 and group["weight_decay"] == 0.2
@@ -169,7 +171,8 @@ def test_starting_over_moves_the_tensorboard_split_runs_aside_too(tmp_path, caps
     assert main(["train", path, "--set", "handlers.checkpoint.resume=never"]) == 0
     moved = re.search(r"moved the previous run's files to (\S+)", capsys.readouterr().out).group(1)
     for split in ("train", "val"):
-        assert len(os.listdir(os.path.join(moved, split))) == 1 == len(os.listdir(os.path.join(cfg["output_dir"], split)))
+        assert len(os.listdir(os.path.join(moved, split))) == 1 \
+            == len(os.listdir(os.path.join(cfg["output_dir"], split)))
 
 
 def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_path, capsys):
@@ -251,7 +254,7 @@ def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_direc
     from ignite_amp.files.checkpoints import SafeDiskSaver
 
     path, cfg = base(tmp_path, train={"epochs": 3}, handlers={"tensorboard": {"enabled": False},
-                                                            "checkpoint": {"n_saved": 3}})
+                                                              "checkpoint": {"n_saved": 3}})
     assert main(["train", path]) == 0
     ckpts = os.path.join(cfg["output_dir"], "checkpoints")
     before = sorted(os.listdir(ckpts))

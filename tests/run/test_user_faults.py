@@ -59,7 +59,7 @@ CASES = [
      2, "data.root: cannot read image"),
     ("val classes differ", lambda t: (image_folder(t / "imgs", {"train": ["a", "b"], "val": ["a", "c"]}),
                                       {"data": {"name": "imagefolder", "root": str(t / "imgs"), "image_size": 16,
-                                           "train_size": None, "val_size": None},
+                                                "train_size": None, "val_size": None},
                                        "model": {"name": "ignite_amp.models:small_cnn", "num_classes": 2,
                                                  "kwargs": {"width": 8}}})[1],
      2, "has other classes than"),
@@ -270,7 +270,7 @@ def test_weights_ruined_on_an_epochs_last_step_are_never_saved(tmp_path, capsys)
 def test_a_float16_run_whose_loss_is_never_finite_stops(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NAN_AFTER", "1")
     cfg = config(tmp_path, amp={"dtype": "float16"}, model={"name": "conftest:nan_after", "num_classes": 10,
-                                                             "kwargs": {}},
+                                                            "kwargs": {}},
                  data={"train_size": 64}, handlers={"non_finite": {"max_consecutive": 50}})
     assert main(["train", write(tmp_path, cfg)]) == 1
     err = capsys.readouterr().err

@@ -471,7 +471,7 @@ def test_the_out_of_place_and_in_place_forms_are_held_still_too():
     x, aten = torch.randn(4, generator=torch.Generator().manual_seed(0)), torch.ops.aten
     with still(nn.Linear(2, 2)) as held:
         assert torch.equal(aten.uniform(x, 0.0, 2.0), torch.ones(4)) and torch.equal(aten.cauchy(x, 1.0, 1.0),
-                                                                                       torch.ones(4))
+                                                                                     torch.ones(4))
         assert torch.equal(aten.exponential(x, 2.0), torch.full((4,), 0.5))
         assert torch.equal(F.rrelu(x.clone(), 0.1, 0.3, training=True, inplace=True), torch.where(x >= 0, x, x * 0.2))
     assert not held.unheld

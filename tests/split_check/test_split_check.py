@@ -238,7 +238,8 @@ def clip():
 
 def clip_batch():
     g = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(0, 40, (6, 8), generator=g), "pixel_values": torch.randn(6, 3, 16, 16, generator=g)}
+    return {"input_ids": torch.randint(0, 40, (6, 8), generator=g),
+            "pixel_values": torch.randn(6, 3, 16, 16, generator=g)}
 
 
 def test_a_contrastive_loss_is_refused_in_micro_batches_and_by_the_evaluator(clip):

@@ -117,7 +117,8 @@ def test_tuple_of_batched_inputs_stays_fields_also_when_its_length_is_the_batch(
 
 def test_disagreeing_tensors_are_one_line_naming_them_and_the_hook():
     graph = {"x": torch.randn(113, 3), "edge_index": torch.zeros(2, 50, dtype=torch.long), "batch": torch.zeros(113)}
-    with pytest.raises(BatchError, match=r"x\['x'\] has 113, x\['edge_index'\] has 2, x\['batch'\] has 113\): .*batch_size=fn"):
+    with pytest.raises(BatchError, match=r"x\['x'\] has 113, x\['edge_index'\] has 2, x\['batch'\] has 113\): "
+                                         r".*batch_size=fn"):
         batch_size_of(graph, torch.zeros(16))
     with pytest.raises(BatchError, match=r"x and y disagree .*\(x has 113 rows, y 16\)"):
         batch_size_of(graph["x"], torch.zeros(16))  # nodes beside graph labels: fewer targets than rows

@@ -69,7 +69,8 @@ def test_events_reach_handlers_as_ignites_fire_event_passes_them(caplog):
         engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e, a, k=0: got.append((e.state.iteration, a, k)),
                                  "a", k=2)
         engine.add_event_handler(Events.ITERATION_COMPLETED(every=2), lambda: got.append("filtered, no engine"))
-        engine.add_event_handler(Events.TERMINATE_SINGLE_EPOCH, lambda e, iter_counter: got.append(("single", iter_counter)))
+        engine.add_event_handler(Events.TERMINATE_SINGLE_EPOCH,
+                                 lambda e, iter_counter: got.append(("single", iter_counter)))
         engine.add_event_handler(Events.ITERATION_COMPLETED(once=3), lambda e: e.terminate_epoch())
         engine.run(id_batches(32, 8), max_epochs=1)
         return got, engine.last_event_name

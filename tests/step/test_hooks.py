@@ -440,7 +440,8 @@ def test_a_models_own_loss_in_y_pred_is_the_token_mean_with_num_items():
 @pytest.mark.parametrize("in_x", [True, False])
 def test_the_padding_warning_names_where_the_labels_are(caplog, in_x):
     # Issue 37: a lambda that may be wrong is not given: labels a custom model reads, or a y read by a loss_fn of
-    # its own (a lambda), get what to check instead (tests/split_check/test_split_check.py has the cases that get a lambda).
+    # its own (a lambda), get what to check instead (tests/split_check/test_split_check.py has the cases that get a
+    # lambda).
     # The split check would stop these runs first (it names the num_items that fits): accepted knowingly here.
     if in_x:
         model = TinyLM()

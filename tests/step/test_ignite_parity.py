@@ -167,8 +167,7 @@ def test_a_grad_scaler_instance_is_used_as_given():
     assert scales == [16.0, 16.0]  # two steps, growth_interval=1: the user's settings held in both
     assert trainer.amp_step.scaler is scaler and trainer.state.scaler is scaler
     off = torch.amp.GradScaler("cpu", enabled=False)
-    trainer = amp_trainer("cpu", amp_mode="amp",
-                                 scaler=off)
+    trainer = amp_trainer("cpu", amp_mode="amp", scaler=off)
     assert trainer.amp_step.dtype == torch.float16 and trainer.amp_step.scaler.is_enabled() is False
     with pytest.raises(TypeError, match=r"^Argument scaler should be True, False, None or a torch.amp.GradScaler"):
         amp_trainer("cpu", scaler="on")

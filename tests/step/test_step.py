@@ -131,7 +131,8 @@ def test_oom_with_handler_retries_same_batch_and_loses_no_sample():
     batches = id_batches(24, 8)
     model = OOMAbove(limit=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    # The stand-in records every forward's samples, the split check's too (tested in tests/split_check/test_split_check.py).
+    # The stand-in records every forward's samples, the split check's too (tested in
+    # tests/split_check/test_split_check.py).
     trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32", check_split=False)
 
     def halve(engine):
@@ -304,7 +305,8 @@ def test_out_of_memory_inside_the_optimizer_step_is_not_retried():
     fired = []
     trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: fired.append(e.state.iteration))
     trainer.add_event_handler(AmpEvents.OUT_OF_MEMORY, lambda e: setattr(e.amp_step, "micro_batches", 4))
-    with pytest.raises(OptimizerOutOfMemoryError, match=r"inside optimizer.step\(\) \(OOMOnSecondStep\).*iteration 2.*not retried"):
+    with pytest.raises(OptimizerOutOfMemoryError,
+                       match=r"inside optimizer.step\(\) \(OOMOnSecondStep\).*iteration 2.*not retried"):
         trainer.run(id_batches(24, 8), max_epochs=1)
     assert fired == [] and OOMOnSecondStep.calls == 2  # no retry applied the update a second time
 
@@ -369,7 +371,8 @@ def test_an_accumulation_cycle_ends_with_the_epoch(epoch_length, steps):
     trainer = create_amp_trainer(model, opt, cross_entropy, device="cpu", dtype="float32", accumulation_steps=2)
     stepped, grads = [], []
     trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: (
-        stepped.append((e.state.iteration - 1) % epoch_length + 1), grads.append([p.grad.clone() for p in model.parameters()])))
+        stepped.append((e.state.iteration - 1) % epoch_length + 1),
+        grads.append([p.grad.clone() for p in model.parameters()])))
     snapshot = []
     trainer.add_event_handler(Events.ITERATION_STARTED, lambda e: snapshot.append(copy_model(model)))
     trainer.run(batches, max_epochs=2)

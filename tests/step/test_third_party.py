@@ -180,7 +180,7 @@ def test_torchvision_detection_trains_and_evaluates_in_micro_batches_and_after_a
     assert torch.isfinite(trainer.amp_step.loss)
 
     evaluator = create_amp_evaluator(model, device="cpu", dtype="float32", micro_batches=2,
-                                      prepare_batch=lambda b, d, nb: (list(b[0]), list(b[1])))
+                                     prepare_batch=lambda b, d, nb: (list(b[0]), list(b[1])))
     evaluator.run(batches[:1])
     detections, targets = evaluator.state.output
     assert len(detections) == n and all({"boxes", "labels", "scores"} <= set(d) for d in detections)
@@ -235,7 +235,8 @@ def test_a_custom_batch_object_trains_with_two_hooks_and_matches_the_hand_writte
     with pytest.raises(BatchError, match=r"x and y disagree .*\(x has \d+ rows, y 6\).*batch_size=fn"):
         ours(copy.deepcopy(model), batches, cross_entropy)  # nodes or graphs? the default does not guess
     _, trainer = ours(model, batches, cross_entropy, batch_size=lambda x, y: x.num_graphs,
-                      split_batch=lambda x, y, chunks: list(zip(x.split(chunks), torch.tensor_split(y, chunks), strict=True)))
+                      split_batch=lambda x, y, chunks: list(zip(x.split(chunks), torch.tensor_split(y, chunks),
+                                                                strict=True)))
     hand_loop(reference, batches, lambda m, b: cross_entropy(m(b[0]), b[1]))
     assert_same_weights(model, reference)
     assert trainer.amp_step.batch_size == 6  # graphs, not the nodes

@@ -79,7 +79,7 @@ def train(model, checkpointing, data, dtype="float32", **kwargs):
 
 def relative_difference(a, b):
     return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a.state_dict().values(),
-                                                                       b.state_dict().values(), strict=True))
+                                                                          b.state_dict().values(), strict=True))
 
 
 def block_calls(model):
@@ -205,7 +205,8 @@ def test_blocks_checkpointed_already_stay_as_they_are_and_bad_arguments():
     train(model, True, batches(1))  # the factory keeps the user's choice
     kept = checkpointed_blocks(model)
     assert kept[:3] == ["inp", "head", "blocks.0.fc1"] and "blocks.0" not in kept
-    with pytest.raises(ValueError, match="Argument activation_checkpointing should be true or false or auto or selective, got 'yes'"):
+    with pytest.raises(ValueError, match="Argument activation_checkpointing should be true or false or auto or "
+                                         "selective, got 'yes'"):
         train(net(), "yes", batches(1))
     with pytest.raises(ValueError, match="blocks: the model has no submodule of class 'Layer'"):
         checkpoint_blocks(net(), ["Layer"])
@@ -306,7 +307,8 @@ def test_a_config_run_checkpoints_the_named_blocks_and_a_resume_may_turn_it_off(
 
 def flat_cnn(num_classes: int) -> nn.Module:
     """A config model without repeated blocks."""
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, num_classes))
 
 
 def test_a_config_model_without_blocks_warns_once_and_unknown_blocks_are_one_line(tmp_path):

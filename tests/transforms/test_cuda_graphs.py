@@ -87,7 +87,8 @@ def test_a_compiled_forward_that_disagrees_falls_back_to_eager_before_it_trains(
     eager = create_amp_trainer(reference, torch.optim.SGD(reference.parameters(), lr=0.1), cross_entropy,
                                device="cpu", dtype="float32")
     eager.run(data, max_epochs=1)
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):  # every step eager, the first one included
+    # every step eager, the first one included
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -153,7 +153,8 @@ def test_float8_with_micro_batches_accumulation_clipping_and_num_items():
 def test_missing_torchao_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     model = mlp()
-    with pytest.raises(ValueError, match=r'^dtype float8 needs torchao, which is not installed: pip install -e "\.\[fp8\]"'):
+    with pytest.raises(ValueError,
+                       match=r'^dtype float8 needs torchao, which is not installed: pip install -e "\.\[fp8\]"'):
         create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
                            device="cpu", dtype="float8")
 
@@ -212,7 +213,8 @@ def test_resume_is_bit_identical_and_a_dtype_change_is_explained(caplog):
         bf16.amp_step.load_state_dict(saved["step"])
     lines = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
     assert len(lines) == 1
-    assert lines[0].startswith("resuming a checkpoint trained with float8 tensorwise Linear layers in a run without float8")
+    assert lines[0].startswith("resuming a checkpoint trained with float8 tensorwise Linear layers in a run "
+                               "without float8")
 
 
 def image_mlp(num_classes: int = 10) -> nn.Module:
@@ -244,7 +246,8 @@ def test_importing_torchao_prints_no_torch_warning_the_user_cannot_act_on(tmp_pa
     where ignite-amp imports torchao. A fresh process: the line is printed on the first import only."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-c", "from ignite_amp.transforms.float8 import _torchao; _torchao(); print('ok')"],
+    proc = subprocess.run([sys.executable, "-c",
+                           "from ignite_amp.transforms.float8 import _torchao; _torchao(); print('ok')"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     assert "register_constant" not in proc.stderr and "KernelPreference" not in proc.stderr, proc.stderr
@@ -359,8 +362,8 @@ def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch
         "name": f"{__name__}:image_mlp", "num_classes": 10, "kwargs": {}})))
     assert main(["train", str(path)]) == 2
     assert error_lines(capsys.readouterr().err) == [
-        'ignite-amp: error: amp: dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" (or pip install '
-        '"torchao>=0.10"); other dtypes run without it']
+        'ignite-amp: error: amp: dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" '
+        '(or pip install "torchao>=0.10"); other dtypes run without it']
 
 
 def test_float8_and_activation_checkpointing_compose_exactly():
@@ -483,8 +486,8 @@ def test_float8_with_activation_checkpointing_compiles_in_one_graph():
 
 def image_linear_blocks(num_classes: int = 10) -> nn.Module:
     """Blocks that are plain ``nn.Linear`` layers (the inner Sequential's children): float8 converts them."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]),
-                         nn.Linear(32, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32),
+                         nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]), nn.Linear(32, num_classes))
 
 
 def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_path):

@@ -110,7 +110,8 @@ def build_blocks():
     """A model with repeated blocks (an inner Sequential of three Linear layers) and a BatchNorm."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                               torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)]), torch.nn.Linear(16, 4))
+                               torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)]),
+                               torch.nn.Linear(16, 4))
 
 
 def test_the_repeated_blocks_are_sharded_one_by_one():
@@ -129,7 +130,8 @@ def _policy_vs_ddp(rank, out):
     run_bf16(torch.nn.parallel.DistributedDataParallel(plain), rank)
     diff = max(float((full[k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
                for k, v in plain.state_dict().items() if v.is_floating_point())
-    torch.save({"diff": diff, "dtypes": dtypes, "bn": str(sharded[1].weight.dtype)}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save({"diff": diff, "dtypes": dtypes, "bn": str(sharded[1].weight.dtype)},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 def run_bf16(model, rank):
@@ -366,7 +368,8 @@ def test_a_shard_overwritten_with_same_size_bytes_falls_back_and_is_named_when_a
     assert main(["train", path, "--set", f"handlers.checkpoint.resume={bad}", "--set", "train.epochs=3"]) == 2
     # Which error the bytes raise depends on the bytes (UnpicklingError, IndexError...): the line names it.
     err = error_lines(capsys.readouterr().err)
-    why = re.fullmatch(rf"ignite-amp: error: checkpoint {re.escape(bad)}: a shard does not read back \((\w+)\)", err[-1])
+    why = re.fullmatch(rf"ignite-amp: error: checkpoint {re.escape(bad)}: a shard does not read back \((\w+)\)",
+                       err[-1])
     assert why, err
     assert main(["train", path, "--set", "train.epochs=3"]) == 0
     captured = capsys.readouterr()
