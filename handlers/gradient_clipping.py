@@ -88,7 +88,8 @@ class GradientClipping:
         clip_to_norm_(params, self.max_norm, norm)
 
     def attach(self, engine: Engine) -> None:
-        """Clip at each ``AmpEvents.GRADS_READY`` of ``engine`` (a trainer from :func:`~ignite_amp.create_amp_trainer`)."""
+        """Clip at each ``AmpEvents.GRADS_READY`` of ``engine`` (a trainer from
+        :func:`~ignite_amp.create_amp_trainer`)."""
         self.step = trainer_step_of(engine, type(self).__name__)
         # Parameters without a gradient at a step are skipped by the clipping functions themselves.
         self._params = self.parameters if self.parameters is not None else list(self.step.model.parameters())

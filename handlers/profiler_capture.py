@@ -119,7 +119,8 @@ class ProfilerCapture:
             argument(ProfilerConfig, name, value)
         self.logdir = str(logdir)
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
-        self.options: Dict[str, Any] = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)
+        self.options: Dict[str, Any] = dict(record_shapes=record_shapes, profile_memory=profile_memory,
+                                            with_stack=with_stack)
         self.row_limit = row_limit
         self.from_config = from_config
         self.profiler: Optional[torch.profiler.profile] = None

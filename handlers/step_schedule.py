@@ -44,7 +44,8 @@ class StepSchedule:
         >>> schedule = PiecewiseLinear(opt, "lr", milestones_values=[(0, 0.4), (3, 0.1)])
         >>> StepSchedule(schedule).attach(trainer)
         >>> used = []
-        >>> _ = trainer.add_event_handler(AmpEvents.GRADS_READY, lambda e: used.append(round(opt.param_groups[0]["lr"], 2)))
+        >>> _ = trainer.add_event_handler(AmpEvents.GRADS_READY,
+        ...                               lambda e: used.append(round(opt.param_groups[0]["lr"], 2)))
         >>> _ = trainer.run([(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 8, max_epochs=1)
         >>> used  # 8 iterations, 4 optimizer steps: values 0, 1, 2, 3 of the schedule
         [0.4, 0.3, 0.2, 0.1]

@@ -7,8 +7,8 @@ tensors, mappings, dataclasses, namedtuples, tuples of fields and per-sample lis
 - **The number of samples** is the first dimension ``x``'s tensors share: every tensor outside a list (in
   mappings, dataclass fields and namedtuples too) must agree, a leading size of 1 counting as broadcast.
   ``y``'s tensors agree with it, or hold a row per position of an ``(n, T, ...)`` input of ``x`` (flattened
-  per-token targets); anything else is one line (a sequence-first ``(T, n, F)`` input is not guessed). Without such a tensor in ``x``, ``y``'s rows; without any, a list
-  or tuple says it: of tensors,
+  per-token targets); anything else is one line (a sequence-first ``(T, n, F)`` input is not guessed).
+  Without such a tensor in ``x``, ``y``'s rows; without any, a list or tuple says it: of tensors,
   either their shared first dimension (several batched inputs) or its length (one tensor per sample);
   of other items (per-sample dicts, strings), its length. Tensors that disagree are one line naming
   them and the ``batch_size`` hook.
@@ -82,8 +82,8 @@ def _name(path: str, key: Any, value: Any) -> str:
 
 def _evidence(value: Any, path: str) -> Iterator[Tuple[str, str, Any]]:
     """``(kind, path, size)`` for each part that tells the number of samples: ``"tensor"`` (a tensor outside
-    any list: its rows), ``"tensors"`` (a list of tensors: its shared rows or None, and its length), ``"items"`` (a list of
-    other items: its length)."""
+    any list: its rows), ``"tensors"`` (a list of tensors: its shared rows or None, and its length),
+    ``"items"`` (a list of other items: its length)."""
     if torch.is_tensor(value):
         if value.dim():
             yield "tensor", path, value.shape[0]

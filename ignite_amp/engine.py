@@ -71,8 +71,8 @@ class AmpConfig:
         "memory at data.batch_size (ignite-amp plan); may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
     check_split: bool = setting(True, Boolean(), "check on the first batches cut or combined (micro-batches, "
-                                "accumulation, an out-of-memory retry, DDP) that their weighted chunks give their gradient; "
-                                "false accepts a loss that fails the check knowingly")
+                                "accumulation, an out-of-memory retry, DDP) that their weighted chunks give their "
+                                "gradient; false accepts a loss that fails the check knowingly")
 
 
 class AmpEngine(Engine):
@@ -224,17 +224,18 @@ def create_amp_trainer(
     ``model_fn(model, x)``, ``model_transform(output)`` and ``output_transform(x, y, y_pred, loss)``
     are Ignite's hooks with Ignite's names; ``num_items(x, y)`` counts what a mean loss averages
     over. ``activation_checkpointing=True`` checkpoints the model's repeated blocks in place before the
-    step compiles it (``"selective"``: they keep their matmuls', convolutions' and attention's outputs) (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`; a model sharded with FSDP2
+    step compiles it (``"selective"``: they keep their matmuls', convolutions' and attention's outputs)
+    (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`; a model sharded with FSDP2
     has them checkpointed by ``shard_model(..., activation_checkpointing=True)``). Other keyword
     arguments go to :class:`AmpStep` (``micro_batches``, ``channels_last``, ``compile``, ``fp32_modules``,
     ``scaler_kwargs``, ``batch_size``, ``split_batch``); an unknown one is a TypeError naming the closest
-    accepted name. ``compile`` left unset (None)
-    is on for float8 on a GPU and off otherwise; True or False is kept.
+    accepted name. ``compile`` left unset (None) is on for float8 on a GPU and off otherwise; True or False is kept.
 
     ``dtype="float8"`` converts the model's eligible ``nn.Linear`` layers to torchao's float8 training
     (``float8_recipe``: tensorwise | rowwise | rowwise_with_gw_hp; ``float8_filter(module, name) -> bool``
     replaces the default choice) and runs the rest in bfloat16 autocast, with no GradScaler; the step's
-    ``float8`` says which layers were converted and why the others were not (``ignite_amp.transforms.float8``; see the precision guide).
+    ``float8`` says which layers were converted and why the others were not
+    (``ignite_amp.transforms.float8``; see the precision guide).
 
     Example:
         >>> import torch

@@ -21,7 +21,7 @@ class ModelConfig:
     """model: the network, built with no weights (nothing is downloaded)."""
 
     name: str = setting("resnet18", Text(r"[A-Za-z0-9_.]+(:[A-Za-z0-9_.]+)?",
-                                               'a torchvision model name or "pkg.module:callable"'),
+                                         'a torchvision model name or "pkg.module:callable"'),
                         'a torchvision model name, or "pkg.module:callable" (built-ins: ignite_amp.models:small_cnn, '
                         "ignite_amp.models:cifar_resnet18)", FIXED)
     num_classes: int = setting(10, Integer(1), "the head's width; must match the data set (shapes, cifar10: 10)",

@@ -137,8 +137,9 @@ class TensorBoardMetrics:
         >>> tb.close()
         >>> tb.facts_written["dtype"], tb.facts_written["grad_scaler"], tb.facts_written["batch_size"]
         ('bfloat16', False, 8)
-        >>> tb.health()[:2]
-        ['verdict: healthy (clipping and data wait within bounds)', 'precision: bfloat16 autocast (no GradScaler needed), 4 optimizer steps']
+        >>> tb.health()[:2]  # doctest: +NORMALIZE_WHITESPACE
+        ['verdict: healthy (clipping and data wait within bounds)',
+         'precision: bfloat16 autocast (no GradScaler needed), 4 optimizer steps']
     """
 
     def __init__(self, logdir: str, log_every: int = 50, facts: Optional[Dict[str, Any]] = None,

@@ -10,12 +10,12 @@
 from ignite_amp.batch_search.policy import OBJECTIVES, STRATEGIES, VERIFY_STAGES, fit_line, search_batch_size
 from ignite_amp.batch_search.results import BatchSizeResult, Trial, format_trial, format_trials
 from ignite_amp.batch_search.runner import (
-                                            CudaMemoryMeter,
-                                            MemoryMeter,
-                                            TrialRunner,
-                                            find_batch_size,
-                                            memory_meter,
-                                            print_progress,
+    CudaMemoryMeter,
+    MemoryMeter,
+    TrialRunner,
+    find_batch_size,
+    memory_meter,
+    print_progress,
 )
 
 __all__ = ["search_batch_size", "fit_line", "find_batch_size", "TrialRunner", "MemoryMeter", "CudaMemoryMeter",

@@ -76,7 +76,8 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
         noise: how far (a share) a peak reading may stray from the line; bounds the first jumps.
         fit_tolerance: a peak further than this share from the best line means "not a line".
         max_jumps: jumps before the memory model gives way to bisection.
-        planned: ``planned(size) -> bytes``, the memory plan's peak (:meth:`ignite_amp.memory_plan.plan.MemoryPlan.peak_at`).
+        planned: ``planned(size) -> bytes``, the memory plan's peak
+            (:meth:`ignite_amp.memory_plan.plan.MemoryPlan.peak_at`).
         max_overhead: the most the device's peak exceeds the plan by (the allocator's rounding, workspaces).
 
     Example (a 16 GiB device; 2 GiB for the model, 40 MiB per sample):

@@ -142,7 +142,7 @@ def plan_search(search: Search, planned: Callable[[int], float], noise: float, m
 
 
 def model_search(search: Search, start: int, tolerance: float, noise: float, fit_tolerance: float,
-                  max_jumps: int) -> None:
+                 max_jumps: int) -> None:
     """The ``"model"`` strategy: two probes, then jumps to the line's prediction, each verified, until the verified
     size is within ``tolerance`` of it (raises :class:`Untrusted` when the peaks are not a line)."""
     budget, max_size = search.budget, search.max_size

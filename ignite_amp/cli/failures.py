@@ -78,7 +78,7 @@ def describe(exc: BaseException) -> Tuple[int, str]:
                 f"no checkpoint was written yet: {fix} and run the same command again")
         return 1, f"ignite-amp: stopped: {what} ({_written_file(exc)}); {then}"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
-                                                   errno.ENOTDIR):
+                                                  errno.ENOTDIR):
         # EISDIR/ENOTDIR: a directory where the run keeps a file (.lock, config.yaml), or the reverse
         return 2, f"ignite-amp: error: cannot write {exc.filename or ''}: {exc.strerror}"
     log = state.get("log")

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--steps", type=int, default=50, help="training steps per mode (default 50)")
     cmp.add_argument("--tolerance", type=float, default=0.1,
                      help="largest relative loss difference from float32 before a mode is flagged (default 0.1)")
-    modes = ["float32", "float16", "float16+scaler", "bfloat16", "float8"]  # named once in the help: a usage line that fits
+    # named once in the help: a usage line that fits
+    modes = ["float32", "float16", "float16+scaler", "bfloat16", "float8"]
     cmp.add_argument("--modes", nargs="+", choices=modes, metavar="MODE",
                      help=f"modes to run besides float32: {', '.join(modes)} (default: those the device runs fast)")
     search = sub.add_parser("find-batch-size", help="find the batch size to train with on the GPU (needs CUDA)")

@@ -8,8 +8,8 @@ handler's in its handler's module. :class:`Config` gathers them; :func:`load_con
 (with YAML 1.2's scalars, as editors do: :mod:`ignite_amp.config.yaml12`) or a dict against it, applies
 ``key.path=value`` overrides, fills defaults and refuses unknown keys, duplicate keys, wrong types,
 impossible values and values that YAML aliases expand past a size (:mod:`ignite_amp.config.limits`) with a
-:class:`ConfigError` naming the key path. A resolved config is a plain nested dict: what ``config.yaml`` and checkpoints hold.
-:func:`config_schema` is the JSON Schema of the same tree (``ignite-amp schema``).
+:class:`ConfigError` naming the key path. A resolved config is a plain nested dict: what ``config.yaml`` and
+checkpoints hold. :func:`config_schema` is the JSON Schema of the same tree (``ignite-amp schema``).
 """
 import copy
 import dataclasses
@@ -76,7 +76,7 @@ class Config:
                         "the run's name (default output_dir: runs/<name>)", NOT_COMPARED)
     seed: int = setting(0, Integer(0, 2**32 - 1), "orders the data and makes the synthetic data sets", FIXED)
     device: str = setting("auto", Text(r"auto|cpu|cuda(:[0-9]+)?|mps|xpu(:[0-9]+)?",
-                                              "auto, cpu, cuda, cuda:N, mps or xpu"),
+                                       "auto, cpu, cuda, cuda:N, mps or xpu"),
                           "auto, cpu, cuda, cuda:N, mps or xpu")
     output_dir: str = setting(None, Text(nullable=True), "checkpoints/, config.yaml, train.log and the "
                               "TensorBoard files go here; default runs/<name>; ~ is expanded", NOT_COMPARED)
@@ -227,8 +227,8 @@ def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict:
-    """Leaves by key path, as :func:`ignite_amp.core.config_keys.leaves` names them: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``;
-    ``kwargs`` mappings and lists are leaves (values as they are)."""
+    """Leaves by key path, as :func:`ignite_amp.core.config_keys.leaves` names them:
+    ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; ``kwargs`` mappings and lists are leaves (values as they are)."""
     flat = {}
     for key, value in cfg.items():
         name = f"{prefix}{key}"

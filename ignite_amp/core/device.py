@@ -38,7 +38,8 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {str(device)!r} was asked for but this machine has {count} CUDA "
-                             f"device{'s' if count != 1 else ''} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+                             f"device{'s' if count != 1 else ''} "
+                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
         return indexed(device)
     backend = getattr(torch.backends, device.type, None) if device.type == "mps" else getattr(torch, device.type, None)
     if backend is None or not backend.is_available():

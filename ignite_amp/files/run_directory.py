@@ -269,7 +269,8 @@ class LogFile:
 
     def _emit(self, level: int, message: str, exc_info=None) -> None:
         if self.handler is not None:
-            self.handler.handle(logging.LogRecord("ignite_amp.run.compose", level, __file__, 0, message, None, exc_info))
+            self.handler.handle(logging.LogRecord("ignite_amp.run.compose", level, __file__, 0, message, None,
+                                                  exc_info))
 
     def line(self, message: str) -> None:
         """A line the run printed (epoch summaries, resume notices), into this file only."""

@@ -1,4 +1,5 @@
-"""``activation_checkpointing: auto``: the cheapest checkpointing of the blocks that makes the planned step fit the memory.
+"""``activation_checkpointing: auto``: the cheapest checkpointing of the blocks that makes the planned step fit
+the memory.
 
 The choices (:mod:`ignite_amp.memory_plan.choices`) are ordered by the memory they save per unit of recompute
 (FLOPs): when selective checkpointing saves more per FLOP than going from selective to full does (the usual case:
@@ -54,7 +55,8 @@ class CheckpointChoice:
         if self.untraced:
             return f"{head}: no block checkpointed: the step cannot be traced fake ({self.untraced})"
         if self.budget is None:
-            return f"{head}: no block checkpointed: no device memory to fit (a CPU run; plan for a GPU with ignite-amp plan --memory)"
+            return (f"{head}: no block checkpointed: no device memory to fit (a CPU run; plan for a GPU with "
+                    "ignite-amp plan --memory)")
         at = f"at batch {self.batch_size} in {format_bytes(self.budget)}"
         if not self.blocks:
             return f"{head}: the model has no blocks to checkpoint; planned peak {format_bytes(self.peak)} {at}"
@@ -115,14 +117,17 @@ def checkpoint_to_fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_f
         >>> model = nn.Sequential(*[block() for _ in range(4)])
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> batch = lambda n: (torch.randn(n, 256), torch.randint(0, 256, (n,)))
-        >>> checkpoint_to_fit(model, opt, nn.functional.cross_entropy, batch, 64, device="cpu", dtype="float32").line()
-        'activation checkpointing auto: no block checkpointed: no device memory to fit (a CPU run; plan for a GPU with ignite-amp plan --memory)'
+        >>> checkpoint_to_fit(model, opt, nn.functional.cross_entropy, batch, 64, device="cpu",
+        ...                   dtype="float32").line()  # doctest: +NORMALIZE_WHITESPACE
+        'activation checkpointing auto: no block checkpointed: no device memory to fit (a CPU run; plan for a GPU
+        with ignite-amp plan --memory)'
         >>> choice = checkpoint_to_fit(model, opt, nn.functional.cross_entropy, batch, 4096, memory="140MiB",
         ...                            device="cpu", dtype="float32")
         >>> choice.fits, checkpoint_policies(model)
         (True, {'0': 'full', '1': 'selective', '2': 'selective', '3': 'selective'})
-        >>> print("\\n".join(choice.lines()))
-        activation checkpointing auto: full on 1 and selective on 3 of 4 blocks (full: 0; selective: 1-3): planned peak 113.1 MiB, 177.1 MiB without, recompute 4.4% of the step's FLOPs, at batch 4096 in 119.0 MiB
+        >>> print("\\n".join(choice.lines()))  # doctest: +NORMALIZE_WHITESPACE
+        activation checkpointing auto: full on 1 and selective on 3 of 4 blocks (full: 0; selective: 1-3): planned
+        peak 113.1 MiB, 177.1 MiB without, recompute 4.4% of the step's FLOPs, at batch 4096 in 119.0 MiB
         | checkpointing | peak | recompute (% of the step's FLOPs) | fits |
         |---|---|---|---|
         | none | 177.1 MiB | 0.0% | no |

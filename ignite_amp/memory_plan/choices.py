@@ -131,8 +131,8 @@ def options_lines(options: Sequence[CheckpointOption], chosen: Optional[Checkpoi
     out = ["| checkpointing | peak | recompute (% of the step's FLOPs) |" + (" fits |" if fits else ""),
            "|---|---|---|" + ("---|" if fits else "")]
     for option in options:
-        mark = " (chosen)" if chosen is not None and (option.full, option.selective) == (chosen.full,
-                                                                                        chosen.selective) else ""
+        mark = (" (chosen)" if chosen is not None and (option.full, option.selective) == (chosen.full, chosen.selective)
+                else "")
         recompute = share(option.recompute)
         fit = "" if budget is None else (" yes |" if option.peak is not None and option.peak <= budget else " no |")
         out.append(f"| {option.name}{mark} | {format_bytes(option.peak)} | {recompute} |{fit}")

@@ -113,7 +113,8 @@ def warm_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _fake_batch(batch: Any, n: int, mode: Any, device: torch.device) -> Any:
-    """``batch(n)`` called under the fake mode, or an example batch with its per-sample tensors resized to ``n`` rows."""
+    """``batch(n)`` called under the fake mode, or an example batch with its per-sample tensors resized to
+    ``n`` rows."""
     if callable(batch):
         with mode:
             made = batch(n)

@@ -8,9 +8,9 @@ optimizer's state as after its first step, and counts what it allocates with tor
 activations, temporaries (the backward's) and the batch. The user's model and optimizer are not touched:
 their parameters are stood in for by fake tensors of the same shape, dtype and strides.
 
-What the trace does not count is :data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`; the plan keeps a share of the memory free for it
-(``margin``). A model that cannot run on fake tensors (shapes that depend on values) gets a plan of what
-is known without running it: weights, gradients and optimizer state.
+What the trace does not count is :data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`; the plan keeps a share of the
+memory free for it (``margin``). A model that cannot run on fake tensors (shapes that depend on values) gets a plan
+of what is known without running it: weights, gradients and optimizer state.
 """
 import dataclasses
 import logging
@@ -35,7 +35,8 @@ logger = logging.getLogger("ignite_amp")
 #: (cuBLAS's workspaces are counted on a GPU: measured there, ``ignite_amp.memory_plan.cuda_extras``.)
 NOT_COUNTED = ("the CUDA caching allocator's fragmentation, cuDNN's convolution workspaces (chosen at run time), "
                "NCCL buffers, the CUDA context, torch.compile's changes to the step")
-#: The share of the memory a plan keeps free for what it does not count (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
+#: The share of the memory a plan keeps free for what it does not count
+#: (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
 DEFAULT_MARGIN = 0.15
 _MAX_SIZE = 2 ** 24  # the largest batch the fit search tries
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -77,7 +78,8 @@ class StepPeak:
 
 @dataclasses.dataclass
 class MemoryPlan:
-    """What :func:`estimate_memory` found: a :class:`~ignite_amp.memory_plan.plan.StepPeak` per batch size, and the largest batch that fits."""
+    """What :func:`estimate_memory` found: a :class:`~ignite_amp.memory_plan.plan.StepPeak` per batch size, and the
+    largest batch that fits."""
 
     device: str  #: the device the step was traced for
     peaks: List[StepPeak]  #: one per batch size traced, in increasing size (empty when not traced)
@@ -123,7 +125,7 @@ class MemoryPlan:
         out.append("| batch | peak | " + " | ".join(kinds) + " |")
         out.append("|---" * (len(kinds) + 2) + "|")
         rows: List[Tuple[str, Optional[int], Dict[str, int]]] = [(str(p.batch_size), p.peak, p.kinds)
-                                                                  for p in self.peaks]
+                                                                 for p in self.peaks]
         rows = rows or [("any", None, self.fixed)]
         for size, peak, kinds_at in rows:
             peak_text = format_bytes(peak) if peak is not None else f">= {format_bytes(sum(self.fixed.values()))}"
@@ -171,7 +173,8 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
             tensors, so it allocates nothing), or one example batch whose per-sample tensors are resized.
         batch_sizes: the sizes to trace.
         memory: bytes (or ``"80GiB"``) to fit; ``None``: the GPU's free memory when the device is a GPU.
-        margin: the share of ``memory`` kept free for what the plan does not count (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
+        margin: the share of ``memory`` kept free for what the plan does not count
+            (:data:`~ignite_amp.memory_plan.plan.NOT_COUNTED`).
         device: the device the run uses (a plan for a GPU needs one: without a CUDA device torch's fake
             backward fails).
         fit: with a memory, trace further sizes to find :attr:`~ignite_amp.memory_plan.plan.MemoryPlan.largest_fit`.
@@ -237,7 +240,7 @@ def estimate_memory(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn:
         if not traced:
             plan.untraced = f"{type(exc).__name__}: {first_line(exc)}"
             logger.info("memory plan: %s cannot be traced with fake tensors (%s); the plan counts weights, "
-                           "gradients and optimizer state only", type(model).__name__, plan.untraced)
+                        "gradients and optimizer state only", type(model).__name__, plan.untraced)
         else:
             raise
     shown = set(sizes) | ({plan.largest_fit} if plan.largest_fit else set())

@@ -18,8 +18,8 @@ from ignite_amp.run.fused import fused_choice, keep_kernels
 from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
 from ignite_amp.transforms.float8 import convert_to_float8
 
-__all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer", "build_scheduler", "input_shape",
-           "check_classes", "check_model_runs", "checkpoint_activations"]
+__all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer",
+           "build_scheduler", "input_shape", "check_classes", "check_model_runs", "checkpoint_activations"]
 
 
 @dataclasses.dataclass
@@ -115,8 +115,8 @@ def build_scheduler(sched: dict, optimizer: torch.optim.Optimizer, lr: float,
 
 def checkpoint_activations(cfg: dict, model: torch.nn.Module, device: torch.device) -> None:
     """The model transforms of ``amp:`` in place as soon as the model is built, before the batch-size search,
-    DDP or FSDP2 sharding and compile, in the order of :mod:`ignite_amp.transforms.activation_checkpointing`: ``dtype: float8``'s
-    conversion first (on the run's ``device``), then ``activation_checkpointing`` of the blocks
+    DDP or FSDP2 sharding and compile, in the order of :mod:`ignite_amp.transforms.activation_checkpointing`:
+    ``dtype: float8``'s conversion first (on the run's ``device``), then ``activation_checkpointing`` of the blocks
     (``distributed.blocks``, or the repeated ones), so a block that is itself an ``nn.Linear`` stays
     checkpointed as the ``Float8Linear`` it becomes (converted later, it would lose its checkpoint).
     float8 without checkpointing is converted by the trainer's factory (nothing comes between); ``auto`` checkpoints

@@ -78,8 +78,9 @@ class Run:
             if self.resumed_from and state.epoch >= cfg["train"]["epochs"]:
                 fewer = (f", more than the {cfg['train']['epochs']} train.epochs asks for"
                          if state.epoch > cfg["train"]["epochs"] else "")
-                self.print(f"already trained {state.epoch} epoch{'' if state.epoch == 1 else 's'} (checkpoint {self.resumed_from}{fewer}); nothing "
-                           f"to train; to train more: {self._more_epochs_hint(state.epoch)}")
+                self.print(f"already trained {state.epoch} epoch{'' if state.epoch == 1 else 's'} "
+                           f"(checkpoint {self.resumed_from}{fewer}); nothing to train; to train more: "
+                           f"{self._more_epochs_hint(state.epoch)}")
             else:
                 step = self.trainer.amp_step
                 if step.float8 is not None:

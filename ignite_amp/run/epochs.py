@@ -95,4 +95,5 @@ class EpochSummary:
         width = len(str(epochs))
         self.print(f"epoch {epoch:>{width}}/{epochs}  train loss {m['train_loss']:.4f}  "
                    f"val accuracy {metrics.get('accuracy', float('nan')):.4f}  "
-                   f"val loss {metrics.get('loss', float('nan')):.4f}  {m['seconds']:.{1 if m['seconds'] < 100 else 0}f}s")
+                   f"val loss {metrics.get('loss', float('nan')):.4f}  "
+                   f"{m['seconds']:.{1 if m['seconds'] < 100 else 0}f}s")

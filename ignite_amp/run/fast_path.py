@@ -2,7 +2,8 @@
 the loader's workers, and why, and whether batches are prefetched to the GPU: for the start line and the run facts.
 
 Each choice is its own rule (:mod:`ignite_amp.transforms.memory_format`, :mod:`ignite_amp.run.fused`,
-:mod:`ignite_amp.data.workers`, :mod:`ignite_amp.data.prefetch`); this module applies them to a config and says them in one place.
+:mod:`ignite_amp.data.workers`, :mod:`ignite_amp.data.prefetch`); this module applies them to a config and says
+them in one place.
 """
 from typing import Any, Dict, Iterable, Optional
 

@@ -99,7 +99,8 @@ def _model_and_optimizer(cfg: dict, device: torch.device) -> tuple:
                 # the run's optimizer, fused on CUDA as train builds it (its step's temporaries differ)
                 sharded = cfg["distributed"]["strategy"] == "fsdp"
                 return model, build_optimizer(cfg["optimizer"], model, device, sharded=sharded)
-        except Exception as exc:  # a constructor that reads values (data-dependent under fake tensors): build it for real
+        except Exception as exc:
+            # a constructor that reads values (data-dependent under fake tensors): build it for real
             reads = isinstance(exc.__cause__ if isinstance(exc, ConfigError) else exc, _fake_limits())
             if context is contextlib.nullcontext or isinstance(exc, ConfigError) and not reads:
                 raise

@@ -25,8 +25,9 @@ from ignite_amp.files.checkpoints import load_checkpoint
 from ignite_amp.files.run_directory import RunLayout, move_previous_run
 from ignite_amp.handlers.best_checkpoint import BestCheckpoint
 
-__all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint", "stored_config",
-           "apply_changes", "RULES", "rerun_of_a_finished_run", "epochs_done", "resumed_dtype", "with_precision"]
+__all__ = ["Change", "Plan", "config_changes", "check_resume", "plan_resume", "resume_run", "choose_checkpoint",
+           "stored_config", "apply_changes", "RULES", "rerun_of_a_finished_run", "epochs_done", "resumed_dtype",
+           "with_precision"]
 
 RULES: Dict[str, str] = {path: f.metadata["resume"] for path, f in leaves(Config)}
 
@@ -59,7 +60,7 @@ def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
 
 
 def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
-           scheduled: bool) -> str:
+               scheduled: bool) -> str:
     """Load the chosen checkpoint into the built run, put the applied changes in effect; returns the line to print."""
     path = checkpoint.resume(chosen.path, chosen.state, fall_back=chosen.auto)
     # The epoch length is the loader's in use now (a changed data.train_size or batch_size).

@@ -15,7 +15,7 @@ __all__ = ["search_built", "search_config"]
 
 
 def search_built(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      device: torch.device, objective: str = "largest", progress: bool = False):
+                 device: torch.device, objective: str = "largest", progress: bool = False):
     """Run :func:`~ignite_amp.batch_search.find_batch_size` for a config's model, dtype, input shape and
     evaluation batch; returns its :class:`~ignite_amp.batch_search.BatchSizeResult` (the size per
     process, the trials, ``.table``). ``progress``: rank 0 prints each trial on stderr."""

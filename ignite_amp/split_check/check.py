@@ -327,7 +327,8 @@ def _terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held
         held.reset(replay=i < 2)
         with held.forward():
             out = step.model_transform(step.model_fn(module, x))
-        if not (isinstance(out, dict) and len(out) > 1 and all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):
+        if not (isinstance(out, dict) and len(out) > 1 and
+                all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):
             return []
         outputs.append(out)
     found = []

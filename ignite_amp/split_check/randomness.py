@@ -94,12 +94,13 @@ def _middle(func: Any, args: tuple, kwargs: dict) -> Any:
         return args[0].fill_(1.0 / (args[1] if len(args) > 1 else kwargs.get("lambd", 1.0)))
     made = {"dtype": kwargs.get("dtype"), "device": kwargs.get("device")}
     if packet in (aten.rand, aten.randn):
-        return torch.full(args[0], 0.5 if packet is aten.rand else 0.0, dtype=made["dtype"] or torch.get_default_dtype(),
-                          device=made["device"])
+        return torch.full(args[0], 0.5 if packet is aten.rand else 0.0,
+                          dtype=made["dtype"] or torch.get_default_dtype(), device=made["device"])
     if packet in (aten.rand_like, aten.randn_like):
         return torch.full_like(args[0], 0.5 if packet is aten.rand_like else 0.0,
                                **{k: v for k, v in kwargs.items() if k in ("dtype", "device")})
-    low = func._overloadname.startswith("low")  # randint(high, size), randint(low, high, size), randint_like(t, [low,] high)
+    # randint(high, size), randint(low, high, size), randint_like(t, [low,] high)
+    low = func._overloadname.startswith("low")
     if packet is aten.randint:
         return torch.full(args[-1], args[0] if low else 0, dtype=made["dtype"] or torch.long, device=made["device"])
     if packet is aten.randint_like:

@@ -215,7 +215,7 @@ class StepBase:
         if self.batch_size_fn is batch_size_of:
             first = x if torch.is_tensor(x) else None  # the usual (tensor, tensor) batch: no walk
             if first is not None and first.dim() and (y is None or (torch.is_tensor(y) and y.dim() and
-                                                                   y.shape[0] == first.shape[0])):
+                                                                    y.shape[0] == first.shape[0])):
                 return first.shape[0]
             return batch_size_of(x, y)
         n = self.batch_size_fn(x, y)

@@ -52,7 +52,8 @@ def amp_dtype(amp_mode: Optional[str], dtype: Union[str, torch.dtype]) -> Union[
     if wanted is None:
         return dtype
     if dtype not in ("auto", wanted, getattr(torch, wanted)):
-        raise ValueError(f"Argument amp_mode={amp_mode!r} means dtype {wanted}, but dtype is {dtype!r}: pass one of them")
+        raise ValueError(f"Argument amp_mode={amp_mode!r} means dtype {wanted}, but dtype is {dtype!r}: "
+                         "pass one of them")
     return wanted
 
 

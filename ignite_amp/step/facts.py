@@ -113,11 +113,11 @@ def summary_line(facts: Dict[str, Any]) -> str:
     dtype = facts.get("dtype")
     parts = ["float32, autocast off" if dtype == "float32" else f"{dtype} autocast" if dtype else None]
     if facts.get("float8_recipe"):
-        parts[0] = (f"float8 {facts['float8_recipe']} Linear layers{' (emulated)' if facts.get('float8_emulated') else ''}"
-                    f" in {parts[0]}")
+        parts[0] = (f"float8 {facts['float8_recipe']} Linear layers"
+                    f"{' (emulated)' if facts.get('float8_emulated') else ''} in {parts[0]}")
     if "grad_scaler" in facts:
-        parts.append(f"GradScaler from scale {facts['init_scale']:g}" if facts["grad_scaler"] and facts.get("init_scale")
-                     else "GradScaler on" if facts["grad_scaler"] else "no GradScaler")
+        parts.append(f"GradScaler from scale {facts['init_scale']:g}" if facts["grad_scaler"] and
+                     facts.get("init_scale") else "GradScaler on" if facts["grad_scaler"] else "no GradScaler")
     if facts.get("device"):
         parts.append(f"on {facts['device']}")
     if facts.get("world_size"):

@@ -145,7 +145,8 @@ class AmpStep(StepBase, Serializable):
     ):
         POSITIVE_INT.argument(accumulation_steps, "accumulation_steps")
         if num_items is not None and not callable(num_items):
-            raise TypeError(f"num_items should be a function (x, y) -> int or 0-d tensor, got {type(num_items).__name__}")
+            raise TypeError(f"num_items should be a function (x, y) -> int or 0-d tensor, "
+                            f"got {type(num_items).__name__}")
         check_optimizer(optimizer, model)
         check_mean_reduction(loss_fn)
         super().__init__(model, device, dtype, micro_batches, non_blocking, channels_last, compile,

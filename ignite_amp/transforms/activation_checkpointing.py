@@ -111,7 +111,8 @@ def _check_policy(policy: str) -> str:
 
 
 def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None, policy: str = "full") -> List[str]:
-    """Run each block of ``model`` (its repeated children: ``ignite_amp.transforms.blocks.block_names``) under activation checkpointing.
+    """Run each block of ``model`` (its repeated children: ``ignite_amp.transforms.blocks.block_names``) under
+    activation checkpointing.
 
     In place, before sharding and compile; calling it again leaves checkpointed blocks as they are.
     A model without blocks is left as it is, with one warning.
@@ -138,9 +139,9 @@ def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None, 
     names = block_names(model, blocks)
     if not names:
         warnings.warn(f"activation checkpointing: {type(model).__name__} has no repeated blocks (two or more "
-                      f"children in a row of one class in a ModuleList or Sequential); nothing is checkpointed; name its block "
-                      f"classes (distributed.blocks, or checkpoint_blocks(model, blocks=[...]))", UserWarning,
-                      stacklevel=2)
+                      f"children in a row of one class in a ModuleList or Sequential); nothing is checkpointed; "
+                      f"name its block classes (distributed.blocks, or checkpoint_blocks(model, blocks=[...]))",
+                      UserWarning, stacklevel=2)
     return checkpoint_modules(model, names, policy)
 
 

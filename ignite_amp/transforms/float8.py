@@ -94,7 +94,8 @@ def float8_plan(model: nn.Module, recipe: str = DEFAULT_RECIPE, device_type: str
     if recipe not in RECIPES:
         raise ValueError(f"float8_recipe should be one of {', '.join(RECIPES)}, got {recipe!r}")
     if module_filter is not None and not callable(module_filter):
-        raise TypeError(f"float8_filter should be a function (module, name) -> bool, got {type(module_filter).__name__}")
+        raise TypeError(f"float8_filter should be a function (module, name) -> bool, "
+                        f"got {type(module_filter).__name__}")
     attention = [name for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     called = [name for name, _ in linears if not _within(name, attention)]
@@ -134,7 +135,8 @@ def float8_change(saved: Optional[str], report: Optional[Float8Report]) -> Optio
         return f"with float8 {recipe} Linear layers" if recipe else "without float8"
 
     return (f"resuming a checkpoint trained {precision(saved)} in a run {precision(now)}: the float32 weights load "
-            f"as they are (float8 scales are recomputed each step); expect the loss to move a little in the first steps")
+            f"as they are (float8 scales are recomputed each step); expect the loss to move a little in the "
+            f"first steps")
 
 
 def check_float8_device(device: Union[str, torch.device]) -> bool:
@@ -200,8 +202,9 @@ def convert_to_float8(model: nn.Module, recipe: str = DEFAULT_RECIPE, device: Un
         >>> from ignite_amp.transforms.float8 import convert_to_float8
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
         ...                             torch.nn.ReLU(), torch.nn.Linear(32, 2))
-        >>> convert_to_float8(model).line()
-        'float8 tensorwise (emulated on CPU): converted 1 of 3 Linear layers (2); skipped: 0 (first Linear), 4 (last Linear)'
+        >>> convert_to_float8(model).line()  # doctest: +NORMALIZE_WHITESPACE
+        'float8 tensorwise (emulated on CPU): converted 1 of 3 Linear layers (2); skipped: 0 (first Linear),
+        4 (last Linear)'
     """
     done = getattr(model, "_ignite_amp_float8", None)
     if done is not None:

@@ -92,8 +92,8 @@ def shard_model(model: nn.Module, dtype: Union[str, torch.dtype] = "bfloat16",
             layers always are (their running statistics are float32).
         device: where the model goes first (default: ``idist.device()``).
         activation_checkpointing: checkpoint the same blocks first
-            (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`): they keep only their inputs for the backward
-            (``"selective"``: their matmuls', convolutions' and attention's outputs too).
+            (:func:`ignite_amp.transforms.activation_checkpointing.checkpoint_blocks`): they keep only their inputs
+            for the backward (``"selective"``: their matmuls', convolutions' and attention's outputs too).
     """
     import ignite.distributed as idist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
