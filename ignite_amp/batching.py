@@ -216,4 +216,4 @@ def split_pairs(x: Any, y: Any, n: int, chunks: int) -> List[Tuple[Any, Any]]:
     # A list of n tensors of n rows is one tensor per sample when the batch holds per-sample items too
     # (detection: 3 RGB images beside 3 target dicts), else n batched inputs.
     samples = any(kind == "items" and size == n for kind, _, size in [*_evidence(x, "x"), *_evidence(y, "y")])
-    return list(zip(split_into(x, n, chunks, "x", samples), split_into(y, n, chunks, "y", samples)))
+    return list(zip(split_into(x, n, chunks, "x", samples), split_into(y, n, chunks, "y", samples), strict=True))

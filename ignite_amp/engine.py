@@ -76,7 +76,7 @@ class AmpConfig:
 
 
 class AmpEngine(Engine):
-    """An Ignite ``Engine`` that knows which :class:`AmpEvents` have handlers, so the step fires only those.
+    """An Ignite ``Engine`` that knows which :class:`~ignite_amp.AmpEvents` have handlers, so the step fires only those.
 
     ``Engine.fire_event`` costs about 15 us of host time even when nothing listens (it checks
     the event against every registered one); twice per iteration that is a visible share of a

@@ -176,7 +176,8 @@ class TrainWindow:
         if scale is not None:
             reads["precision/loss_scale"] = scale
         # The one host sync of this log.
-        values = dict(zip(reads, torch.stack([v.to(device, torch.float32) for v in reads.values()]).tolist()))
+        read = torch.stack([v.to(device, torch.float32) for v in reads.values()]).tolist()
+        values = dict(zip(reads, read, strict=True))
         if amp.scaler.is_enabled():
             if scale is None:  # before the scaler's first step: its init_scale, no sync
                 values["precision/loss_scale"] = amp.scaler.get_scale()

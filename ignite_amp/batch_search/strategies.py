@@ -104,10 +104,10 @@ def fit_line(points: Dict[int, float]) -> Tuple[float, float, float]:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     a = my - b * mx
     scale = max(max(abs(y) for y in ys), 1e-12)
-    misfit = max(abs(y - (a + b * x)) for x, y in zip(xs, ys)) / scale
+    misfit = max(abs(y - (a + b * x)) for x, y in zip(xs, ys, strict=True)) / scale
     return a, b, misfit
 
 

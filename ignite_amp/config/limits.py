@@ -89,7 +89,7 @@ def same(a: Any, b: Any) -> bool:
             if kind is dict:
                 stack.extend((x[k], y[k]) for k in x)
             else:
-                stack.extend(zip(x, y))
+                stack.extend(zip(x, y, strict=True))
         elif x != y:
             return False
     return True

@@ -123,7 +123,7 @@ def all_reduce_gradients(parameters: Iterator[torch.nn.Parameter], bucket_mb: fl
         flat = torch.cat([grad.reshape(-1) for grad in bucket])
         dist.all_reduce(flat)
         flat.div_(world)
-        for grad, reduced in zip(bucket, flat.split([grad.numel() for grad in bucket])):
+        for grad, reduced in zip(bucket, flat.split([grad.numel() for grad in bucket]), strict=True):
             grad.copy_(reduced.view_as(grad))
         bucket.clear()
 

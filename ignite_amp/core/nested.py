@@ -116,17 +116,17 @@ def join_chunks(parts: Sequence[Any], sizes: Sequence[int], weights: Optional[Se
     if all(torch.is_tensor(p) for p in parts):
         if first.dim() == 0:
             if weights is None:
-                return sum(p.float() * (s / n) for p, s in zip(parts, sizes))
+                return sum(p.float() * (s / n) for p, s in zip(parts, sizes, strict=True))
             total = sum(weights)  # a chunk that counted no items (padding only, its mean 0/0) adds nothing
             return sum(torch.where(torch.as_tensor(w) > 0, p.float() * w, torch.zeros_like(p.float()))
-                       for p, w in zip(parts, weights)) / total
+                       for p, w in zip(parts, weights, strict=True)) / total
         if all(p.dim() and p.shape[1:] == first.shape[1:] for p in parts):
             return torch.cat(list(parts))
         return list(parts)
     if all(isinstance(p, Mapping) for p in parts) and all(p.keys() == first.keys() for p in parts):
         return rebuild(first, {k: join_chunks([p[k] for p in parts], sizes, weights) for k in first})
     if all(isinstance(p, (list, tuple)) for p in parts):
-        if all(_per_sample_output(p, s) for p, s in zip(parts, sizes)):
+        if all(_per_sample_output(p, s) for p, s in zip(parts, sizes, strict=True)):
             return type(first)(item for p in parts for item in p) if not hasattr(first, "_fields") else first
         if all(len(p) == len(first) for p in parts):
             return rebuild(first, [join_chunks([p[i] for p in parts], sizes, weights) for i in range(len(first))])

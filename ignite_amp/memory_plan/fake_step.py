@@ -151,14 +151,14 @@ def quiet_trace() -> Any:
     torch's log of a fake kernel's failure (a traceback per failed operator) to the plan's one line about it."""
     loggers = [logger, logging.getLogger("torch._subclasses.fake_tensor")]
     levels = [one.level for one in loggers]
-    for one, level in zip(loggers, (logging.ERROR, logging.CRITICAL)):
+    for one, level in zip(loggers, (logging.ERROR, logging.CRITICAL), strict=True):
         one.setLevel(level)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        for one, level in zip(loggers, levels):
+        for one, level in zip(loggers, levels, strict=True):
             one.setLevel(level)
 
 

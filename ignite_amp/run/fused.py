@@ -72,7 +72,7 @@ def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
                                    for group in optimizer.param_groups]
 
     def restore(loaded: torch.optim.Optimizer) -> None:
-        for group, flags in zip(loaded.param_groups, built):
+        for group, flags in zip(loaded.param_groups, built, strict=True):
             group.update(flags)
 
     optimizer.register_load_state_dict_post_hook(restore)

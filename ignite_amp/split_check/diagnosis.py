@@ -41,7 +41,7 @@ def dots(g: Sequence[torch.Tensor], g1: Sequence[torch.Tensor], g2: Sequence[tor
          ) -> List[float]:
     """``[g1.g1, g1.g2, g2.g2, g1.g, g2.g, g.g]`` over all parameters, in ``dtype`` (one host sync)."""
     def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Union[torch.Tensor, int]:  # 0: no tensors
-        return sum(torch.dot(u.reshape(-1).to(dtype), v.reshape(-1).to(dtype)) for u, v in zip(a, b))
+        return sum(torch.dot(u.reshape(-1).to(dtype), v.reshape(-1).to(dtype)) for u, v in zip(a, b, strict=True))
     found = [dot(g1, g1), dot(g1, g2), dot(g2, g2), dot(g1, g), dot(g2, g), dot(g, g)]
     device = found[-1].device if isinstance(found[-1], torch.Tensor) else None
     return torch.stack([torch.as_tensor(d, dtype=dtype, device=device) for d in found]).tolist()
@@ -169,7 +169,7 @@ def candidates(loss_fn: Any, parts: list) -> List[Tuple[str, List[float]]]:
         skip = -100 if ignored is None else ignored
         kept = [t[t != skip] for t in every]
         if all(bool(((k >= 0) & (k < len(weight))).all()) for k in kept):
-            text = "weight[y].sum()" if all(len(k) == t.numel() for k, t in zip(kept, every)) else \
+            text = "weight[y].sum()" if all(len(k) == t.numel() for k, t in zip(kept, every, strict=True)) else \
                 f"weight[y[y != {skip}]].sum()"
             found.append((f"lambda x, y: {text} (weight: the loss's class weights)",
                           [float(weight.detach().cpu()[k.cpu()].sum()) for k in kept]))

@@ -70,8 +70,9 @@ def square_blocks(preds: Sequence[Any], sizes: Sequence[int]) -> list:
     if len(preds) < 2 or min(sizes) < 2:
         return []
     found = [dict(_tensors(p)) for p in preds]
-    return [name for name in found[0] if all(
-        name in f and f[name].dim() == 2 and f[name].shape[0] == f[name].shape[1] == n for f, n in zip(found, sizes))]
+    return [name for name in found[0]
+            if all(name in f and f[name].dim() == 2 and f[name].shape[0] == f[name].shape[1] == n
+                   for f, n in zip(found, sizes, strict=True))]
 
 
 def refuse_pair_blocks(names: Sequence[str], probe: Any, size: int) -> None:
