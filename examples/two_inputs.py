@@ -38,7 +38,7 @@ def dataset(count: int, seed: int) -> list:
     labels = torch.randint(0, 3, (count,), generator=g)
     images[torch.arange(count), labels] += 0.4  # the class's channel is brighter
     rows[:, 0] += labels  # and the first feature hints at it
-    return [((image, row), label) for image, row, label in zip(images, rows, labels)]
+    return [((image, row), label) for image, row, label in zip(images, rows, labels, strict=True)]
 
 
 def main(argv=None) -> dict:

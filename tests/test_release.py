@@ -39,7 +39,8 @@ def test_the_version_is_written_in_one_place():
 
 def test_ci_builds_checks_and_trains_from_the_wheel_outside_the_checkout():
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
-    steps = ['pip install --quiet -e ".[lint]" && .ci/lint || exit 1', 'pip install -e ".[test]" && python -m pytest', 'pip install --quiet -e ".[release]"',
+    steps = ['pip install --quiet -e ".[lint]" && .ci/lint || exit 1',
+             'pip install -e ".[test]" && python -m pytest', 'pip install --quiet -e ".[release]"',
              'work="$(mktemp -d)"', 'python -m build --outdir "$work/dist" .', 'twine check --strict "$work/dist"/*',
              'python -m venv --without-pip "$work/venv"',
              'python -m pip --python "$work/venv/bin/python" install --quiet "$work/dist"/*.whl',

@@ -89,7 +89,7 @@ def _measure(size: dict, dtype_name: str, layout, for_device: bool, device: torc
         trainer.run([batches[i % 2] for i in range(size["warmup"])], max_epochs=1)
         timer = Timer(device)
         steps = [batches[i % 2] for i in range(size["steps"])]
-        step = statistics.median(timer(lambda: trainer.run(steps, max_epochs=1)) / size["steps"]
+        step = statistics.median(timer(lambda t=trainer, s=steps: t.run(s, max_epochs=1)) / size["steps"]
                                  for _ in range(size["repeats"]))
     fused = any(bool(g.get("fused")) for g in optimizer.param_groups)
     return {"channels_last": trainer.amp_step.channels_last, "fused": fused, "step_ms": step * 1e3,
@@ -109,7 +109,7 @@ def _fused_parity(size: dict, device: torch.device):
         return [p.detach().float().cpu() for p in model.parameters()]
 
     try:
-        for a, b in zip(train(True), train(False)):
+        for a, b in zip(train(True), train(False), strict=True):
             torch.testing.assert_close(a, b)
     except AssertionError as exc:
         return str(exc).splitlines()[0]
@@ -175,7 +175,7 @@ def cuda_graphs(ctx: Context) -> None:
                     torch.randint(0, 10, (size["batch"],), device=device)) for _ in range(2)]
         trainer.run([batches[i % 2] for i in range(size["warmup"])], max_epochs=1)
         timer, steps = Timer(device), [batches[i % 2] for i in range(size["steps"])]
-        step = statistics.median(timer(lambda: trainer.run(steps, max_epochs=1)) / size["steps"]
+        step = statistics.median(timer(lambda t=trainer, s=steps: t.run(s, max_epochs=1)) / size["steps"]
                                  for _ in range(size["repeats"]))
         guard = trainer.amp_step.graphs
         measured[label] = step

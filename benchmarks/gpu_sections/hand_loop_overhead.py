@@ -77,7 +77,7 @@ def ratio_interval(values: List[float], reference: List[float], draws: int = 200
     >>> m, lo, hi = ratio_interval([1.1, 1.0, 1.2, 1.05, 1.1], [1.0] * 5); lo <= m <= hi
     True
     """
-    ratios = [a / b for a, b in zip(values, reference)]
+    ratios = [a / b for a, b in zip(values, reference, strict=True)]
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
     return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]

@@ -126,7 +126,7 @@ def test_a_consumer_that_stops_early_leaves_the_next_pass_whole():
 def test_off_cuda_the_batches_pass_through_unchanged():
     batches = numbered(3)
     wrapped = DevicePrefetcher(batches, CPU)
-    assert not wrapped.prefetches and all(a is b for a, b in zip(wrapped, batches))
+    assert not wrapped.prefetches and all(a is b for a, b in zip(wrapped, batches, strict=True))
     assert device_loader(batches, "cpu") is batches  # what a config run does off CUDA
     assert prefetch.side_stream("cpu") is None
 
@@ -255,7 +255,7 @@ def test_a_config_run_trains_the_same_losses_through_the_wrapper(tmp_path, monke
     assert "prefetch to GPU on a side stream" in next(line for line in lines if line.startswith("training "))
     keys = ("epoch", "train_loss", "val_loss", "val_accuracy")
     assert [{k: r[k] for k in keys} for r in history] == [{k: r[k] for k in keys} for r in plain_history]
-    for a, b in zip(run.model.state_dict().values(), plain.model.state_dict().values()):
+    for a, b in zip(run.model.state_dict().values(), plain.model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -282,12 +282,13 @@ def test_gpu_batches_equal_the_plain_loaders_moved_to_the_device():
     device = torch.device("cuda")
     Pair = namedtuple("Pair", "x y")
     data = TensorDataset(torch.randn(512, 3, 32, 32), torch.randint(0, 10, (512,)))
-    loader = DataLoader(data, batch_size=64, pin_memory=True, collate_fn=lambda s: Pair(*map(torch.stack, zip(*s))))
+    loader = DataLoader(data, batch_size=64, pin_memory=True,
+                        collate_fn=lambda s: Pair(*map(torch.stack, zip(*s, strict=True))))
     wrapped = device_loader(loader, device)
     assert isinstance(wrapped, DevicePrefetcher) and wrapped.prefetches
     busy = torch.randn(2048, 2048, device=device)
     for _ in range(2):
-        for got, want in zip(wrapped, loader):
+        for got, want in zip(wrapped, loader, strict=True):
             assert isinstance(got, Pair) and got.x.device.type == "cuda"
             busy = busy @ busy / busy.norm()  # consumer-stream work queued while the next copy runs
             torch.testing.assert_close(got.x, want.x.to(device), rtol=0, atol=0)

@@ -145,7 +145,8 @@ def test_deterministic_is_ignites_deterministic_engine_with_amp_events():
         model = linear()
         trainer = create_amp_trainer(model, SGD(model.parameters(), 0.1), mse_loss, "cpu", deterministic=True)
         stepped = []
-        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda e: stepped.append(e.state.iteration))
+        trainer.add_event_handler(AmpEvents.OPTIMIZER_STEPPED,
+                                  lambda e, stepped=stepped: stepped.append(e.state.iteration))
         loader = torch.utils.data.DataLoader(list(zip(X, Y, strict=True)), batch_size=2, shuffle=True)
         trainer.run(loader, max_epochs=2)
         runs.append(model.weight.item())

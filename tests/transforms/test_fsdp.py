@@ -331,7 +331,7 @@ def test_float32_modules_and_blocks_are_sharded_innermost_first_with_their_own_p
                                     (["2"], None, torch.float32),  # a parent of the blocks: its blocks in float32
                                     (["3"], ["Linear", "BatchNorm1d"], torch.bfloat16)):  # classes before renaming
             model, seen = shard_model(build_blocks(), "bfloat16", blocks=blocks, fp32_modules=fp32, device="cpu"), []
-            model[2][0].register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+            model[2][0].register_forward_pre_hook(lambda m, args, seen=seen: seen.append(m.weight.dtype))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 model(torch.randn(4, 8)).float().sum().backward()
             assert seen == [inner], (fp32, blocks, seen)
