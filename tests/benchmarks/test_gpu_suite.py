@@ -221,13 +221,24 @@ def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_
     assert not alive(int((tmp_path / "child.pid").read_text()))
 
 
-def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
-    pytest.importorskip("torchao")
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "i", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+@pytest.fixture(scope="module")
+def opt_in(tmp_path_factory):
+    """The opt-in sections i, k, p, q and r in one smoke run of the suite (one process start, not five): the
+    report and its folder."""
+    out = tmp_path_factory.mktemp("opt_in")
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "ikpqr", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
-    assert list(report["sections"]) == ["i_float8"] and "i_float8" not in report["gpu_budgets_s"]
+    report = json.loads((out / "gpu_suite.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["i_float8", "k_memory_plan", "p_memory_format_fused", "q_input_path",
+                                        "r_cuda_graphs"]
+    assert not set(report["sections"]) & set(report["gpu_budgets_s"])  # outside the default budget
+    return report, out
+
+
+def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
+    pytest.importorskip("torchao")
+    report, _ = opt_in
     section = report["sections"]["i_float8"]
     assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
     table = rows(section)
@@ -238,18 +249,14 @@ def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
     assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
 
 
-def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(tmp_path):
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "k", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
-    assert list(report["sections"]) == ["k_memory_plan"] and "k_memory_plan" not in report["gpu_budgets_s"]
+def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
+    report, out = opt_in
     section = report["sections"]["k_memory_plan"]
     assert section["status"] == "skipped" and section["reason"].startswith("needs CUDA")
     table = rows(section)
     assert len(table) == 2 and all(r["predicted_mb"] > 0 and r["measured_mb"] is None for r in table), table
     assert [t["verdict"] for t in section["targets"]] == ["NOT MEASURED", "NOT MEASURED"]
-    assert "NOT MEASURED" in (tmp_path / "gpu_suite.md").read_text(encoding="utf-8")
+    assert "NOT MEASURED" in (out / "gpu_suite.md").read_text(encoding="utf-8")
 
 
 def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
@@ -296,15 +303,10 @@ def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"] * 3
 
 
-def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(tmp_path):
+def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(opt_in):
     """Issue 51: sections p (memory format, fused step), q (input path) and r (CUDA graphs) run their code on the CPU
     stand-in (o's compiled variant needs CUDA) and say NOT MEASURED; they are outside the default budget."""
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "pqr", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_suite.json").read_text(encoding="utf-8"))
-    assert list(report["sections"]) == ["p_memory_format_fused", "q_input_path", "r_cuda_graphs"]
-    assert not set(report["sections"]) & set(report["gpu_budgets_s"])
+    report, _ = opt_in
     m, n = report["sections"]["p_memory_format_fused"], report["sections"]["q_input_path"]
     assert m["status"] == n["status"] == "measured", (m.get("reason"), n.get("reason"))
     table = rows(m)
