@@ -137,6 +137,26 @@ def id_batches(n_samples: int = 24, batch: int = 8, in_features: int = 5, classe
     return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n_samples, batch)]
 
 
+def recording_backend():
+    """A ``torch.compile`` backend that keeps each graph dynamo captured, then runs it by ``aot_eager``
+    (AOTAutograd's partitioner and recompute, no inductor code generation): ``(backend, graphs)``."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs: list = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    return backend, graphs
+
+
+def three_blocks() -> nn.Module:
+    """``Linear(16, 32)``, three ``(Linear(32, 32), GELU)`` blocks in a Sequential, ``Linear(32, 4)``."""
+    return nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
+                                                            for _ in range(3)]), nn.Linear(32, 4))
+
+
 def mlp(in_features: int = 5, classes: int = 3, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, classes))

@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.backends.debugging import aot_eager
 from torch.nn.functional import cross_entropy, gelu
 
 import ignite_amp.transforms.activation_checkpointing
-from conftest import assert_doctests_pass, tiny_config
+from conftest import assert_doctests_pass, recording_backend, tiny_config
 from ignite_amp import create_amp_trainer, find_batch_size
 from ignite_amp.errors import ConfigError
 from ignite_amp.handlers import OOMBackoff
@@ -129,11 +128,7 @@ def test_batch_norm_running_statistics_are_updated_once():
 def test_compile_captures_the_checkpointed_blocks_in_one_graph():
     """Issue 39: the wrapper's recompute flag (a list appended to) was a side effect dynamo refuses inside the
     checkpoint ("HOP: Unsafe side effect"): compile captured nothing and the model ran eager."""
-    graphs = []
-
-    def backend(gm, inputs):  # aot_eager (AOTAutograd's recompute, no inductor code generation), graphs kept
-        graphs.append(gm)
-        return aot_eager(gm, inputs)
+    backend, graphs = recording_backend()
 
     def captured_ops():  # the operators in the graphs, those inside each checkpoint's subgraph included
         return sum(node.op == "call_function" and not str(node.target).startswith("<built-in function getitem")

@@ -10,7 +10,7 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import ignite_amp.transforms.float8 as f8
-from conftest import assert_doctests_pass, tiny_config
+from conftest import assert_doctests_pass, recording_backend, three_blocks, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer, train_from_config
 from ignite_amp.step.facts import step_facts, summary_line
 from ignite_amp.transforms.float8 import convert_to_float8, float8_plan
@@ -462,19 +462,11 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
 def test_float8_with_activation_checkpointing_compiles_in_one_graph():
     """Issue 39: on a GPU float8 turns compile on, and the checkpoint wrapper's side effect made dynamo capture
     nothing: float8 + activation checkpointing ran eager. fullgraph=True: a graph break is an error."""
-    from torch._dynamo.backends.debugging import aot_eager
-
     from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
 
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return aot_eager(gm, inputs)
-
+    backend, graphs = recording_backend()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
-                                                             for _ in range(3)]), nn.Linear(32, 4))
+    model = three_blocks()
     convert_to_float8(model)
     checkpoint_blocks(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):

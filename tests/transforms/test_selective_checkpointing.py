@@ -10,7 +10,7 @@ import torch
 from test_checkpointing import batches, block_calls, net, relative_difference, train
 from torch import nn
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, recording_backend, three_blocks, tiny_config
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
 from ignite_amp.step.facts import step_facts
@@ -130,17 +130,9 @@ def test_compile_traces_the_selective_checkpoints():
 def test_selective_checkpoints_compile_in_one_graph(float8):
     """As full checkpointing (issue 39): dynamo captures the selective checkpoints (torch's own contexts, read by
     the partitioner as save/recompute marks), float8 layers included; fullgraph=True: a graph break is an error."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return aot_eager(gm, inputs)
-
+    backend, graphs = recording_backend()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
-                                                             for _ in range(3)]), nn.Linear(32, 4))
+    model = three_blocks()
     if float8:
         pytest.importorskip("torchao")
         from ignite_amp.transforms.float8 import convert_to_float8
