@@ -21,7 +21,16 @@ from torch import nn
 
 from ignite_amp.batching import prepare_batch as default_prepare_batch
 from ignite_amp.core.collectives import broadcast_buffers, is_distributed, is_sharded, unwrap
-from ignite_amp.core.config_keys import FIXED, POSITIVE_INT, Boolean, Choice, Names, argument, setting
+from ignite_amp.core.config_keys import (
+    FIXED,
+    POSITIVE_INT,
+    Boolean,
+    BooleanOrFraction,
+    Choice,
+    Names,
+    argument,
+    setting,
+)
 from ignite_amp.core.device import resolve_device
 from ignite_amp.step.base import StepBase, call_model, identity
 from ignite_amp.step.evaluate import EvalStep
@@ -70,9 +79,11 @@ class AmpConfig:
         "cheapest of none, selective and full on some or all blocks that makes the planned step fit the GPU's "
         "memory at data.batch_size (ignite-amp plan); may change on resume")
     cudnn_benchmark: bool = setting(True, Boolean(), "CUDA: autotune convolutions once for the fixed image shapes")
-    check_split: bool = setting(True, Boolean(), "check on the first batches cut or combined (micro-batches, "
-                                "accumulation, an out-of-memory retry, DDP) that their weighted chunks give their "
-                                "gradient; false accepts a loss that fails the check knowingly")
+    check_split: Union[bool, float] = setting(
+        True, BooleanOrFraction(), "check on the first batches cut or combined (micro-batches, accumulation, an "
+        "out-of-memory retry, DDP) that their weighted chunks give their gradient, then spot checks through the run "
+        "within a share of the step time (true: 0.02; a fraction: that share); false accepts a loss that fails the "
+        "check knowingly")
 
 
 class AmpEngine(Engine):

@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, cast
 
 from ignite_amp.errors import ConfigError
 
-__all__ = ["Check", "Integer", "Number", "Boolean", "Choice", "Text", "Names", "Mapping", "ResumeValue",
-           "setting", "section", "argument", "defaults", "validate", "leaves", "json_schema", "child",
+__all__ = ["Check", "Integer", "Number", "Boolean", "BooleanOrFraction", "Choice", "Text", "Names", "Mapping",
+           "ResumeValue", "setting", "section", "argument", "defaults", "validate", "leaves", "json_schema", "child",
            "FIXED", "FIXED_UNDER_SCHEDULE", "APPLIED", "NOT_COMPARED", "POSITIVE_INT"]
 
 # Resume rules: what a resume may change (ignite_amp.run.resume applies them).
@@ -175,6 +175,22 @@ class Boolean(Check):
 
     def schema(self):
         return _or({"type": "boolean"}, (*self.also, *((None,) if self.nullable else ())))
+
+
+class BooleanOrFraction(Check):
+    """true or false, or a fraction in (0, 1] (a share of something, e.g. of the step time a check may take)."""
+
+    what = "true or false or a fraction in (0, 1]"
+
+    def normalize(self, value):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 1:
+            return float(value)
+        raise _Invalid
+
+    def schema(self):
+        return {"anyOf": [{"type": "boolean"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]}
 
 
 class Choice(Check):

@@ -36,20 +36,23 @@ the ranks agree on each verdict (one all-reduce).
 import contextlib
 import logging
 import math
-from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
+import time
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from ignite_amp.batching import split_batch
 from ignite_amp.core.collectives import is_distributed, max_across_ranks
-from ignite_amp.core.config_keys import Boolean
+from ignite_amp.core.config_keys import BooleanOrFraction
 from ignite_amp.core.device import free_memory, is_oom_error
 from ignite_amp.core.nested import join_chunks
 from ignite_amp.errors import SplitCheckError
 from ignite_amp.split_check.diagnosis import SWITCH, Measured, candidates, dots, shares
 from ignite_amp.split_check.randomness import still
+from ignite_amp.transforms.activation_checkpointing import suspended
 
-__all__ = ["SplitCheck", "REPEATS", "TRIES", "TINY", "TOLERANCE", "LOW_PRECISION_TOLERANCE", "FLOAT8_TOLERANCE"]
+__all__ = ["SplitCheck", "REPEATS", "TRIES", "TINY", "TOLERANCE", "LOW_PRECISION_TOLERANCE", "FLOAT8_TOLERANCE",
+           "SPOT_BUDGET"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -57,6 +60,9 @@ logger = logging.getLogger("ignite_amp")
 REPEATS = 3
 #: Inconclusive tries (zero gradient, out of memory) before the check gives up with a warning.
 TRIES = 20
+#: The share of the run's step time the spot checks may take (``check_split=True``): after the first checks, one
+#: batch in every ``ceil(check's time / (SPOT_BUDGET * step time))`` is checked again, timed as the run goes.
+SPOT_BUDGET = 0.02
 #: A part's gradient smaller than this fraction of its weighted pieces' is inconclusive (it would compare rounding).
 TINY = 1e-2
 #: Largest relative gradient difference accepted, float32 parameters (rounding is ~1e-6).
@@ -81,59 +87,106 @@ SPLIT_HOOK = ("pass split_batch=fn(x, y, chunks) that cuts it where its samples 
 
 
 class SplitCheck:
-    """The step's split check: called with the prepared batch before the chunks run (see the module)."""
+    """The step's split check: called with the prepared batch before the chunks run (see the module).
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = Boolean().argument(enabled, "check_split")
+    Args:
+        enabled: True (spot checks within :data:`SPOT_BUDGET` of the step time), a fraction in (0, 1] (spot checks
+            within that share), or False (no check).
+        clock: the timer the spot checks' schedule reads (a fake one in tests).
+    """
+
+    def __init__(self, enabled: Union[bool, float] = True, clock: Callable[[], float] = time.perf_counter) -> None:
+        value = BooleanOrFraction().argument(enabled, "check_split")
+        self.enabled = value is not False
+        self.budget = SPOT_BUDGET if value is True else float(value or 0.0)
         self.checked: Optional[int] = None  # the micro-batch count the checks run for
         self.passes = 0  # conclusive passes at that count
         self.tries = 0  # inconclusive tries at that count
         self.last: Optional[float] = None  # the relative difference the last conclusive check measured
-        self._small = False  # after an out-of-memory error: a part inside one chunk
+        self.batches = 0  # batches checked conclusively in the run (spot checks among them)
+        self.spots = 0  # spot checks made (conclusive or not)
+        self.inconclusive = 0  # checks of the run that stayed inconclusive
+        self.interval: Optional[int] = None  # cut batches from one spot check to the next (set after each check)
+        self._limit: Optional[int] = None  # after an out-of-memory error: the most samples a part may hold
+        self._clock = clock
+        self._ended: Optional[float] = None  # the clock when the last check ended
+        self._since = 0  # cut batches since the last check
 
     @property
     def done(self) -> bool:
-        """Whether the check has nothing left to do at the current micro-batch count."""
+        """Whether the first checks at the current micro-batch count are over (spot checks follow)."""
         return self.passes >= REPEATS or self.tries >= TRIES
+
+    def summary(self) -> Optional[str]:
+        """What the check did in the run, in one line; None where no batch was cut or combined."""
+        if not self.batches and not self.inconclusive:
+            return None
+        if not self.batches:
+            return (f"split check: inconclusive on all {self.inconclusive} batches it tried (a zero, tiny or "
+                    f"non-finite gradient, a batch of one sample, or out of memory): the weighting of the chunks "
+                    f"was never checked")
+        spots = f", {self.spots} of them spot checks" if self.spots else ""
+        vague = f"; {self.inconclusive} inconclusive" if self.inconclusive else ""
+        return f"split check: {self.batches} batches checked, exact within tolerance{spots}{vague}"
 
     def __call__(self, step: Any, batch: tuple, chunks: int, cycle_length: int) -> None:
         if not self.enabled or not (chunks > 1 or cycle_length > 1 or is_distributed()):
             return
         if step.micro_batches != self.checked:  # keyed by the setting every rank shares
             self.checked, self.passes, self.tries = step.micro_batches, 0, 0
-        if self.done:
+        self._since += 1
+        spot = self.done
+        if spot and (self.interval is None or self._since < self.interval):
             return
         if getattr(step, "fsdp", None) is not None:
-            self.passes = REPEATS
+            self.passes, self.interval = REPEATS, None
             logger.info("split check: not run on a model sharded with FSDP2")
+            self.enabled = False
             return
+        started = self._clock()
         found: Any = _INCONCLUSIVE
         oom = False
         if step.batch_size >= 2:
             try:
-                found = _measure(step, batch, chunks, self._small or step.oom_count > 0, self.passes % 2 == 0)
+                small = self._limit is not None or step.oom_count > 0
+                found = _measure(step, batch, chunks, small, self.passes % 2 == 0, self._limit,
+                                 seed=self.batches + self.inconclusive)
             except RuntimeError as exc:
                 if not is_oom_error(exc):
                     raise
                 oom = True
         if oom:
             free_memory(step.device)
-            self._small, found = True, _INCONCLUSIVE
-            logger.warning("split check: out of memory on a part of the batch: the next try cuts inside one chunk")
+            self._limit = max(2, (self._limit or step.batch_size) // 2)
+            found = _INCONCLUSIVE
+            logger.warning("split check: out of memory on a part of the batch: the next try takes at most %d "
+                           "samples", self._limit)
         rel = found if isinstance(found, float) else found.rel
         worst = max_across_ranks(rel)  # every rank calls it (DDP): the verdict is the same everywhere
+        self.spots += spot
         self._conclude(step, found, worst, chunks)
+        self._schedule(started)
+
+    def _schedule(self, started: float) -> None:
+        """The next spot check: the last check's time over the budget's share of the steps' time since the one
+        before (the first checks run on consecutive batches, so the steps' time is known after two)."""
+        ended = self._clock()
+        cost = ended - started
+        step = (started - self._ended) / self._since if self._ended is not None and self._since else cost
+        self._ended, self._since = ended, 0
+        self.interval = max(1, math.ceil(cost / (self.budget * step))) if step > 0 and cost > 0 else 1
 
     def _conclude(self, step: Any, found: Any, worst: float, chunks: int) -> None:
         if worst == _INCONCLUSIVE:
             self.tries += 1
+            self.inconclusive += 1
             if self.tries == TRIES and not self.passes:
                 logger.warning("split check: inconclusive on %d batches (a zero, tiny or non-finite gradient, a batch "
                                "of one sample, or out of memory, each time): the weighting of the chunks is not "
-                               "checked", TRIES)
+                               "checked yet; spot checks go on through the run", TRIES)
             return
         if worst == _UNCUT:  # the batch cannot be cut, and the step does not cut it: nothing to check
-            self.tries = TRIES
+            self.tries, self.enabled = TRIES, False
             if isinstance(found, _Said) and found.message:
                 logger.warning("%s (the step only combines whole batches: not checked)", found.message)
             return
@@ -141,7 +194,7 @@ class SplitCheck:
             raise SplitCheckError(found.message)
         tol = _tolerance(step)  # the same on every rank: a pass on another rank is judged as there
         if worst <= tol:
-            self.passes, self.last = self.passes + 1, worst
+            self.passes, self.last, self.batches = self.passes + 1, worst, self.batches + 1
             return
         self.last = worst
         if isinstance(found, Measured) and found.rel > found.tol:
@@ -163,9 +216,11 @@ def _full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
-def _cut(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Optional[Tuple[tuple, List[tuple]]]:
+def _cut(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limit: Optional[int] = None
+         ) -> Optional[Tuple[tuple, List[tuple]]]:
     """The part and its two pieces, cut where the step cuts (see the module); None when there is nothing to cut.
-    ``last``: the pieces are the last halves of the two chunks, else their first halves."""
+    ``last``: the pieces are the last halves of the two chunks, else their first halves. ``small`` (after an
+    out-of-memory error): the part is the first chunk, or its first ``limit`` samples."""
     n = step.batch_size
     firsts = step._split_pieces(*batch, n, max(chunks, 2))[:2]  # the step's first two chunks, or the batch's halves
     if step.split_batch is split_batch and not small:
@@ -176,6 +231,9 @@ def _cut(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Optio
             return part, pieces
     part = firsts[0]  # one chunk (it fits), cut in two by the step's split_batch
     m = step._count_samples(*part)
+    if limit is not None and m > limit:
+        part = step._split_pieces(*part, m, -(-m // limit))[0]
+        m = step._count_samples(*part)
     return (part, step._split_pieces(*part, m, 2)) if m >= 2 else None
 
 
@@ -195,11 +253,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> Any:
+def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limit: Optional[int] = None,
+             seed: int = 0) -> Any:
     """A :class:`Measured` (failed), :data:`_INCONCLUSIVE`, or a :class:`_Said`: passed, or a forward the check
-    could not hold still, or a batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn)."""
+    could not hold still, or a batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn). Activation
+    checkpointing is suspended throughout (it does not change the math); ``seed`` varies the keyed draws."""
     try:
-        cut = _cut(step, batch, chunks, small, last)
+        cut = _cut(step, batch, chunks, small, last, limit)
     except Exception as exc:  # noqa: BLE001 (a hook's error, said in one line)
         return _uncut(chunks, f"split check: split_batch cannot cut the batch in two ({_first_line(exc)}): "
                               f"{SPLIT_HOOK}")
@@ -215,27 +275,31 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> A
     if counts is not None and not all(c >= 0 for c in counts):
         return _INCONCLUSIVE  # a negative or NaN count: the step's own check says so
     w1, w2 = shares(counts if counts is not None else sizes)
+    m = sum(sizes)
 
-    def grads(x: Any, y: Any) -> Optional[List[torch.Tensor]]:
-        with held.forward():  # the backward runs without the dispatch modes (nothing random in it)
+    def grads(x: Any, y: Any, n: int) -> Optional[List[torch.Tensor]]:
+        with held.forward(x, y, n):  # the backward runs without the dispatch modes (nothing random in it)
             loss = step.loss_fn(step.model_transform(step.model_fn(module, x)), y)
         if not (torch.is_tensor(loss) and loss.ndim == 0 and loss.requires_grad):
             return None  # the step itself says what is wrong with this loss
         return list(torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True))
 
     step._extra_passes += 1  # a FLOP count of this iteration would include the check's: the step counts the next
-    m = sum(sizes)
-    with _full_float32(), still(module, forwards_only=True) as held:
+    with _full_float32(), suspended(), still(module, forwards_only=True, seed=seed) as held:
         try:
-            held.reset()
-            whole = grads(*part)
-            if whole is None:
-                return _INCONCLUSIVE
-            changed = held.changed()
-            held.reset()  # the first piece draws what the part's first rows drew (NumPy, Python)
-            first = grads(*pieces[0])
-            held.reset(replay=False)  # the second piece continues where the first stopped
-            second = grads(*pieces[1])
+            for _ in range(3):  # again only where random operators were keyed wrong (see Still.learn)
+                held.reset()
+                whole = grads(*part, m)
+                if whole is None:
+                    return _INCONCLUSIVE
+                changed = held.changed()
+                held.reset()  # the first piece draws what the part's first rows drew (NumPy, Python)
+                first = grads(*pieces[0], sizes[0])
+                held.reset(replay=False)  # the second piece continues where the first stopped
+                second = grads(*pieces[1], sizes[1])
+                again, unkeyable = held.learn([m, *sizes])
+                if not again:
+                    break
         except RuntimeError as exc:
             if is_oom_error(exc):
                 raise
@@ -250,15 +314,17 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool) -> A
         tol = _tolerance(step)
         if rel <= tol:
             return _Said(rel, tol)
+        if unkeyable:
+            return _Said(math.inf, tol, _unkeyed(m, rel, tol, unkeyable))
         drew = held.drew()
         if drew:  # a draw per forward rather than per row: the second piece from the entry state too
             held.reset()
-            second_again = grads(*pieces[1])
-            again = math.inf if second_again is None else _difference(whole, first, second_again, (w1, w2))[0]
-            if again <= tol:
-                return _Said(again, tol)
+            second_again = grads(*pieces[1], sizes[1])
+            again_rel = math.inf if second_again is None else _difference(whole, first, second_again, (w1, w2))[0]
+            if again_rel <= tol:
+                return _Said(again_rel, tol)
         held.reset()
-        whole_again = grads(*part)
+        whole_again = grads(*part, m)
         if whole_again is None:  # the part's loss had a gradient the first time: not this time
             return _INCONCLUSIVE
         unsteady = _difference(whole, whole_again, [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
@@ -303,6 +369,15 @@ def _difference(whole: List[torch.Tensor], first: List[torch.Tensor], second: Li
     return d / g, True
 
 
+def _unkeyed(m: int, rel: float, tol: float, names: List[str]) -> str:
+    return (f"split check: {m} samples of the batch cut in two give a gradient {rel:.1%} off theirs at once "
+            f"(tolerance {tol:g}), but the forward draws with torch.{', torch.'.join(names)} in a way no per-sample "
+            f"key can serve (a draw over the batch's rows together, such as a permutation of its samples, or a call "
+            f"made in some forwards only), so the check cannot tell whether the chunks are exact: such a draw mixes "
+            f"a chunk's samples, not the batch's (use micro_batches=1 and accumulation_steps=1 for it), or pass "
+            f"check_split=False (config: amp.check_split: false) if the loss is a mean over what the step weighs by")
+
+
 def _unsteady(m: int, rel: float, tol: float, unheld: List[str], drew: List[str], changed: List[str]) -> str:
     if unheld:
         what = f"draws randomness with torch operators the check cannot hold still ({', '.join(unheld)})"
@@ -323,9 +398,9 @@ def _terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held
     """The dot products of each loss term, where the model returns its losses as a dict of 0-d tensors
     (torchvision detection) that the loss adds: for the diagnosis of two means."""
     outputs = []
-    for i, (x, _) in enumerate([part, *pieces]):
+    for i, (x, y) in enumerate([part, *pieces]):
         held.reset(replay=i < 2)
-        with held.forward():
+        with held.forward(x, y, step._count_samples(x, y)):
             out = step.model_transform(step.model_fn(module, x))
         if not (isinstance(out, dict) and len(out) > 1 and
                 all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):

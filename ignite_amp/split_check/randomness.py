@@ -1,17 +1,24 @@
-"""Randomness held still, so that one function can be compared on a batch and on its chunks (the split check).
+"""Randomness made the same for a batch and its pieces, so that one function can be compared on both (the split
+check).
 
 Under :func:`still` a model computes the same function of each sample whatever else is in its batch:
 
 - dropout of every kind does nothing (``F.dropout`` and its 1d/2d/3d/alpha variants return their input, and
   ``scaled_dot_product_attention`` runs with ``dropout_p=0``), as in evaluation;
-- torch's random operators return the most likely or the middle value instead of a draw: ``bernoulli(p)`` gives
-  ``p >= 0.5`` (a keep mask of stochastic depth keeps everything), ``rand``/``uniform_`` the middle of their
-  range, ``randn``/``normal_``/``normal(mean, std)`` their mean, ``randint``/``random_`` their lower bound,
-  ``randperm(n)`` the identity, ``multinomial`` the most likely outcomes, ``RReLU`` its evaluation slope,
-  ``poisson``/``binomial``/``Gamma``/``Dirichlet`` their mean, ``log_normal_``/``cauchy_`` their median,
-  ``geometric_`` its mean (their out-of-place forms alike); any other operator torch tags as seeded (an RNN's
-  dropout inside cuDNN) runs as it is and is named in :attr:`Still.unheld` (the check says it could not hold
-  it still when it changes the gradient);
+- torch's random operators draw keyed values instead of drawing from a generator
+  (:mod:`ignite_amp.split_check.keyed`): each element's value is a hash of the operator's call number in the
+  forward, the sample it belongs to (a fingerprint of that sample's data) and its position inside the sample,
+  turned into the operator's distribution: ``rand``/``uniform_``, ``randn``/``normal_``/``normal(mean, std)``,
+  ``bernoulli``, ``randint``/``random_``, ``multinomial`` (with replacement by the inverse distribution, without
+  by Gumbel keys), ``exponential_``, ``cauchy_``, ``log_normal_``, ``geometric_``, ``randperm`` (their
+  out-of-place forms alike). So a sample meets the same realistic draws in a batch and in any piece of it, and a
+  mask drawn inside the model (a random count of masked tokens) is neither all nor nothing. ``poisson``,
+  ``binomial``, ``Gamma`` and ``Dirichlet`` give their mean, ``RReLU`` its evaluation slope. Any other operator
+  torch tags as seeded (an RNN's dropout inside cuDNN) runs as it is and is named in :attr:`Still.unheld`;
+- which axis of an operator's output holds the samples is guessed from its shape, then learned from the shapes
+  it had in the batch and in its pieces (:meth:`Still.learn`): a wrong guess runs the forwards again with the
+  learned axis; an operator no key can serve (a permutation of the samples, draws without replacement across
+  them) is named;
 - augmentation inside the model that draws per batch: transformers' SpecAugment (``apply_spec_augment``) is off;
 - BatchNorm layers in training mode normalise with their running statistics (zero mean and unit variance
   where they keep none), so rows do not mix, and update nothing.
@@ -19,16 +26,18 @@ Under :func:`still` a model computes the same function of each sample whatever e
 torch's generators are never drawn from by the operators above (and restored on exit all the same). NumPy's and
 Python's global generators (Wav2Vec2's SpecAugment masks draw from NumPy row by row) are set by
 :meth:`Still.replay` to the state they had on entry, so a batch and its first chunk draw the same numbers for the
-same rows and the next chunk continues where the first stopped. :meth:`Still.reset` also puts the model's buffers
-back as they were on entry (a forward that changes its own state, as the legacy ``spectral_norm``'s power
-iteration does, starts each of the check's forwards from the same state), and :meth:`Still.changed` names the
-buffers a forward changed. On exit every generator's state, and every buffer and BatchNorm flag of the model, is
-what it was.
+same rows and the next chunk continues where the first stopped. :meth:`Still.reset` also puts torch's generators
+and the model's buffers back as they were on entry (a forward that changes its own state, as the legacy
+``spectral_norm``'s power iteration does, starts each of the check's forwards from the same state; a changed
+buffer gets a new tensor, so no tensor an earlier forward's graph saved is written), and :meth:`Still.changed`
+names the buffers a forward changed. On exit every generator's state, and every buffer and BatchNorm flag of the
+model, is what it was.
 """
 import contextlib
 import math
 import random
-from typing import Any, Dict, Iterator, List, Tuple, cast
+import zlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy
 import torch
@@ -39,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ignite_amp.core.rng import get_rng_state, set_rng_state
+from ignite_amp.split_check.keyed import CONSTANT, Axis, guess_axis, keyed_uniforms, learn_axes, sample_keys
 
 __all__ = ["still", "Still"]
 
@@ -63,125 +73,218 @@ class _NoDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _fill(like: torch.Tensor, value: Any) -> torch.Tensor:
-    return torch.full_like(like, value)
+def _size(value: Any) -> Tuple[int, ...]:
+    return tuple(int(s) for s in value)
 
 
-def _bernoulli(args: tuple, kwargs: dict, inplace: bool) -> torch.Tensor:
-    self, p = args[0], (args[1] if len(args) > 1 else kwargs.get("p", None))
-    if p is None:  # bernoulli(input): input holds the probabilities
-        p = self
-    keep = (p >= 0.5) if torch.is_tensor(p) else torch.full_like(self, float(p >= 0.5), dtype=torch.bool)
-    out = keep.to(self.dtype).expand_as(self) if keep.shape != self.shape else keep.to(self.dtype)
-    return self.copy_(out) if inplace else out.clone()
+def _low_high(args: tuple, kwargs: dict, defaults: Tuple[float, float], names: Tuple[str, str]) -> List[Any]:
+    return list(args[1:3]) + [kwargs.get(names[0], defaults[0]), kwargs.get(names[1], defaults[1])][len(args[1:3]):]
 
 
-def _middle(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The constant a random operator gives under :func:`still`, or NotImplemented for any other operator."""
+def _made(kwargs: dict, dtype: Any) -> dict:
+    return {"dtype": kwargs.get("dtype") or dtype, "device": kwargs.get("device")}
+
+
+def _into(self: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return self.copy_(values.to(self.dtype))
+
+
+def _draw(held: "Still", func: Any, args: tuple, kwargs: dict) -> Any:
+    """The keyed values a random operator gives under :func:`still` (see the module), or NotImplemented for any other
+    operator. ``held.uniforms(name, shape, device, count)`` gives the keyed uniforms of this call."""
     packet = getattr(func, "overloadpacket", None)
-    if packet in (aten.bernoulli, aten.bernoulli_):
-        return _bernoulli(args, kwargs, packet is aten.bernoulli_)
-    if packet is aten.native_dropout:  # (output, mask): keep everything
+    name = str(packet).rpartition(".")[2] if packet is not None else ""
+    if packet is aten.native_dropout:  # (output, mask): keep everything (dropout is off, as in evaluation)
         return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
-    if packet is aten.uniform_:
-        low, high = (list(args[1:3]) + [kwargs.get("from", 0.0), kwargs.get("to", 1.0)][len(args[1:3]):])
-        return args[0].fill_((low + high) / 2)
-    if packet is aten.normal_:
-        return args[0].fill_(args[1] if len(args) > 1 else kwargs.get("mean", 0.0))
-    if packet is aten.random_:  # random_(), random_(to), random_(from, to)
-        return args[0].fill_(args[1] if len(args) > 2 else 0)
-    if packet is aten.exponential_:
-        return args[0].fill_(1.0 / (args[1] if len(args) > 1 else kwargs.get("lambd", 1.0)))
-    made = {"dtype": kwargs.get("dtype"), "device": kwargs.get("device")}
+    if packet in (aten.bernoulli, aten.bernoulli_):
+        self = args[0]
+        p = args[1] if len(args) > 1 else kwargs.get("p", self if packet is aten.bernoulli else 0.5)
+        u = held.uniforms(name, self.shape, self.device)[0]
+        keep = u < (p.double() if torch.is_tensor(p) else float(p))
+        return _into(self, keep) if packet is aten.bernoulli_ else keep.to(self.dtype)
+    if packet in _IN_PLACE:
+        self = args[0]
+        return _into(self, _IN_PLACE[packet](args, kwargs, held.uniforms(name, self.shape, self.device, 2)))
+    if packet in _OUT_OF_PLACE:  # uniform(self, ...), cauchy(self, ...): the in-place rule on a copy
+        return _draw(held, _OUT_OF_PLACE[packet], (args[0].clone(), *args[1:]), kwargs)
     if packet in (aten.rand, aten.randn):
-        return torch.full(args[0], 0.5 if packet is aten.rand else 0.0,
-                          dtype=made["dtype"] or torch.get_default_dtype(), device=made["device"])
+        made = _made(kwargs, torch.get_default_dtype())
+        u = held.uniforms(name, _size(args[0]), made["device"], 1)[0]
+        return (u if packet is aten.rand else torch.special.ndtri(u)).to(**made)
     if packet in (aten.rand_like, aten.randn_like):
-        return torch.full_like(args[0], 0.5 if packet is aten.rand_like else 0.0,
-                               **{k: v for k, v in kwargs.items() if k in ("dtype", "device")})
-    # randint(high, size), randint(low, high, size), randint_like(t, [low,] high)
-    low = func._overloadname.startswith("low")
-    if packet is aten.randint:
-        return torch.full(args[-1], args[0] if low else 0, dtype=made["dtype"] or torch.long, device=made["device"])
-    if packet is aten.randint_like:
-        return torch.full_like(args[0], args[1] if low else 0, **{k: v for k, v in made.items() if v is not None})
+        like = args[0]
+        u = held.uniforms(name, like.shape, like.device)[0]
+        return (u if packet is aten.rand_like else torch.special.ndtri(u)).to(dtype=kwargs.get("dtype") or like.dtype)
+    if packet in (aten.randint, aten.randint_like):
+        return _randint(held, name, func, args, kwargs)
     if packet is aten.randperm:
-        n = args[0]
-        return torch.arange(n, dtype=kwargs.get("dtype") or torch.long, device=kwargs.get("device"))
+        n = int(args[0])
+        u = held.uniforms(name, (n,), kwargs.get("device"))[0]
+        return torch.argsort(u).to(**_made(kwargs, torch.long))
     if packet is aten.multinomial:
-        probs, samples = args[0], args[1]
-        return torch.topk(probs, samples, dim=-1).indices
-    return _more(packet, func, args, kwargs)
+        return _multinomial(held, name, args, kwargs)
+    return _more(held, name, packet, func, args, kwargs)
 
 
+def _randint(held: "Still", name: str, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    # randint(high, size), randint(low, high, size); randint_like(t, high), randint_like(t, low, high)
+    overload = func._overloadname
+    if func.overloadpacket is aten.randint:
+        low, high, size = (args[0], args[1], args[2]) if overload.startswith("low") else (0, args[0], args[1])
+        made = _made(kwargs, torch.long)
+        shape, device = _size(size), made["device"]
+    else:
+        like = args[0]
+        low, high = (args[1], args[2]) if overload.startswith("low") else (0, args[1])
+        made = {"dtype": kwargs.get("dtype") or like.dtype, "device": like.device}
+        shape, device = tuple(like.shape), like.device
+    high = float(high) if not torch.is_tensor(high) else float(high.item())
+    u = held.uniforms(name, shape, device)[0]
+    return (float(low) + torch.floor(u * (high - float(low)))).clamp(max=high - 1).to(**made)
+
+
+def _multinomial(held: "Still", name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    probs, draws = args[0], int(args[1])
+    replacement = args[2] if len(args) > 2 else kwargs.get("replacement", False)
+    weights = probs.double() / probs.double().sum(-1, keepdim=True)
+    if replacement:  # each draw by the inverse of the rows' cumulative distribution
+        out_shape = (*probs.shape[:-1], draws)
+        u = held.uniforms(name, out_shape, probs.device, out_shape=out_shape)[0]
+        cdf = weights.cumsum(-1)
+        picked = torch.searchsorted(cdf.expand(*out_shape[:-1], cdf.shape[-1]).contiguous(), u.contiguous())
+        return picked.clamp(max=probs.shape[-1] - 1)
+    # without: the top draws of Gumbel keys per category (a category of weight 0 never drawn)
+    u = held.uniforms(name, probs.shape, probs.device, out_shape=(*probs.shape[:-1], draws))[0]
+    keys = torch.where(weights > 0, weights.log() - torch.log(-torch.log(u)), torch.full_like(u, -torch.inf))
+    return torch.topk(keys, draws, dim=-1).indices
+
+
+def _uniform(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:
+    low, high = _low_high(args, kwargs, (0.0, 1.0), ("from", "to"))
+    return low + u[0] * (high - low)
+
+
+def _normal(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:
+    mean, std = _low_high(args, kwargs, (0.0, 1.0), ("mean", "std"))
+    return mean + std * torch.special.ndtri(u[0])
+
+
+def _random(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:  # random_(), (to), (from, to)
+    low, high = (args[1], args[2]) if len(args) > 2 else (0, args[1] if len(args) > 1 else 2 ** 24)
+    high = 2 ** 24 if high is None else high
+    return (low + torch.floor(u[0] * (high - low))).clamp(max=high - 1)
+
+
+def _exponential(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:
+    return -torch.log(u[0]) / (args[1] if len(args) > 1 else kwargs.get("lambd", 1.0))
+
+
+def _cauchy(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:
+    median, sigma = _low_high(args, kwargs, (0.0, 1.0), ("median", "sigma"))
+    return median + sigma * torch.tan(math.pi * (u[0] - 0.5))
+
+
+def _log_normal(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:
+    return torch.exp(_normal(args, kwargs, u))
+
+
+def _geometric(args: tuple, kwargs: dict, u: List[torch.Tensor]) -> torch.Tensor:
+    p = args[1] if len(args) > 1 else kwargs["p"]
+    return torch.ceil(torch.log(u[0]) / math.log1p(-p)).clamp(min=1)
+
+
+_IN_PLACE = {aten.uniform_: _uniform, aten.normal_: _normal, aten.random_: _random, aten.exponential_: _exponential,
+             aten.cauchy_: _cauchy, aten.log_normal_: _log_normal, aten.geometric_: _geometric}
 _OUT_OF_PLACE = {getattr(aten, name): getattr(aten, name + "_").default
                  for name in ("uniform", "cauchy", "exponential", "geometric", "log_normal") if hasattr(aten, name)}
 
 
-def _more(packet: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-    """:func:`_middle` for the operators of distributions and of RReLU."""
+def _more(held: "Still", name: str, packet: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """:func:`_draw` for ``normal(mean, std)``, the distributions held at their mean, and RReLU."""
     if packet in (aten.rrelu_with_noise, aten.rrelu_with_noise_):  # (self, noise, lower, upper, training)
         x, noise = args[0], args[1]
         lower, upper = (list(args[2:4]) + [kwargs.get("lower", 1 / 8), kwargs.get("upper", 1 / 3)][len(args[2:4]):])
         slope = torch.where(x >= 0, torch.ones_like(x), torch.full_like(x, (lower + upper) / 2))
         noise.resize_as_(x).copy_(slope)  # the backward reads the noise it was given: the evaluation slope
         return x.mul_(slope) if packet is aten.rrelu_with_noise_ else x * slope
-    if packet in _OUT_OF_PLACE:  # uniform(self, ...), cauchy(self, ...): the in-place rule on a copy
-        return _middle(_OUT_OF_PLACE[packet], (args[0].clone(), *args[1:]), kwargs)
-    if packet is aten.normal:  # normal(mean, std[, size]): the mean
+    if packet is aten.normal:  # normal(mean, std[, size]): mean + std * a keyed normal draw
         mean = args[0] if args else kwargs["mean"]
         std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
         if func._overloadname == "float_float":
-            size = args[2] if len(args) > 2 else kwargs["size"]
-            return torch.full(size, float(mean), dtype=kwargs.get("dtype") or torch.get_default_dtype(),
-                              device=kwargs.get("device"))
-        if not torch.is_tensor(mean):
-            return torch.full_like(std, float(mean))
-        return (mean + torch.zeros_like(std)).clone() if torch.is_tensor(std) else mean.clone()
-    if packet in (aten.poisson, aten._standard_gamma):
+            made = _made(kwargs, torch.get_default_dtype())
+            shape, device, dtype = _size(args[2] if len(args) > 2 else kwargs["size"]), made["device"], made["dtype"]
+        else:
+            like = torch.broadcast_tensors(*[t for t in (mean, std) if torch.is_tensor(t)])[0]
+            shape, device, dtype = tuple(like.shape), like.device, like.dtype
+        z = torch.special.ndtri(held.uniforms(name, shape, device)[0])
+        return (mean + std * z).to(dtype)
+    if packet in (aten.poisson, aten._standard_gamma):  # held at their mean (no keyed inverse here)
         return args[0].clone()
     if packet is aten.binomial:
         return args[0] * args[1]
     if packet is aten._sample_dirichlet:
         return args[0] / args[0].sum(-1, keepdim=True)
-    if packet is aten.log_normal_:
-        return args[0].fill_(math.exp(args[1] if len(args) > 1 else kwargs.get("mean", 1.0)))
-    if packet is aten.cauchy_:
-        return args[0].fill_(args[1] if len(args) > 1 else kwargs.get("median", 0.0))
-    if packet is aten.geometric_:
-        return args[0].fill_(1.0 / (args[1] if len(args) > 1 else kwargs["p"]))
     return NotImplemented
 
 
-class _Middle(TorchDispatchMode):
-    """torch's random operators, below autograd: the constants of :func:`_middle` instead of draws; any other
-    seeded operator runs and is named in ``unheld``."""
+class _Keyed(TorchDispatchMode):
+    """torch's random operators, below autograd: keyed values (:func:`_draw`) instead of draws; any other seeded
+    operator runs and is named in ``unheld``."""
 
-    def __init__(self, unheld: set) -> None:
+    def __init__(self, held: "Still") -> None:
         super().__init__()
-        self.unheld = unheld
+        self.held = held
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = _middle(func, args, kwargs)
+        out = _draw(self.held, func, args, kwargs)
         if out is NotImplemented:
             if _SEEDED in func.tags and "attention" not in func.__name__:  # attention's dropout_p is 0 here
-                self.unheld.add(str(func.overloadpacket))
+                self.held.unheld.add(str(func.overloadpacket))
             return func(*args, **kwargs)
         return out
 
 
-class Still:
-    """What :func:`still` yields: :meth:`replay` sets NumPy's and Python's generators back to their entry state,
-    :meth:`reset` the model's buffers too; :meth:`changed` and :meth:`drew` say what a forward changed or drew,
-    :attr:`unheld` the seeded torch operators that ran as they are."""
+class _Forward:
+    """One forward's keys: its samples, their keys, and the random calls it made (name, shape keyed, shape out,
+    the axis used)."""
 
-    def __init__(self, buffers: List[Tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, n: Optional[int], keys: Optional[torch.Tensor]) -> None:
+        self.n, self.keys = n, keys
+        self.calls: List[Tuple[str, Tuple[int, ...], Tuple[int, ...], Axis]] = []
+
+
+class Still:
+    """What :func:`still` yields: :meth:`forward` runs one forward with the randomness keyed by its samples,
+    :meth:`replay` sets NumPy's and Python's generators back to their entry state, :meth:`reset` torch's, the
+    model's buffers and those; :meth:`changed` and :meth:`drew` say what a forward changed or drew, :attr:`unheld`
+    the seeded torch operators that ran as they are, :meth:`learn` what the forwards' random calls were."""
+
+    def __init__(self, buffers: List[Tuple[nn.Module, str, str, torch.Tensor, torch.Tensor]], seed: int = 0) -> None:
         # the legacy tuple (numpy's stubs say a dict too: that is get_state(legacy=False)'s)
         self._numpy = cast(Tuple[Any, ...], numpy.random.get_state())
         self._python = random.getstate()
+        self._torch = get_rng_state()
         self._buffers = buffers
+        self.seed = seed
         self.unheld: set = set()
+        self.axes: Dict[int, Axis] = {}  # learned: the call number's axis (see learn)
+        self.by_shape = False  # every call keyed by its operator and shape alone (see learn)
+        self.forwards: List[_Forward] = []  # the forwards since the last learn()
+        self._current = _Forward(None, None)
+
+    def uniforms(self, name: str, shape: Sequence[int], device: Any, count: int = 1,
+                 out_shape: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+        """This call's keyed uniforms (see :mod:`ignite_amp.split_check.keyed`), recorded as the forward's next."""
+        current = self._current
+        number, shape = len(current.calls), tuple(int(s) for s in shape)
+        if self.by_shape:
+            axis: Axis = CONSTANT
+            salt = zlib.crc32(f"{name}{shape}".encode())
+        else:
+            axis, salt = self.axes.get(number) or guess_axis(shape, current.n), number
+        current.calls.append((name, shape, tuple(out_shape) if out_shape is not None else shape, axis))
+        return keyed_uniforms(shape, device, self.seed * 1_000_003 + salt, current.keys, axis, count)
 
     def replay(self) -> None:
         """NumPy's and Python's global generators back to the state they had on entry."""
@@ -189,22 +292,62 @@ class Still:
         random.setstate(self._python)
 
     def reset(self, replay: bool = True) -> None:
-        """The model's buffers back to their state on entry, and NumPy's and Python's generators (``replay``)."""
+        """The model's buffers back to their state on entry, and torch's, NumPy's and Python's generators
+        (``replay``). A buffer a forward changed gets a fresh tensor with its entry value (no in-place write to a
+        tensor an earlier forward's graph saved); one it did not change is not written at all."""
         with torch.no_grad():
-            for _, b, saved in self._buffers:
-                b.copy_(saved)
+            for module, name, _, _, saved in self._buffers:
+                now = module._buffers[name]
+                if now is not None and not torch.equal(now, saved):
+                    module._buffers[name] = saved.clone()
         if replay:
+            set_rng_state(self._torch)
             self.replay()
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
-        """Dropout off and torch's random operators constant (the dispatch modes), for a forward."""
-        with _NoDropout(), _Middle(self.unheld):
-            yield
+    def forward(self, x: Any = None, y: Any = None, n: Optional[int] = None) -> Iterator[None]:
+        """Dropout off and torch's random operators keyed by the samples of ``(x, y)`` (``n`` of them: see the
+        module; without ``n``, by position only), for a forward."""
+        self._current = _Forward(n, sample_keys(x, y, n) if n else None)
+        try:
+            with _NoDropout(), _Keyed(self):
+                yield
+        finally:
+            self.forwards.append(self._current)
+            self._current = _Forward(None, None)
+
+    def learn(self, sizes: Sequence[int]) -> Tuple[bool, List[str]]:
+        """After forwards of ``sizes`` samples (a batch, then its pieces): whether they must run again, and the
+        random operators no sample key can serve (a permutation of the samples, draws without replacement across
+        them). Again: an axis was guessed wrong (the learned ones are used then), or the forwards made different
+        random calls (a loop over the samples, as torchvision's detection samples proposals image by image): every
+        call is then keyed by its operator and shape alone, so a sample's own calls draw alike wherever it is."""
+        forwards, self.forwards = self.forwards[-len(sizes):], []
+        if self.by_shape:
+            return False, []
+        counts = {len(f.calls) for f in forwards}
+        if len(counts) > 1 or any(len({f.calls[i][0] for f in forwards}) > 1 for i in range(min(counts, default=0))):
+            self.by_shape = True
+            return True, []
+        again, unkeyable = False, set()
+        for number in range(counts.pop() if counts else 0):
+            calls = [f.calls[number] for f in forwards]
+            name = calls[0][0]
+            axis = learn_axes([c[1] for c in calls], sizes)
+            follows_out = learn_axes([c[2] for c in calls], sizes)
+            permutes = name == "randperm" and axis != CONSTANT
+            if axis is None or (axis == CONSTANT and follows_out != CONSTANT) or permutes:
+                unkeyable.add(name)
+                continue
+            if any(c[3] != axis for c in calls):
+                again = True
+            self.axes[number] = axis
+        return again and not unkeyable, sorted(unkeyable)
 
     def changed(self) -> List[str]:
         """The buffers whose values differ from their state on entry (a forward that changes its own state)."""
-        return [name for name, b, saved in self._buffers if not torch.equal(b, saved)]
+        return [path for module, name, path, _, saved in self._buffers
+                if not torch.equal(module._buffers[name], saved)]
 
     def drew(self) -> List[str]:
         """The global generators (NumPy's, Python's) that are not in their entry state: a forward drew from them."""
@@ -250,14 +393,16 @@ def _no_spec_augment(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def still(module: nn.Module, forwards_only: bool = False) -> Iterator[Still]:
-    """Randomness and BatchNorm held still in ``module`` (see the module's docstring); every generator's and
-    buffer's state restored on exit. ``forwards_only``: the random operators are held still only inside
-    :meth:`Still.forward` (a backward outside it runs without the Python dispatch modes' cost per operator)."""
+def still(module: nn.Module, forwards_only: bool = False, seed: int = 0) -> Iterator[Still]:
+    """Randomness keyed and BatchNorm held still in ``module`` (see the module's docstring); every generator's and
+    buffer's state restored on exit. ``forwards_only``: the random operators are keyed only inside
+    :meth:`Still.forward` (a backward outside it runs without the Python dispatch modes' cost per operator).
+    ``seed`` varies the keyed values (the same seed, the same values)."""
     rng = get_rng_state()
     numpy_state = numpy.random.get_state()
-    buffers = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
-    held = Still(buffers)
+    buffers = [(owner, name, f"{path}.{name}" if path else name, b, b.detach().clone())
+               for path, owner in module.named_modules() for name, b in owner._buffers.items() if b is not None]
+    held = Still(buffers, seed)
     try:
         with _batch_norm_fixed(module), _no_spec_augment(module):
             if forwards_only:
@@ -267,7 +412,9 @@ def still(module: nn.Module, forwards_only: bool = False) -> Iterator[Still]:
                     yield held
     finally:
         with torch.no_grad():
-            for _, b, saved in buffers:
-                b.copy_(saved)
+            for owner, name, _, original, saved in buffers:
+                owner._buffers[name] = original
+                if not torch.equal(original, saved):
+                    original.copy_(saved)
         set_rng_state(rng)
         numpy.random.set_state(numpy_state)

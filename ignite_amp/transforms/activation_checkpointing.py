@@ -20,6 +20,8 @@ blocks (FSDP2 gathers a block's parameters again for its recompute; compile trac
 """
 import contextlib
 import functools
+import logging
+import threading
 import warnings
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
@@ -31,8 +33,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ignite_amp.transforms.blocks import block_names
 
 __all__ = ["checkpoint_blocks", "checkpoint_modules", "checkpointed_blocks", "checkpoint_policies", "describe_blocks",
-           "POLICIES", "SAVED_OPS"]
+           "suspended", "POLICIES", "SAVED_OPS"]
 
+logger = logging.getLogger("ignite_amp")
 _MARK = "_ignite_amp_checkpointed"  # the block's policy
 #: The checkpointing policies: every op of a block recomputed, or all but :data:`SAVED_OPS`.
 POLICIES = ("full", "selective")
@@ -152,6 +155,8 @@ def checkpoint_modules(model: nn.Module, names: Sequence[str], policy: str = "fu
     (one of :data:`POLICIES`). Returns ``names``."""
     _check_policy(policy)
     names = list(names)
+    if names:
+        _no_kv_cache(model)
     for name in names:
         module = model.get_submodule(name)
         if not getattr(module, _MARK, False):
@@ -185,3 +190,59 @@ def describe_blocks(names: Sequence[str]) -> str:
             parts.append([name])
     return ", ".join(p[0] if len(p) == 1 else
                      f"{p[0] + '.' if p[0] else ''}{p[1]}{'' if p[1] == p[2] else f'-{p[2]}'}" for p in parts)
+
+
+def _no_kv_cache(model: nn.Module) -> None:
+    """A transformers model keeps a key/value cache while it trains unless told not to (``config.use_cache``, True
+    by default): its blocks append to it in the forward, which a checkpointed block's recompute cannot replay
+    (selective checkpointing fails in the backward). transformers turns it off itself when its own checkpointing
+    trains; so does this, once, and says so."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        logger.info("activation checkpointing: %s's config.use_cache set to False (a key/value cache is for "
+                    "generation; a checkpointed block cannot replay it in training, as transformers does too)",
+                    type(model).__name__)
+
+
+# -- checkpointing suspended (the split check) ---------------------------------------------------------------------
+# torch.utils.checkpoint's own entry points look these names up in their module at each call, in every torch
+# release this package supports (tests/transforms/test_checkpoint_suspended.py is their canary): replaced for a
+# while, every checkpoint call (this module's blocks, transformers' gradient checkpointing, a user's own call,
+# reentrant or not) runs its function once, plainly, and saves what autograd saves without it.
+_REENTRANT = "CheckpointFunction"
+_NON_REENTRANT = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
+_suspension = threading.Lock()
+
+
+class _Plain:
+    """``CheckpointFunction`` suspended: ``apply(function, preserve_rng_state, *args)`` calls the function."""
+
+    @staticmethod
+    def apply(function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+        return function(*args)
+
+
+def _plain_hooks(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """The non-reentrant checkpoint's generator suspended: nothing before the function, nothing after."""
+    yield
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Every ``torch.utils.checkpoint.checkpoint`` call inside runs its function once, as if not checkpointed:
+    checkpointing does not change the math, so the split check compares gradients without it (on a part small
+    enough to fit so). Process-wide while inside (one caller at a time); restored on exit."""
+    import torch.utils.checkpoint as module
+
+    names = [name for name in (_REENTRANT, *_NON_REENTRANT) if hasattr(module, name)]
+    with _suspension:
+        saved = {name: getattr(module, name) for name in names}
+        for name in names:
+            setattr(module, name, _Plain if name == _REENTRANT else _plain_hooks)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)

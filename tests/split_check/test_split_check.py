@@ -333,20 +333,30 @@ def test_retinanet_and_a_timm_efficientnet_raise_no_alarm():
     assert trainer.amp_step._split_check.last < 1e-5
 
 
-def test_randomness_held_still_draws_nothing_and_gives_the_likely_values():
+def test_randomness_keyed_draws_from_no_generator_and_gives_realistic_repeatable_values():
     from ignite_amp.split_check.randomness import still
 
     g = torch.Generator().manual_seed(0)
     states = (torch.get_rng_state(), g.get_state(), numpy.random.get_state()[1].copy())
     norm = nn.BatchNorm1d(2)
+
+    def draws():
+        return (torch.randint(2, 7, (1000,), generator=g), torch.rand(1000), torch.randperm(10),
+                torch.bernoulli(torch.full((1000,), 0.2)), torch.multinomial(torch.tensor([0.1, 0.7, 0.2]), 1000, True),
+                torch.multinomial(torch.tensor([0.1, 0.7, 0.2]), 2))
+
     with still(norm):
-        assert torch.equal(torch.randint(2, 7, (2,), generator=g), torch.tensor([2, 2]))
-        assert torch.equal(torch.rand(2), torch.full((2,), 0.5)) and torch.equal(torch.randperm(3), torch.arange(3))
-        assert torch.equal(torch.bernoulli(torch.tensor([0.2, 0.8])), torch.tensor([0.0, 1.0]))
+        ints, u, perm, mask, picks, two = first = draws()
+        assert set(ints.tolist()) == {2, 3, 4, 5, 6} and 0.45 < u.mean() < 0.55 and 0 < u.min() and u.max() < 1
+        assert sorted(perm.tolist()) == list(range(10)) and not torch.equal(perm, torch.arange(10))
+        assert 0.15 < mask.mean() < 0.25 and 0.6 < (picks == 1).float().mean() < 0.8 and len(set(two.tolist())) == 2
         assert torch.equal(nn.functional.dropout(torch.ones(3), 0.5, training=True), torch.ones(3))
-        assert torch.equal(torch.multinomial(torch.tensor([0.1, 0.7, 0.2]), 1), torch.tensor([1]))
         assert not norm.training  # running statistics: rows do not mix
         numpy.random.rand()
+    with still(norm):
+        assert all(torch.equal(a, b) for a, b in zip(first, draws(), strict=True))  # keyed: the same values again
+    with still(norm, seed=1):
+        assert not torch.equal(first[1], torch.rand(1000))  # another seed, other values
     assert norm.training and torch.equal(norm.running_mean, torch.zeros(2))
     assert torch.equal(states[0], torch.get_rng_state()) and torch.equal(states[1], g.get_state())
     assert (numpy.random.get_state()[1] == states[2]).all()
