@@ -279,10 +279,19 @@ def create_amp_trainer(
     engine.state.scaler = step.scaler  # type: ignore[attr-defined]
     if float8 is None:  # an evaluator's float8 would convert the layers this trainer trains (see create_amp_evaluator)
         unwrap(model)._ignite_amp_trained_in = step.dtype  # type: ignore[assignment]  # (torch: tensors/modules only)
+    engine.add_event_handler(Events.COMPLETED, _say_if_never_checked, step)
     if float8 is not None and float8.fsdp_all_gather and step.fsdp is not None:
         # float8 all-gather: the weights' scales for the next forward, once per optimizer step
         engine.add_event_handler(AmpEvents.OPTIMIZER_STEPPED, lambda _: precompute_float8_scales(step.model))
     return engine
+
+
+def _say_if_never_checked(engine: Engine, step: AmpStep) -> None:
+    """A run that cut or combined batches and ended with its split check never conclusive says so (a short run
+    ends before the check's own warning after its tries)."""
+    check = step.split_check
+    if check.inconclusive and not check.batches:
+        logger.warning(check.summary())
 
 
 def _checkpoint_activations(model: nn.Module, policy: str) -> None:

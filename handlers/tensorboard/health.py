@@ -38,6 +38,8 @@ class Health(NamedTuple):
     since: str = ""  # " since the resume at iteration N" when the counts are of this process's part of the run
     processes: int = 1  # speed and compute are this process's: said when there are several
     from_config: bool = False  # advice names config keys (a config run), else Python arguments
+    split_check: Optional[str] = None  # what the split check did (AmpStep.split_check.summary()); None: not run
+    split_checked: bool = True  # False: it ran and never concluded
 
 
 def _setting(h: "Health", config_key: str, python: str) -> str:
@@ -116,6 +118,9 @@ def health_lines(h: Health) -> List[str]:
     if h.oom_retries:
         size = f", micro-batches of {h.micro_batch_size}" if h.micro_batch_size else ""
         lines.append(f"out of memory: {h.oom_retries} retries; now {h.micro_batches} micro-batches per batch{size}")
+    if h.split_check:
+        lines.append(h.split_check if h.split_checked else f"warning: {h.split_check}")
+        checked.append("split check")
     return [_verdict(lines, checked)] + lines
 
 

@@ -307,7 +307,8 @@ class TensorBoardMetrics:
             micro_batch_size=-(-step.batch_size // micro) if micro else None,
             flops_per_sample=step.flops_per_sample, peak_name=window.peak[1] if window.peak else None,
             since=f" since the resume at iteration {window.start_iteration}" if window.start_iteration else "",
-            processes=idist.get_world_size(), from_config=self.from_config))
+            processes=idist.get_world_size(), from_config=self.from_config,
+            **_split_check_of(step)))
 
     def _write_health(self, iteration: int) -> None:
         assert self.memory is not None and self.tb is not None  # attached
@@ -339,6 +340,13 @@ class TensorBoardMetrics:
                     self.memory.close()
                 for logger in (self.tb, *self.splits.values()):
                     logger.close()
+
+
+def _split_check_of(step: Any) -> dict:
+    """The split check's line for the health summary (a training step's ``split_check``; none on other steps)."""
+    check = getattr(step, "split_check", None)
+    summary = check.summary() if check is not None else None
+    return {"split_check": summary, "split_checked": bool(check.batches)} if summary else {}
 
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:

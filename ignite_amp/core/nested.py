@@ -71,10 +71,15 @@ def to_device(value: Any, device: Any, non_blocking: bool = False) -> Any:
 def is_per_sample(value: Any, n: int, tensors_as_samples: bool = False) -> bool:
     """Whether ``value`` is a per-sample list of a batch of ``n``: a list or tuple (not a namedtuple) of ``n``
     items that are not all tensors with ``n`` rows (those are ``n`` batched fields, unless
-    ``tensors_as_samples``), nor all lists or tuples (those are fields too: ``(images, targets)``)."""
+    ``tensors_as_samples``), nor all lists or tuples (those are fields too: ``(images, targets)``), nor a tensor of
+    ``n`` rows beside a list of ``n`` items (fields: a batch of 2 images and its list of 2 target dicts)."""
     if not isinstance(value, (list, tuple)) or hasattr(value, "_fields") or len(value) != n or n == 0:
         return False
     if not tensors_as_samples and all(torch.is_tensor(v) and v.dim() and v.shape[0] == n for v in value):
+        return False
+    # (images, targets) of n = 2: a tensor of n rows beside a list of n items are two fields of n samples each
+    if any(torch.is_tensor(v) and v.dim() and v.shape[0] == n for v in value) and \
+            any(isinstance(v, (list, tuple)) and len(v) == n for v in value):
         return False
     return not all(isinstance(v, (list, tuple)) for v in value)
 

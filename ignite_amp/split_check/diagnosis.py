@@ -23,6 +23,9 @@ import torch
 
 from ignite_amp.step.contracts import ignore_index_of
 
+#: A piece's gradient smaller than this fraction of the part's is taken for none (the check's own TINY).
+TINY = 1e-2
+
 __all__ = ["Measured", "candidates", "shares", "dots", "SWITCH"]
 
 #: Labels with at most this many distinct values have each tried as the ignored one when naming a num_items.
@@ -32,9 +35,11 @@ SWITCH = "or pass check_split=False (config: amp.check_split: false) to accept i
 
 def shares(counts: Sequence[float]) -> Tuple[float, float]:
     """The weights the step gives two chunks of ``counts`` items (or samples): a chunk that counts none weighs as
-    one item (a loss divided by ``count.clamp(min=1)``), the cycle divides by the items it counted."""
-    total = max(float(sum(counts)), 1.0)
-    return max(float(counts[0]), 1.0) / total, max(float(counts[1]), 1.0) / total
+    one item (a loss divided by ``count.clamp(min=1)``), any other as its count (a fraction too: a sum of per-sample
+    weights); the cycle divides by the items it counted (or by one, where it counted none)."""
+    least = [float(c) if c > 0 else 1.0 for c in counts]
+    total = float(sum(counts)) if sum(counts) > 0 else 1.0
+    return least[0] / total, least[1] / total
 
 
 def dots(g: Sequence[torch.Tensor], g1: Sequence[torch.Tensor], g2: Sequence[torch.Tensor], dtype: torch.dtype
@@ -73,39 +78,55 @@ class Measured:
                 f"samples' at once (tolerance {self.tol:g})")
         return f"{head}: {self.cause(items)}; {SWITCH}"
 
+    def fits(self, w: Sequence[float]) -> bool:
+        return self.residual(w) <= self.tol
+
     def cause(self, items: bool) -> str:
-        tol = self.tol
-        if self.residual((1.0, 1.0)) <= tol:
-            return ("the chunks' gradients add up to the batch's, so the loss is a sum, not a mean: make it a mean "
-                    "(reduction='mean', KLDivLoss's 'batchmean'; a transformers CTC head: ctc_loss_reduction="
-                    "'mean'), or divide it by the samples or items it adds up")
-        if items and self.residual(shares(self.sizes)) <= tol:
+        """The cause, from the weightings that make the part exact (each tried on the measured gradients): a mean
+        of other counts first, a sum only where both pieces have a gradient, else what was measured."""
+        if items and self.fits(shares(self.sizes)):
             return ("the loss is a mean over the samples (each sample's loss weighs the same, as CTC's "
-                    "reduction='mean' does), not over what num_items counts: drop num_items")
-        fits = [text for text, counts in self.named if self.residual(shares(counts)) <= tol]
+                    "reduction='mean' does), not over what num_items counts: drop num_items (checked on this batch)")
+        empty = [i for i, a in enumerate((self.a11, self.a22)) if a <= (TINY ** 2) * self.c]
+        if not empty and self.fits((1.0, 1.0)):  # both pieces have a gradient, and they add up to the part's
+            return ("the chunks' gradients add up to the batch's, so the loss is a sum over the samples, not a mean: "
+                    "divide it by the samples it adds up (reduction='none', then .mean(); KLDivLoss: 'batchmean'), "
+                    "which makes the chunks exact (checked on this batch); reduction='mean' is the same only where "
+                    "it averages over the samples (CTCLoss's, and a transformers CTC head's ctc_loss_reduction='mean', "
+                    "also divide each sample by its target length: exact too, but another objective)")
+        fits = [text for text, counts in self.named if self.fits(shares(counts))]
         if fits:
             return (f"the loss averages over other items than the step weighs by: num_items={fits[0]} fits (checked "
                     f"on this batch)")
+        if len(empty) == 1 and self.fits((1.0, 0.0) if empty[0] == 1 else (0.0, 1.0)):
+            # one piece without a gradient: only the other's weight is measured, and it is the whole part's
+            return (f"the piece of {self.sizes[empty[0]]} samples has no gradient at all (nothing in it that the "
+                    f"loss averages over: its labels all ignored, say) and the other piece's gradient is the whole "
+                    f"part's, yet the step gave the empty one a share: pass num_items=fn(x, y) counting what the "
+                    f"loss averages over (0 in such a chunk)")
         w = self.fitted()
-        if w is not None and self.residual(w) <= tol and w[0] + w[1] > 0:
+        if w is not None and self.fits(w) and w[0] + w[1] > 0:
             share = w[0] / (w[0] + w[1])
             what = ("pass num_items=fn(x, y) counting what the loss averages over (the labels it does not ignore, "
                     "after any shift the model makes inside; class weights: their sum over the labels)" if not items
                     else "make num_items count exactly what the loss averages over (after any shift the model "
                     "makes inside; the loss's own ignore_index; a per-sample mean needs none)")
             return (f"the loss averages over something other than what the step weighs by: the first chunk holds "
-                    f"{share:.0%} of it, the step gave it {self.weights[0]:.0%}; {what}")
+                    f"{share:.0%} of it (the weighting that makes the part exact, measured), the step gave it "
+                    f"{self.weights[0]:.0%}; {what}; where the model draws what it averages over itself (a mask "
+                    f"drawn inside forward), no num_items can count it: use micro_batches=1 and accumulation_steps=1")
         means = self.two_means()
         if means:
             return means
-        return ("no one weighting of the chunks gives the batch's gradient: its rows interact (a sample's loss "
-                "depends on the other samples of its chunk: in-batch negatives or pairs, a contrastive or batch-hard "
-                "loss, inputs padded to the chunk's largest one as torchvision detection pads images of different "
-                "sizes), or it adds means over different counts (a per-sample and a per-token mean in one loss: "
-                "weigh each term inside it), and micro-batches and accumulation change the objective: use "
-                "micro_batches=1 and accumulation_steps=1 for this loss; or rows that belong together were cut "
-                "apart (views of one image stacked, as AugMix's JsdCrossEntropy takes them): pass "
-                "split_batch=fn(x, y, chunks) that keeps them together")
+        closest = f" (the closest, {w[0]:.2f} and {w[1]:.2f}, leaves {self.residual(w):.1%})" if w is not None else ""
+        return (f"no weighting of the two pieces gives the part's gradient{closest}, so the check cannot tell why; "
+                f"the usual causes: rows interact (a sample's loss depends on the other samples of its chunk: "
+                f"in-batch negatives or pairs, a contrastive or batch-hard loss, inputs padded to the chunk's largest "
+                f"one as torchvision detection pads images of different sizes), the loss adds means over different "
+                f"counts (a per-sample and a per-token mean in one loss: weigh each term inside it), or rows that "
+                f"belong together were cut apart (views of one image stacked, as AugMix's JsdCrossEntropy takes "
+                f"them: pass split_batch=fn(x, y, chunks) that keeps them together); for the first two, "
+                f"micro-batches and accumulation change the objective: use micro_batches=1 and accumulation_steps=1")
 
     def two_means(self) -> str:
         """The loss's terms each fit a weighting but not the same one: two means of different counts."""
@@ -182,6 +203,6 @@ def candidates(loss_fn: Any, parts: list) -> List[Tuple[str, List[float]]]:
             continue
         for shift in ("", "[..., 1:]") if first.dim() > 1 else ("",):
             counts = [float(((labels[..., 1:] if shift else labels) != ignore).sum()) for labels in every]
-            if all(counts):
+            if any(counts):  # a piece that counts none weighs as one item (see shares)
                 found.append((f"lambda x, y: ({name}{shift} != {ignore}).sum()", counts))
     return found

@@ -96,7 +96,8 @@ class ChunkWeights:
             total = sum_across_ranks(torch.as_tensor(total, dtype=torch.float32).to(device).clone())
             total = total.to(self.device)
         # A cycle without items has nothing to average: its gradient stays the (zero) sum.
-        total = total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
+        total = torch.where(total > 0, total, torch.ones_like(total)) if torch.is_tensor(total) else \
+            (total if total > 0 else 1)
         assert self.item_ref is not None  # by_items: count() set it at the cycle's first chunk
         factor = self.item_ref * idist.get_world_size() / total
         grads = [p.grad for p in params if p.grad is not None]
@@ -138,8 +139,10 @@ class BatchChunks:
             weights = self.weights
             # A chunk that counts no items weighs as one: a loss divided by count.clamp(min=1) (a focal loss over
             # the positives, on background-only images) still has a gradient there, and the cycle divides by the
-            # items it counted; a padding-only mean (0/0, no gradient) adds nothing either way.
-            least = count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+            # items it counted; a padding-only mean (0/0, no gradient) adds nothing either way. A count between 0
+            # and 1 (a sum of per-sample weights) weighs as itself.
+            least = torch.where(count > 0, count, torch.ones_like(count)) if torch.is_tensor(count) else \
+                (count if count > 0 else 1)
             weight = 1
             if weights.by_items:
                 assert weights.item_ref is not None  # count() set it at the cycle's first chunk

@@ -97,7 +97,9 @@ def refuse_a_sum(loss_fn: Callable, loss: torch.Tensor, y_pred: Any, y: Any, aut
     if abs(single) > 1e-12 and math.isclose(double, 2 * single, rel_tol=1e-3):
         raise ValueError("loss_fn: its value doubles when the batch is doubled, so it sums over the samples; "
                          "the step needs a mean (micro-batches, accumulation and DDP weigh each chunk's mean "
-                         "by its share): use reduction='mean', or divide by the sample or item count")
+                         "by its share): divide it by the samples (reduction='none', then .mean()) or by the items "
+                         "it adds up; reduction='mean' is that only where it averages over the samples (CTCLoss's "
+                         "also divides each sample by its target length: another objective)")
 
 
 def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Optional[torch.Tensor]]:

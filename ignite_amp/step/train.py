@@ -110,10 +110,11 @@ class AmpStep(StepBase, Serializable):
         split_batch: ``split_batch(x, y, chunks) -> [(x, y), ...]``, a prepared batch cut into micro-batches
             (default :func:`ignite_amp.batching.split_batch`); each sample in exactly one chunk.
         check_split: check on the first real batches that their weighted chunks give their gradient, where a batch
-            is cut or combined (``ignite_amp.split_check.check``); False accepts a loss that fails it knowingly.
+            is cut or combined, then spot checks through the run within 2% of the step time (a fraction in (0, 1]:
+            within that share) (``ignite_amp.split_check.check``); False accepts a loss that fails it knowingly.
 
     Besides the properties of every step, handlers may read ``optimizer``, ``scaler``,
-    ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`), call
+    ``accumulation_steps``, ``loss``, ``items``, ``grad_norm`` (after :meth:`track_grad_norm`), ``split_check``, call
     :meth:`clip_grad_norm_` and set ``oom_agreement``.
     """
 
@@ -141,7 +142,7 @@ class AmpStep(StepBase, Serializable):
         scaler: Union[bool, torch.amp.GradScaler, None] = None,
         batch_size: Callable[[Any, Any], int] = batch_size_of,
         split_batch: Callable[[Any, Any, int], list] = split_batch,
-        check_split: bool = True,
+        check_split: Union[bool, float] = True,
     ):
         POSITIVE_INT.argument(accumulation_steps, "accumulation_steps")
         if num_items is not None and not callable(num_items):
@@ -197,6 +198,12 @@ class AmpStep(StepBase, Serializable):
     def items(self) -> Any:
         """What the last batch's loss averaged over (its samples, an int, or its items with ``num_items``)."""
         return self._items
+
+    @property
+    def split_check(self) -> SplitCheck:
+        """The split check (read it: ``summary()``, ``batches`` checked, ``inconclusive``, ``interval`` between spot
+        checks; see ``ignite_amp.split_check.check``)."""
+        return self._split_check
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
