@@ -107,6 +107,7 @@ class SplitCheck:
         self.spots = 0  # spot checks made (conclusive or not)
         self.inconclusive = 0  # checks of the run that stayed inconclusive
         self.interval: Optional[int] = None  # cut batches from one spot check to the next (set after each check)
+        self.not_run: Optional[str] = None  # why the check stopped without a verdict (a batch it cannot cut)
         self._limit: Optional[int] = None  # after an out-of-memory error: the most samples a part may hold
         self._clock = clock
         self._ended: Optional[float] = None  # the clock when the last check ended
@@ -119,6 +120,8 @@ class SplitCheck:
 
     def summary(self) -> Optional[str]:
         """What the check did in the run, in one line; None where no batch was cut or combined."""
+        if self.not_run and not self.batches:
+            return self.not_run
         if not self.batches and not self.inconclusive:
             return None
         if not self.batches:
@@ -187,8 +190,9 @@ class SplitCheck:
             return
         if worst == _UNCUT:  # the batch cannot be cut, and the step does not cut it: nothing to check
             self.tries, self.enabled = TRIES, False
-            if isinstance(found, _Said) and found.message:
-                logger.warning("%s (the step only combines whole batches: not checked)", found.message)
+            if isinstance(found, _Said) and found.message:  # said once, and in the run's summary
+                self.not_run = f"{found.message} (the step only combines whole batches: not checked)"
+                logger.info(self.not_run)
             return
         if isinstance(found, _Said) and found.message:
             raise SplitCheckError(found.message)
