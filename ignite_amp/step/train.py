@@ -59,6 +59,7 @@ from ignite_amp.step.contracts import (
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.grad_norm import GradNorm
 from ignite_amp.step.scaler import agree_found_inf, build_scaler, found_inf
+from ignite_amp.transforms.cuda_graphs import off_cuda
 from ignite_amp.transforms.float8 import float8_change
 
 __all__ = ["AmpStep"]
@@ -152,6 +153,8 @@ class AmpStep(StepBase, Serializable):
         super().__init__(model, device, dtype, micro_batches, non_blocking, channels_last, compile,
                          fp32_modules, prepare_batch, model_fn, model_transform, output_transform, batch_size,
                          split_batch)
+        if self.graphs is not None and self._device.type != "cuda":  # the trainer says it; its evaluator follows
+            logger.warning(off_cuda(self._device))
         self._optimizer = optimizer
         self._params = list(self._model.parameters())  # a list: walking the module tree per step costs
         self.loss_fn = loss_fn
