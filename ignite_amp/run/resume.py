@@ -73,10 +73,16 @@ def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micr
 
 
 def resumed_dtype(state: Optional[dict]) -> Optional[str]:
-    """The dtype a checkpoint's run trained in (its step's record), or None: no checkpoint, or one saved before
-    0.3.0, which did not record it."""
+    """The dtype a checkpoint's run trained in: its step's record; for a checkpoint saved before 0.3.0, which did not
+    record it, its stored config's ``amp.dtype`` where that names one (float16, bfloat16, float32); else None."""
     step = (state or {}).get("amp_step")
-    return step.get("dtype") if isinstance(step, dict) and isinstance(step.get("dtype"), str) else None
+    if isinstance(step, dict) and isinstance(step.get("dtype"), str):
+        return step["dtype"]
+    stored = (state or {}).get("config")
+    config = stored.get("value") if isinstance(stored, dict) else None
+    amp = config.get("amp") if isinstance(config, dict) else None
+    dtype = amp.get("dtype") if isinstance(amp, dict) else None
+    return dtype if dtype in ("float16", "bfloat16", "float32") else None
 
 
 def with_precision(chosen: Plan, cfg: dict, now: str) -> Plan:
