@@ -54,6 +54,7 @@ from ignite_amp.step.contracts import (
     check_optimizer,
     check_requires_grad,
     check_scalar,
+    output_hint,
     refuse_a_sum,
 )
 from ignite_amp.step.events import AmpEvents
@@ -247,7 +248,13 @@ class AmpStep(StepBase, Serializable):
             with self._no_sync(defer or not (cycle.last and i == last)):
                 with label(FORWARD), self.autocast():
                     y_pred = self._forward(x)
-                    loss = self.loss_fn(y_pred, y)
+                    try:
+                        loss = self.loss_fn(y_pred, y)
+                    except TypeError as exc:  # a dict or tuple output given to a loss of tensors: name the hook
+                        hint = output_hint(exc, y_pred, y, self.loss_fn)
+                        if hint is None:
+                            raise
+                        raise TypeError(hint) from exc
                 check_scalar(loss)
                 if not loss.requires_grad:
                     check_requires_grad(loss, self.model)
