@@ -20,6 +20,7 @@ from ignite_amp.config.limits import brief, same
 from ignite_amp.config.tree import Config, default_config, flatten_config
 from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
+from ignite_amp.core.device import dtype_name
 from ignite_amp.errors import CheckpointError
 from ignite_amp.files.checkpoints import load_checkpoint
 from ignite_amp.files.run_directory import RunLayout, move_previous_run
@@ -62,6 +63,9 @@ def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
 def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
                scheduled: bool) -> str:
     """Load the chosen checkpoint into the built run, put the applied changes in effect; returns the line to print."""
+    step = (chosen.state or {}).get("amp_step")
+    if isinstance(step, dict) and isinstance(step.get("dtype"), str):  # a change of precision: in the line below
+        step["dtype"] = dtype_name(trainer.amp_step.dtype)  # (not the step's own line too; the record only says)
     path = checkpoint.resume(chosen.path, chosen.state, fall_back=chosen.auto)
     # The epoch length is the loader's in use now (a changed data.train_size or batch_size).
     trainer.state.epoch_length = epoch_length
