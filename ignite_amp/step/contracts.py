@@ -61,14 +61,20 @@ def check_scalar(loss: Any) -> None:
 
 
 
-def output_hint(exc: TypeError, y_pred: Any, y: Any, loss_fn: Callable) -> Optional[str]:
+def output_hint(exc: Exception, y_pred: Any, y: Any, loss_fn: Callable) -> Optional[str]:
     """The line for a ``loss_fn`` that refused the model's output, a dict, tuple or list, where it takes a tensor
-    (torch's "argument 'input' must be Tensor, not dict"): it names ``model_transform``, with an example that
-    ``loss_fn`` was seen to take (an entry of the output giving a scalar loss), where one does. None for another
-    TypeError, or another output: a ``loss_fn`` that takes dicts is left alone.
+    (torch's "argument 'input' must be Tensor, not dict", or mse_loss's "'dict' object has no attribute 'size'"): it
+    names ``model_transform``, with an example that ``loss_fn`` was seen to take (an entry of the output giving a
+    scalar loss), where one does. None for another error, or another output: a ``loss_fn`` that takes dicts is left
+    alone.
     """
+    if not isinstance(y_pred, (Mapping, tuple, list)):
+        return None
     said = str(exc)  # torch's words name both: "must be Tensor, not dict", "expected Tensor ..., but got tuple"
-    if not isinstance(y_pred, (Mapping, tuple, list)) or "Tensor" not in said or type(y_pred).__name__ not in said:
+    if isinstance(exc, AttributeError):  # a tensor's method asked of the output itself (.size, .dim, .float...)
+        if getattr(exc, "obj", None) is not y_pred or not hasattr(torch.Tensor, getattr(exc, "name", None) or "_"):
+            return None
+    elif not isinstance(exc, TypeError) or "Tensor" not in said or type(y_pred).__name__ not in said:
         return None
     if isinstance(y_pred, Mapping):
         keys = list(y_pred)

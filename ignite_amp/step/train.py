@@ -266,11 +266,11 @@ class AmpStep(StepBase, Serializable):
                     y_pred = self._forward(x)
                     try:
                         loss = self.loss_fn(y_pred, y)
-                    except TypeError as exc:  # a dict or tuple output given to a loss of tensors: name the hook
+                    except (TypeError, AttributeError) as exc:  # a dict or tuple given to a loss of tensors
                         hint = output_hint(exc, y_pred, y, self.loss_fn)
                         if hint is None:
                             raise
-                        raise TypeError(hint) from exc
+                        raise TypeError(hint) from exc  # (the hook named)
                 check_scalar(loss)
                 if not loss.requires_grad:
                     check_requires_grad(loss, self.model)

@@ -253,6 +253,17 @@ def test_a_dict_or_tuple_output_given_to_a_loss_of_tensors_names_model_transform
     assert line.endswith(f"pass {how}, Ignite's hook for what the loss gets of the model's output")
 
 
+def test_a_loss_that_asks_the_output_for_a_tensors_method_names_model_transform_too():
+    """mse_loss, l1_loss, binary_cross_entropy_with_logits: "'tuple' object has no attribute 'size'"."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                                 device="cpu", dtype="float32", model_fn=lambda m, x: (m(x), m(x).sum()))
+    with pytest.raises(TypeError, match=r"^the model returns a tuple of 2, and loss_fn takes a tensor \('tuple' object "
+                                        r"has no attribute 'size'\): pass model_transform=lambda output: output\[0\],"):
+        trainer.run([(torch.randn(4, 5), torch.randn(4, 3))], max_epochs=1)
+
+
 def test_a_loss_that_takes_dicts_and_its_own_type_errors_are_left_alone():
     model = mlp()
     loss_of_dicts = lambda out, y: cross_entropy(out["logits"], y)  # noqa: E731
@@ -267,6 +278,11 @@ def test_a_loss_that_takes_dicts_and_its_own_type_errors_are_left_alone():
     trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), own_error, device="cpu",
                                  dtype="float32", model_fn=lambda m, x: {"logits": m(x)})
     with pytest.raises(TypeError, match="^my loss needs a Tensor of weights$"):
+        trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 lambda out, y: cross_entropy(out.logits, y), device="cpu", dtype="float32",
+                                 model_fn=lambda m, x: {"logits": m(x)})  # a dict read as an object: its own error
+    with pytest.raises(AttributeError, match="^'dict' object has no attribute 'logits'$"):
         trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
 
 
