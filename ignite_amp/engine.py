@@ -38,6 +38,7 @@ from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.factory_args import accumulation, amp_dtype, check_flags, check_keywords, model_device, score_hint
 from ignite_amp.step.train import AmpStep
 from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks, checkpointed_blocks
+from ignite_amp.transforms.cuda_graphs import COMPILE, check_compile
 from ignite_amp.transforms.float8 import (
     DEFAULT_RECIPE,
     RECIPES,
@@ -67,7 +68,7 @@ class AmpConfig:
     fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
     channels_last: bool = setting("auto", CHANNELS_LAST, "channels-last memory format for model and images; auto: "
                                   "on CUDA when 2-d convolutions hold at least half of the model's weights")
-    compile: bool = setting(None, Boolean(nullable=True, also=("reduce-overhead",)),
+    compile: bool = setting(None, COMPILE,
                             "torch.compile the forward (null: on for float8 on a GPU, else off); reduce-overhead: "
                             "with CUDA graphs, checked against the eager step first, eager again where shapes change "
                             "too often or memory runs out")
@@ -148,10 +149,13 @@ def _engine(step: StepBase, deterministic: bool = False) -> AmpEngine:
 
 
 def _check_keywords(factory: Callable, step: type, kwargs: dict) -> None:
-    """Every keyword left for the step is one the step (or the float8 conversion) takes; the closest name otherwise."""
+    """Every keyword left for the step is one the step (or the float8 conversion) takes; the closest name otherwise.
+    ``compile`` is checked here too, before float8 converts the model in place."""
     accepted = {*inspect.signature(factory).parameters, *inspect.signature(step).parameters,
                 "float8_recipe", "float8_filter"} - {"self", "kwargs"}
     check_keywords(factory.__name__, kwargs, accepted)
+    if "compile" in kwargs:
+        check_compile(kwargs["compile"])
 
 
 def amp_step_of(engine: Engine) -> StepBase:

@@ -3,6 +3,10 @@ a CI that builds the sdist and the wheel, checks them and trains from the wheel 
 import configparser
 import os
 import re
+import shutil
+import subprocess
+
+import pytest
 
 from conftest import ROOT
 from ignite_amp import __version__
@@ -23,6 +27,48 @@ def test_the_changelog_keeps_a_changelog_and_its_newest_release_is_this_version(
     assert dates == sorted(dates, reverse=True), dates
     assert ".".join(map(str, versions[0])) == __version__, "a new version gets its section in CHANGELOG.md"
     assert set(re.findall(r"^### (.+)$", CHANGELOG, re.M)) <= SECTIONS
+    for release in re.split(r"^## ", CHANGELOG, flags=re.M)[1:]:  # each heading once per release (merged, not two)
+        kinds = re.findall(r"^### (.+)$", release, re.M)
+        assert len(kinds) == len(set(kinds)), (release.splitlines()[0], kinds)
+
+
+# git's conflict markers: 7 characters at the start of a line, the sides' names after a space. A line of 7 "="
+# alone is also an RST or Markdown underline: it counts only in a file that holds a start or end marker too.
+_SIDE = re.compile(r"^(?:<{7}|>{7}|\|{7})(?: |$)", re.M)
+_MIDDLE = re.compile(r"^={7}$", re.M)
+
+
+def conflict_markers(text: str) -> list:
+    """The line numbers of merge-conflict markers in ``text``."""
+    lines = [m.start() for m in _SIDE.finditer(text)]
+    if lines:
+        lines += [m.start() for m in _MIDDLE.finditer(text)]
+    return sorted(text.count("\n", 0, at) + 1 for at in lines)
+
+
+def test_conflict_markers_are_found_and_underlines_are_not():
+    assert conflict_markers("a\n<<<<<<< HEAD\nours\n=======\ntheirs\n>>>>>>> issue-50\nb\n") == [2, 4, 6]
+    assert conflict_markers("Title\n=======\n\n<<<<<<<< eight\n>>>>>>>x\n") == []  # an underline; not markers
+
+
+@pytest.mark.skipif(not (os.path.isdir(os.path.join(ROOT, ".git")) or os.path.isfile(os.path.join(ROOT, ".git")))
+                    or shutil.which("git") is None, reason="not a git checkout")
+def test_no_tracked_file_holds_a_merge_conflict_marker():
+    """A merge left half done (CHANGELOG.md's Unreleased section held both sides once) fails here, whatever the
+    file's kind; .ci/lint refuses the same markers."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    found = {}
+    for name in names.decode().split("\0"):
+        path = os.path.join(ROOT, name)
+        if not name or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        if b"\0" not in data:  # text only
+            lines = conflict_markers(data.decode("utf-8", "replace"))
+            if lines:
+                found[name] = lines
+    assert not found, f"merge-conflict markers (file: lines): {found}"
 
 
 def test_the_version_is_written_in_one_place():

@@ -101,6 +101,7 @@ def _train(args: argparse.Namespace) -> int:
         state["resume"] = f"{_train_command(args)} --set handlers.checkpoint.resume=auto"
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     result = train_from_config(cfg, progress=progress, command=_train_command(args))
+    state["finished"] = True  # a signal from here on stops the last lines, not the run
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun, rank 0 reports
     final = result["final"]

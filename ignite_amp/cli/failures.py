@@ -114,7 +114,9 @@ def interrupted(args: argparse.Namespace, exc: KeyboardInterrupt, signals: bool)
     if log and os.path.exists(log):
         with open(log, "a") as f:
             f.write(f"ignite-amp: {what}\n")
-    if args.command != "train":
+    if state.get("finished"):  # while the last lines printed
+        what, then = f"{what} after the run finished", "nothing lost (its checkpoints and logs are written)"
+    elif args.command != "train":
         then = "nothing was kept: run the command again"
     elif _checkpoint_kept():
         then = f"{_rerun()} to resume from the last checkpoint"

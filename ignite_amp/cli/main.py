@@ -103,16 +103,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         threading.excepthook, logging.raiseExceptions = quiet
         logging.getLogger().removeHandler(handler)
-        if signals and not _exiting:  # the console command keeps ignoring a late Ctrl-C until it exits
+        if signals:  # the command's handlers go with it, before the interpreter's teardown
+            _flush()
             for number, before in previous.items():
-                signal.signal(number, before)
+                # The console command's work is done and said: a signal now ends the process as the signal, with
+                # no traceback (Python's Ctrl-C handler, or ours, raised into torch's exit callbacks).
+                signal.signal(number, signal.SIG_DFL if _exiting and before is not signal.SIG_IGN else before)
+
+
+def _flush() -> None:
+    """What the command printed, out now (a signal in the teardown ends the process before Python flushes)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed terminal or pipe: nothing more to say
+            pass
 
 
 _exiting = False
 
 
 def entry() -> int:
-    """The ``ignite-amp`` console command: :func:`main`, then exit."""
+    """The ``ignite-amp`` console command: :func:`main`, then exit. A SIGTERM or Ctrl-C after the command returned
+    (torch's teardown can take seconds) ends the process as that signal, with nothing more said."""
     global _exiting
     _exiting = True
     return main()

@@ -25,6 +25,8 @@ from typing import Any, Iterator, NamedTuple, Optional, Protocol, Tuple, Union
 import torch
 from torch.utils.data import SequentialSampler
 
+from ignite_amp.core.config_keys import POSITIVE_INT
+
 __all__ = ["MAX_SHARE", "MAX_BYTES", "OnDeviceChoice", "choose_on_device", "device_memory", "augment_draws",
            "DeviceBatches"]
 
@@ -133,6 +135,8 @@ class DeviceBatches:
             raise ValueError("DeviceBatches takes a batch_size or a batch_sampler, one of them")
         if batch_sampler is not None and (sampler is not None or drop_last):
             raise ValueError("DeviceBatches: a batch_sampler takes no sampler and no drop_last")
+        if batch_size is not None:  # (0 was ZeroDivisionError in len(), as late as the first epoch)
+            POSITIVE_INT.argument(batch_size, "batch_size")
         self.dataset, self.batch_size, self.batch_sampler = dataset, batch_size, batch_sampler
         self.sampler = sampler if sampler is not None or batch_sampler is not None else SequentialSampler(dataset)
         self.drop_last, self.device, self.seed = drop_last, torch.device(device), seed

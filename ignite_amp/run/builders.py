@@ -4,22 +4,25 @@ Each turns a validated config section into a torch object, or raises :class:`Con
 naming the key.
 """
 import dataclasses
-from typing import Callable, Optional
+import inspect
+import typing
+from typing import Any, Callable, Optional
 
 import ignite.distributed as idist
 import torch
 from ignite.utils import manual_seed
 
 from ignite_amp.core.collectives import is_distributed
-from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Choice, Mapping, Number, Text, setting
+from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Mapping, Number, Text, setting
 from ignite_amp.core.device import is_oom_error, resolve_device
 from ignite_amp.errors import ConfigError, first_line
 from ignite_amp.run.fused import fused_choice, keep_kernels
 from ignite_amp.transforms.activation_checkpointing import checkpoint_blocks
 from ignite_amp.transforms.float8 import convert_to_float8
 
-__all__ = ["OptimizerConfig", "SchedulerConfig", "config_device", "seed_everything", "build_optimizer",
-           "build_scheduler", "input_shape", "check_classes", "check_model_runs", "checkpoint_activations"]
+__all__ = ["OptimizerConfig", "SchedulerConfig", "check_boolean_kwargs", "config_device", "seed_everything",
+           "build_optimizer", "build_scheduler", "input_shape", "check_classes", "check_model_runs",
+           "checkpoint_activations"]
 
 
 @dataclasses.dataclass
@@ -29,8 +32,13 @@ class OptimizerConfig:
     name: str = setting("AdamW", Text(r"[A-Za-z_][A-Za-z0-9_]*", "a torch.optim class name"),
                         "a torch.optim class name", FIXED)
     lr: float = setting(3.0e-4, Number(), "the learning rate (a schedule's peak)", FIXED_UNDER_SCHEDULE)
-    kwargs: dict = setting({"weight_decay": 0.05}, Mapping(), "more keyword arguments for the optimizer",
+    kwargs: dict = setting({"weight_decay": 0.05}, Mapping(), "more keyword arguments for the optimizer (those it "
+                           "takes as booleans, such as fused or foreach, are checked as true or false)",
                            FIXED_UNDER_SCHEDULE)
+
+    @staticmethod
+    def check_values(values: dict, path: str) -> None:
+        check_boolean_kwargs(getattr(torch.optim, values["name"], None), values["kwargs"], f"{path}.kwargs")
 
 
 @dataclasses.dataclass
@@ -39,6 +47,40 @@ class SchedulerConfig:
 
     name: str = setting("none", Choice("none", "cosine", "onecycle"), "none, cosine or onecycle", FIXED)
     kwargs: dict = setting({}, Mapping(), "more keyword arguments for the torch scheduler", FIXED)
+
+    @staticmethod
+    def check_values(values: dict, path: str) -> None:
+        from torch.optim import lr_scheduler
+
+        cls = {"cosine": lr_scheduler.CosineAnnealingLR, "onecycle": lr_scheduler.OneCycleLR}.get(values["name"])
+        check_boolean_kwargs(cls, values["kwargs"], f"{path}.kwargs")
+
+
+def _takes_a_boolean(parameter: inspect.Parameter) -> Optional[Boolean]:
+    """The check of a keyword its class takes as a boolean (its default is one, or it is annotated ``bool`` or
+    ``Optional[bool]``), else None."""
+    annotation = parameter.annotation
+    if isinstance(annotation, str):  # postponed annotations
+        annotation = {"bool": bool, "Optional[bool]": Optional[bool], "bool|None": Optional[bool]}.get(
+            annotation.replace(" ", ""), inspect.Parameter.empty)
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    if isinstance(parameter.default, bool) or annotation is bool or kinds == {bool, type(None)}:
+        return Boolean(nullable=parameter.default is None or type(None) in kinds)
+    return None
+
+
+def check_boolean_kwargs(cls: Any, kwargs: dict, path: str) -> None:
+    """A torch class's boolean keywords in a config's ``kwargs`` are true or false, as every boolean key of the config
+    is: YAML 1.2 reads ``no`` as the string "no", which Python's truth would read as True (``fused: no`` turned the
+    fused step on). A ConfigError naming the key path, e.g. ``optimizer.kwargs.fused: expected true or false or null,
+    got "no"``."""
+    if not isinstance(cls, type):
+        return  # an unknown name: the builder says so
+    parameters = inspect.signature(cls).parameters
+    for key, value in kwargs.items():
+        check = _takes_a_boolean(parameters[key]) if key in parameters else None
+        if check is not None:
+            check(value, f"{path}.{key}")
 
 
 def seed_everything(seed: int) -> None:

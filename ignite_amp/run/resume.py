@@ -20,6 +20,7 @@ from ignite_amp.config.limits import brief, same
 from ignite_amp.config.tree import Config, default_config, flatten_config
 from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, NOT_COMPARED, leaves
+from ignite_amp.core.device import dtype_name
 from ignite_amp.errors import CheckpointError
 from ignite_amp.files.checkpoints import load_checkpoint
 from ignite_amp.files.run_directory import RunLayout, move_previous_run
@@ -62,6 +63,9 @@ def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
 def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
                scheduled: bool) -> str:
     """Load the chosen checkpoint into the built run, put the applied changes in effect; returns the line to print."""
+    step = (chosen.state or {}).get("amp_step")
+    if isinstance(step, dict) and isinstance(step.get("dtype"), str):  # a change of precision: in the line below
+        step["dtype"] = dtype_name(trainer.amp_step.dtype)  # (not the step's own line too; the record only says)
     path = checkpoint.resume(chosen.path, chosen.state, fall_back=chosen.auto)
     # The epoch length is the loader's in use now (a changed data.train_size or batch_size).
     trainer.state.epoch_length = epoch_length
@@ -73,10 +77,16 @@ def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micr
 
 
 def resumed_dtype(state: Optional[dict]) -> Optional[str]:
-    """The dtype a checkpoint's run trained in (its step's record), or None: no checkpoint, or one saved before
-    0.3.0, which did not record it."""
+    """The dtype a checkpoint's run trained in: its step's record; for a checkpoint saved before 0.3.0, which did not
+    record it, its stored config's ``amp.dtype`` where that names one (float16, bfloat16, float32); else None."""
     step = (state or {}).get("amp_step")
-    return step.get("dtype") if isinstance(step, dict) and isinstance(step.get("dtype"), str) else None
+    if isinstance(step, dict) and isinstance(step.get("dtype"), str):
+        return step["dtype"]
+    stored = (state or {}).get("config")
+    config = stored.get("value") if isinstance(stored, dict) else None
+    amp = config.get("amp") if isinstance(config, dict) else None
+    dtype = amp.get("dtype") if isinstance(amp, dict) else None
+    return dtype if dtype in ("float16", "bfloat16", "float32") else None
 
 
 def with_precision(chosen: Plan, cfg: dict, now: str) -> Plan:

@@ -18,7 +18,7 @@ from ignite_amp.core.device import free_memory, is_oom_error, resolve_device, re
 from ignite_amp.core.nested import join_chunks, to_channels_last, to_float32
 from ignite_amp.errors import BatchError
 from ignite_amp.step.events import AmpEvents
-from ignite_amp.transforms.cuda_graphs import REDUCE_OVERHEAD, GraphGuard
+from ignite_amp.transforms.cuda_graphs import REDUCE_OVERHEAD, GraphGuard, check_compile
 from ignite_amp.transforms.float8 import Float8Report
 from ignite_amp.transforms.memory_format import choose_channels_last
 
@@ -91,6 +91,7 @@ class StepBase:
         split_batch: Callable[[Any, Any, int], list] = split_batch,
     ):
         self._micro_batches = _check_micro_batches(micro_batches)
+        compile = check_compile(compile)  # before the model moves: a wrong value changes nothing
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self._device)
         for name, fn in (("prepare_batch", prepare_batch), ("model_fn", model_fn),

@@ -4,7 +4,8 @@
 - the loss is a scalar and a mean (over samples, or over the items ``num_items`` counts): a
   ``reduction`` attribute or keyword ``"sum"`` or ``"none"`` is refused when the step is built (any other,
   ``"batchmean"`` included, is judged by the split check), and a loss that doubles when the first batch is
-  doubled is refused at the first iteration.
+  doubled is refused at the first iteration;
+- the loss takes the model's output: a dict or tuple given to a loss that takes a tensor names ``model_transform``.
 """
 import functools
 import logging
@@ -17,8 +18,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ignite_amp.core.nested import join_chunks
+from ignite_amp.errors import first_line
 
-__all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "refuse_a_sum", "check_count",
+__all__ = ["check_optimizer", "check_mean_reduction", "check_scalar", "output_hint", "refuse_a_sum", "check_count",
            "warn_padding_without_items", "warn_batch_norm", "ignore_index_of"]
 
 logger = logging.getLogger("ignite_amp")
@@ -57,6 +59,43 @@ def check_scalar(loss: Any) -> None:
         raise ValueError(f"loss_fn should return a scalar (0-d) tensor, got {shape}: reduce it (mean) "
                          f"over the batch")
 
+
+
+def output_hint(exc: Exception, y_pred: Any, y: Any, loss_fn: Callable) -> Optional[str]:
+    """The line for a ``loss_fn`` that refused the model's output, a dict, tuple or list, where it takes a tensor
+    (torch's "argument 'input' must be Tensor, not dict", or mse_loss's "'dict' object has no attribute 'size'"): it
+    names ``model_transform``, with an example that ``loss_fn`` was seen to take (an entry of the output giving a
+    scalar loss), where one does. None for another error, or another output: a ``loss_fn`` that takes dicts is left
+    alone.
+    """
+    if not isinstance(y_pred, (Mapping, tuple, list)):
+        return None
+    said = str(exc)  # torch's words name both: "must be Tensor, not dict", "expected Tensor ..., but got tuple"
+    if isinstance(exc, AttributeError):  # a tensor's method asked of the output itself (.size, .dim, .float...)
+        if getattr(exc, "obj", None) is not y_pred or not hasattr(torch.Tensor, getattr(exc, "name", None) or "_"):
+            return None
+    elif not isinstance(exc, TypeError) or "Tensor" not in said or type(y_pred).__name__ not in said:
+        return None
+    if isinstance(y_pred, Mapping):
+        keys = list(y_pred)
+        what = f"a dict (keys {', '.join(map(repr, keys[:6]))}{', ...' if len(keys) > 6 else ''})"
+        picks = [(f"output[{k!r}]", v) for k, v in y_pred.items() if torch.is_tensor(v)]
+    else:
+        what = f"a {type(y_pred).__name__} of {len(y_pred)}"
+        picks = [(f"output[{i}]", v) for i, v in enumerate(y_pred) if torch.is_tensor(v)]
+
+    def takes(value: torch.Tensor) -> bool:
+        try:
+            with torch.no_grad():
+                loss = loss_fn(value, y)
+        except Exception:
+            return False
+        return torch.is_tensor(loss) and loss.ndim == 0
+
+    example = next((code for code, value in picks[:8] if takes(value)), None)
+    how = f"model_transform=lambda output: {example}" if example else "model_transform (output -> what loss_fn takes)"
+    return (f"the model returns {what}, and loss_fn takes a tensor ({first_line(exc)}): pass {how}, Ignite's hook "
+            f"for what the loss gets of the model's output")
 
 
 def check_requires_grad(loss: torch.Tensor, model: nn.Module) -> None:

@@ -54,17 +54,35 @@ from ignite_amp.step.contracts import (
     check_optimizer,
     check_requires_grad,
     check_scalar,
+    output_hint,
     refuse_a_sum,
 )
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.grad_norm import GradNorm
 from ignite_amp.step.scaler import agree_found_inf, build_scaler, found_inf
+from ignite_amp.transforms.cuda_graphs import off_cuda
 from ignite_amp.transforms.float8 import float8_change
 
-__all__ = ["AmpStep"]
+__all__ = ["AmpStep", "dtype_change"]
 
 logger = logging.getLogger("ignite_amp")
 _SYNC = contextlib.nullcontext()  # a chunk with nothing to hold back: one reusable instance, not one per chunk
+
+
+def dtype_change(saved: Any, now: str) -> Optional[str]:
+    """The line a step says when it loads a checkpoint trained in another dtype (None: the same, or not recorded);
+    a config run names the same change in its resume line, as ``amp.dtype bfloat16 -> float32``.
+
+    Example:
+        >>> dtype_change("bfloat16", "float32").split(" (")[0]
+        'resumed a checkpoint trained in bfloat16 into a float32 step: dtype bfloat16 -> float32'
+        >>> dtype_change("bfloat16", "bfloat16") is None and dtype_change(None, "float32") is None
+        True
+    """
+    if not isinstance(saved, str) or saved == now:
+        return None
+    return (f"resumed a checkpoint trained in {saved} into a {now} step: dtype {saved} -> {now} (the weights load as "
+            f"they are; expect the loss to move a little in the first steps)")
 
 
 class AmpStep(StepBase, Serializable):
@@ -153,6 +171,8 @@ class AmpStep(StepBase, Serializable):
         super().__init__(model, device, dtype, micro_batches, non_blocking, channels_last, compile,
                          fp32_modules, prepare_batch, model_fn, model_transform, output_transform, batch_size,
                          split_batch)
+        if self.graphs is not None and self._device.type != "cuda":  # the trainer says it; its evaluator follows
+            logger.warning(off_cuda(self._device))
         self._optimizer = optimizer
         self._params = list(self._model.parameters())  # a list: walking the module tree per step costs
         self.loss_fn = loss_fn
@@ -251,7 +271,13 @@ class AmpStep(StepBase, Serializable):
             with self._no_sync(defer or not (cycle.last and i == last)):
                 with label(FORWARD), self.autocast():
                     y_pred = self._forward(x)
-                    loss = self.loss_fn(y_pred, y)
+                    try:
+                        loss = self.loss_fn(y_pred, y)
+                    except (TypeError, AttributeError) as exc:  # a dict or tuple given to a loss of tensors
+                        hint = output_hint(exc, y_pred, y, self.loss_fn)
+                        if hint is None:
+                            raise
+                        raise TypeError(hint) from exc  # (the hook named)
                 check_scalar(loss)
                 if not loss.requires_grad:
                     check_requires_grad(loss, self.model)
@@ -338,11 +364,14 @@ class AmpStep(StepBase, Serializable):
                            dtype=dtype_name(self._dtype))
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Restore :meth:`state_dict`'s values (the scaler's only when both runs use float16)."""
+        """Restore :meth:`state_dict`'s values (the scaler's only when both runs use float16); a checkpoint of
+        another dtype (or float8 recipe) is said in one line."""
         super().load_state_dict(state_dict)
         if self._scaler.is_enabled() and state_dict["scaler"]:  # a float16 run resumed in float16
             self._scaler.load_state_dict(state_dict["scaler"])
         self.micro_batches = int(state_dict["micro_batches"])
         self._oom_count = int(state_dict.get("oom_count", 0))
         if change := float8_change(state_dict.get("float8"), self.float8):
+            logger.warning(change)
+        if change := dtype_change(state_dict.get("dtype"), dtype_name(self._dtype)):
             logger.warning(change)

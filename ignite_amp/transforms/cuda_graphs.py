@@ -8,34 +8,70 @@ handles by going back to the eager forward for the rest of the run, with a warni
 
 - parity: on the first training step the compiled forward's loss is checked against the eager forward's on the
   same chunk, parameters, buffers and random state (restored after each); a relative difference over
-  :data:`TOLERANCE` for the dtype (a few units of its rounding) falls back. Not checked (and said) for a model with
-  dropout (the compiled and eager forwards draw different random numbers) or under DDP or FSDP2 (a forward
-  without its backward would leave them waiting for it);
+  :data:`TOLERANCE` for the dtype (a few units of its rounding), or a compiled loss that is not finite, falls back.
+  Not checked (and said) for a model with dropout (the compiled and eager forwards draw different random numbers),
+  under DDP or FSDP2 (a forward without its backward would leave them waiting for it), or when the eager loss is not
+  finite itself (nothing to compare: the model's or the data's fault, which the run meets next);
 - shapes the project itself changes: the last short batch of an epoch and a micro-batch count an
   ``OUT_OF_MEMORY`` handler raised give new input shapes, each recorded as graphs of its own; past
   :data:`MAX_SHAPES` distinct shapes the step falls back rather than record more;
 - an out-of-memory error: the graphs' private memory pools hold memory the retry needs: the retry and the rest of
   the run are eager.
 
-Off CUDA, torch compiles without graphs (Inductor skips them on a CPU), and the same checks apply.
+Off CUDA, torch compiles without graphs (Inductor skips them on a CPU), and the same checks apply; the trainer says
+so in one line (:func:`off_cuda`).
+
+``compile`` takes what ``amp.compile`` takes (:data:`COMPILE`): True, False, None or ``"reduce-overhead"``, in
+Python as in a config. torch's other mode names are refused rather than passed on: ``"max-autotune"`` records CUDA
+graphs too, without these checks and fallbacks, and ``"default"`` is ``compile=True``.
 """
 import logging
+import math
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ignite_amp.core.collectives import unwrap
+from ignite_amp.core.config_keys import Boolean
 
-__all__ = ["REDUCE_OVERHEAD", "TOLERANCE", "MAX_SHAPES", "GraphGuard", "loss_mismatch"]
+__all__ = ["REDUCE_OVERHEAD", "COMPILE", "TOLERANCE", "MAX_SHAPES", "GraphGuard", "check_compile", "loss_mismatch",
+           "off_cuda"]
 
 logger = logging.getLogger("ignite_amp")
 
 REDUCE_OVERHEAD = "reduce-overhead"
+#: What ``compile`` (``amp.compile``) takes: true, false, null (the factory's choice) or "reduce-overhead".
+COMPILE = Boolean(nullable=True, also=(REDUCE_OVERHEAD,))
+_TORCH_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
 #: The largest relative difference of the first loss, compiled against eager, that passes the parity check.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 #: Distinct input shapes recorded as graphs before the step falls back to the eager forward.
 MAX_SHAPES = 8
+
+
+def check_compile(value: Any) -> Any:
+    """``compile`` checked as the config checks ``amp.compile``: a ValueError naming the argument and what it takes.
+
+    Example:
+        >>> check_compile("reduce_overhead")
+        Traceback (most recent call last):
+        ...
+        ValueError: Argument compile should be true or false or reduce-overhead or None, got 'reduce_overhead'.
+    """
+    try:
+        return COMPILE.argument(value, "compile")
+    except ValueError as exc:
+        if value not in _TORCH_MODES:
+            raise
+        raise ValueError(f"{str(exc).rstrip('.')} (torch.compile's mode names are not taken: compile=True is its "
+                         f"default mode; \"reduce-overhead\" records CUDA graphs, with the step's checks).") from None
+
+
+def off_cuda(device: torch.device) -> str:
+    """The line a trainer says for ``compile="reduce-overhead"`` on a device without CUDA graphs."""
+    return (f"compile reduce-overhead: CUDA graphs apply on CUDA only; on {device.type} the forward is compiled "
+            f"without them (torch.compile's code, the first steps compiling), with the same parity check")
 
 
 def loss_mismatch(eager: float, compiled: float, dtype: torch.dtype) -> Optional[str]:
@@ -46,7 +82,11 @@ def loss_mismatch(eager: float, compiled: float, dtype: torch.dtype) -> Optional
         True
         >>> loss_mismatch(2.302, 2.5, torch.float16)
         'the compiled loss 2.5 differs from the eager 2.302 by 8.6% (tolerance 0.5% in float16)'
+        >>> loss_mismatch(2.302, float("nan"), torch.float16)
+        'the compiled loss is not finite (nan) where the eager one is 2.302'
     """
+    if not math.isfinite(compiled):  # (an eager loss that is not finite is not compared: see check_parity)
+        return f"the compiled loss is not finite ({compiled}) where the eager one is {eager:.4g}"
     tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     difference = abs(compiled - eager) / max(abs(eager), 1e-12)
     if difference == difference and difference <= tolerance:  # NaN fails
@@ -92,6 +132,10 @@ class GraphGuard:
             return
         eager = self._loss(step, step.model, x, y, grad=False)
         compiled = self._loss(step, step.forward, x, y, grad=True)
+        if not math.isfinite(eager):  # nothing to compare with: the model's or the data's fault, not compile's
+            self.parity = f"not checked: the first loss is not finite ({eager} eager, {compiled} compiled)"
+            logger.warning(f"compile reduce-overhead: parity {self.parity}")
+            return
         why = loss_mismatch(eager, compiled, step.dtype)  # one host sync, once
         self.parity = "passed" if why is None else why
         if why is not None:

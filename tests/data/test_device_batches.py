@@ -244,6 +244,11 @@ def test_bad_arguments():
         DeviceBatches(val, batch_sampler=LockstepBatches(val, 4, 2, 0), drop_last=True)
     with pytest.raises(ValueError, match="its batches come from a batch_sampler"):
         DeviceBatches(val, batch_sampler=LockstepBatches(val, 4, 2, 0)).with_batch_size(2)
+    for size in (0, -1, 2.0, True):  # 0 was ZeroDivisionError in len(), at the first epoch
+        with pytest.raises(ValueError, match=f"^Argument batch_size should be a positive integer, got {size!r}.$"):
+            DeviceBatches(train, size)
+    with pytest.raises(ValueError, match="^Argument batch_size should be a positive integer, got 0.$"):
+        DeviceBatches(train, 4).with_batch_size(0)
 
 
 @pytest.mark.gpu

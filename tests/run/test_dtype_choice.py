@@ -16,7 +16,7 @@ from ignite_amp.run import dtype_probe
 from ignite_amp.run import plan as run_plan
 from ignite_amp.run.compose import build_run
 from ignite_amp.run.dtype_probe import PROBE_ENV, config_dtype, probe_cpu_dtype
-from ignite_amp.run.resume import Plan, with_precision
+from ignite_amp.run.resume import Plan, resumed_dtype, with_precision
 
 F32, BF16 = torch.float32, torch.bfloat16
 CPU = torch.device("cpu")
@@ -181,3 +181,29 @@ def test_only_dtype_auto_names_what_it_resolved_to():
     assert with_precision(plan, auto, "bfloat16") == plan and with_precision(Plan(), auto, "float32") == Plan()
     assert with_precision(plan, named, "float32") == plan  # the config's own change says it (amp.dtype auto -> ...)
     assert [str(c) for c in with_precision(plan, auto, "float16").changes] == ["amp.dtype auto bfloat16 -> float16"]
+
+
+def test_a_checkpoint_that_records_no_dtype_reads_its_stored_configs():
+    """A 0.2.0 checkpoint of an explicit bfloat16 run, resumed with auto, said "auto unrecorded -> float32" though
+    its stored config records bfloat16."""
+    stored = {"config": {"value": {"amp": {"dtype": "bfloat16"}}}, "amp_step": {"micro_batches": 1}}
+    assert resumed_dtype(stored) == "bfloat16"
+    assert resumed_dtype(dict(stored, amp_step={"dtype": "float32"})) == "float32"  # the step's record first
+    assert resumed_dtype({"config": {"value": {"amp": {"dtype": "auto"}}}}) is None  # auto records nothing
+    assert resumed_dtype({"config": {"value": {"amp": {"dtype": "float8"}}}}) is None
+    assert resumed_dtype({"config": "not a mapping"}) is None and resumed_dtype(None) is None
+
+
+def test_a_020_checkpoint_of_a_bfloat16_run_resumed_with_auto_keeps_bfloat16(tmp_path):
+    cfg = quickstart_like(tmp_path, amp={"dtype": "bfloat16"})
+    build_run(cfg).train()
+    for file in glob.glob(str(tmp_path / "run" / "checkpoints" / "*.pt")):  # checkpoints of 0.2.0 say no dtype
+        state = torch.load(file, weights_only=True)
+        del state["amp_step"]["dtype"]
+        torch.save(state, file)
+    lines = []
+    run = build_run(dict(cfg, amp=dict(cfg["amp"], dtype="auto"), train={"epochs": 2}), print_fn=lines.append)
+    assert run.trainer.amp_step.dtype == BF16
+    resumed = next(line for line in lines if line.startswith("resumed from"))
+    assert "unrecorded" not in resumed and "amp.dtype bfloat16 -> auto" in resumed, resumed
+    run.close()

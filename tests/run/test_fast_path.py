@@ -10,6 +10,7 @@ from conftest import assert_doctests_pass, tiny_config
 from ignite_amp.config.tree import load_config
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import create_amp_trainer
+from ignite_amp.errors import ConfigError
 from ignite_amp.run.builders import build_optimizer
 from ignite_amp.run.fast_path import config_channels_last, speed_facts, speed_words
 from ignite_amp.run.fused import fused_choice, fused_devices
@@ -45,6 +46,32 @@ def test_fused_is_skipped_with_the_reason_where_it_does_not_apply(monkeypatch):
 def test_the_configs_value_wins():
     assert fused_choice("AdamW", {"fused": False}, CUDA) == (False, "optimizer.kwargs.fused")
     assert fused_choice("AdamW", {"fused": True}, CPU) == (True, "optimizer.kwargs.fused")
+
+
+@pytest.mark.parametrize("name, key, word, takes", [("AdamW", "fused", "no", "true or false or null"),
+                                                    ("AdamW", "foreach", "off", "true or false or null"),
+                                                    ("Adam", "amsgrad", "yes", "true or false"),
+                                                    ("SGD", "nesterov", "n", "true or false"),
+                                                    ("AdamW", "capturable", "on", "true or false"),
+                                                    ("RMSprop", "maximize", "Off", "true or false"),
+                                                    ("AdamW", "differentiable", 0, "true or false")])
+def test_the_optimizers_boolean_keywords_are_true_or_false_as_every_boolean_key_is(name, key, word, takes):
+    """YAML 1.2 reads ``fused: no`` as the string "no", which the optimizer read as True: the fused step was on, and
+    the start line said so as if asked. Refused before anything runs, in the config's one line naming the key."""
+    shown = f'"{word}"' if isinstance(word, str) else repr(word)
+    with pytest.raises(ConfigError, match=f"^optimizer.kwargs.{key}: expected {takes}, got {shown}$"):
+        load_config({"optimizer": {"name": name, "kwargs": {key: word}}})
+    with pytest.raises(ConfigError, match=f"^optimizer.kwargs.{key}: expected"):  # --set too
+        load_config({"optimizer": {"name": name}}, [f"optimizer.kwargs.{key}={word}"])
+
+
+def test_true_false_null_and_the_other_keywords_pass_as_before():
+    cfg = load_config({"optimizer": {"name": "AdamW", "kwargs": {"fused": None, "foreach": False, "amsgrad": True,
+                                                                 "weight_decay": 0.1, "betas": [0.9, 0.95]}}})
+    assert cfg["optimizer"]["kwargs"]["fused"] is None and cfg["optimizer"]["kwargs"]["amsgrad"] is True
+    assert load_config({"optimizer": {"name": "NoSuchOptimizer", "kwargs": {"fused": "no"}}})  # its builder says it
+    with pytest.raises(ConfigError, match='^scheduler.kwargs.three_phase: expected true or false, got "no"$'):
+        load_config({"scheduler": {"name": "onecycle", "kwargs": {"three_phase": "no"}}})
 
 
 def test_build_optimizer_builds_what_the_rule_chose():

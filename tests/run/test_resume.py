@@ -134,6 +134,18 @@ def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tm
         "weight_decay"]
 
 
+def test_a_config_runs_change_of_dtype_is_said_once_in_its_resume_line(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path, amp={"dtype": "bfloat16"})))
+    assert main(["train", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["train", str(path), "--set", "amp.dtype=float32", "--set", "train.epochs=2"]) == 0
+    captured = capsys.readouterr()
+    resumed = [line for line in captured.out.splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 1 and "amp.dtype bfloat16 -> float32" in resumed[0], captured.out
+    assert "resumed a checkpoint trained in" not in captured.out + captured.err  # the step's own line: not twice
+
+
 def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0

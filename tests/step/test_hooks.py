@@ -233,6 +233,59 @@ def test_model_transform_picks_the_output():
                            model_fn="forward")
 
 
+@pytest.mark.parametrize("output, example", [(lambda y: {"aux": y.sum(), "logits": y}, "output['logits']"),
+                                             (lambda y: (y.sum(), y), "output[1]"),
+                                             (lambda y: [y], "output[0]"),
+                                             (lambda y: {"text": "x"}, None)])
+def test_a_dict_or_tuple_output_given_to_a_loss_of_tensors_names_model_transform(output, example):
+    """torch's "argument 'input' (position 1) must be Tensor, not dict", mid-run, said nothing of the hook; the example
+    given is one the loss took (a scalar loss), and only where one does."""
+    model = mlp()
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float32", model_fn=lambda m, x: output(m(x)))
+    with pytest.raises(TypeError) as raised:
+        trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+    line = str(raised.value)
+    kind = "a dict (keys " if "dict" in line.split(",")[0] else f"a {type(output(torch.ones(1))).__name__} of "
+    assert line.startswith(f"the model returns {kind}") and "\n" not in line
+    assert "must be Tensor, not" in line  # torch's own words, kept
+    how = f"model_transform=lambda output: {example}" if example else "model_transform (output -> what loss_fn takes)"
+    assert line.endswith(f"pass {how}, Ignite's hook for what the loss gets of the model's output")
+
+
+def test_a_loss_that_asks_the_output_for_a_tensors_method_names_model_transform_too():
+    """mse_loss, l1_loss, binary_cross_entropy_with_logits: "'tuple' object has no attribute 'size'"."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                                 device="cpu", dtype="float32", model_fn=lambda m, x: (m(x), m(x).sum()))
+    with pytest.raises(TypeError, match=r"^the model returns a tuple of 2, and loss_fn takes a tensor \('tuple' object "
+                                        r"has no attribute 'size'\): pass model_transform=lambda output: output\[0\],"):
+        trainer.run([(torch.randn(4, 5), torch.randn(4, 3))], max_epochs=1)
+
+
+def test_a_loss_that_takes_dicts_and_its_own_type_errors_are_left_alone():
+    model = mlp()
+    loss_of_dicts = lambda out, y: cross_entropy(out["logits"], y)  # noqa: E731
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_of_dicts, device="cpu",
+                                 dtype="float32", model_fn=lambda m, x: {"logits": m(x)})
+    trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+    assert trainer.state.iteration == 1
+
+    def own_error(out, y):
+        raise TypeError("my loss needs a Tensor of weights")  # a dict output, yet the loss's own fault: as it is
+
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), own_error, device="cpu",
+                                 dtype="float32", model_fn=lambda m, x: {"logits": m(x)})
+    with pytest.raises(TypeError, match="^my loss needs a Tensor of weights$"):
+        trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+    trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 lambda out, y: cross_entropy(out.logits, y), device="cpu", dtype="float32",
+                                 model_fn=lambda m, x: {"logits": m(x)})  # a dict read as an object: its own error
+    with pytest.raises(AttributeError, match="^'dict' object has no attribute 'logits'$"):
+        trainer.run([(torch.randn(4, 5), torch.zeros(4).long())], max_epochs=1)
+
+
 class Segmenter(nn.Module):
     """Returns torchvision's segmentation shape: {"out": N x C x H x W, "aux": [...]}."""
 

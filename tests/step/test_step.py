@@ -218,6 +218,24 @@ def test_state_dict_round_trip():
         other.amp_step.load_state_dict({"micro_batches": 1})
 
 
+def test_a_checkpoint_of_another_dtype_is_said_when_a_script_loads_it(caplog):
+    """A script resuming a bfloat16 checkpoint into a float32 step: nothing was said (a config run names it)."""
+    model = mlp()
+    trained = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="bfloat16")
+    state = trained.amp_step.state_dict()
+    model = mlp()
+    resumed = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                                 dtype="float32")
+    with caplog.at_level("WARNING", logger="ignite_amp"):
+        resumed.amp_step.load_state_dict(state)
+        resumed.amp_step.load_state_dict(resumed.amp_step.state_dict())  # the same dtype: nothing
+        resumed.amp_step.load_state_dict({k: v for k, v in state.items() if k != "dtype"})  # 0.2.0's: not recorded
+    assert [r.getMessage() for r in caplog.records] == [
+        "resumed a checkpoint trained in bfloat16 into a float32 step: dtype bfloat16 -> float32 (the weights load "
+        "as they are; expect the loss to move a little in the first steps)"]
+
+
 def test_fp32_modules_run_outside_autocast():
     class Probe(nn.Linear):
         def forward(self, x):

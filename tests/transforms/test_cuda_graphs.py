@@ -11,7 +11,7 @@ from torch.nn.functional import cross_entropy
 import ignite_amp.transforms.cuda_graphs as graphs
 from conftest import OOMAbove, assert_doctests_pass
 from ignite_amp.config.tree import load_config
-from ignite_amp.engine import create_amp_trainer
+from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import ConfigError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.transforms.cuda_graphs import MAX_SHAPES, loss_mismatch
@@ -160,3 +160,54 @@ def test_reduce_overhead_compiles_for_real_on_cpu_and_passes_its_parity_check():
                        dtype="float32").run(data, max_epochs=1)
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("value", ["max-autotune", "reduce_overhead", "false", "default", 1, "True"])
+def test_the_python_api_refuses_what_the_config_refuses(compiled, value):
+    """compile="max-autotune" (torch's own mode name), a typo, the string "false": each compiled in torch's default
+    mode, silently; now the config's check, named as an argument, before anything is built."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"^Argument compile should be true or false or reduce-overhead or None, got "
+                                         + repr(value).replace("(", r"\(")):
+        create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                           compile=value)
+    with pytest.raises(ValueError, match="^Argument compile"):
+        create_amp_evaluator(model, device="cpu", compile=value)
+    assert compiled["modes"] == []  # nothing compiled
+    with pytest.raises(ConfigError, match="^amp.compile: expected true or false or reduce-overhead or null"):
+        load_config({"amp": {"compile": value}})
+
+
+def test_torch_mode_names_say_which_value_is_which_mode():
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"compile=True is its default mode; \"reduce-overhead\" records CUDA graphs"):
+        create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy, device="cpu",
+                           compile="max-autotune")
+
+
+def test_off_cuda_the_trainer_says_in_one_line_that_graphs_do_not_apply(compiled, caplog):
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        trainer_for(nn.Linear(4, 3))
+        create_amp_evaluator(nn.Linear(4, 3), device="cpu", compile="reduce-overhead")  # the trainer's says it
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["compile reduce-overhead: CUDA graphs apply on CUDA only; on cpu the forward is compiled without "
+                    "them (torch.compile's code, the first steps compiling), with the same parity check"]
+
+
+def test_a_first_loss_that_is_not_finite_is_said_so_not_compared(compiled, caplog):
+    """A NaN first loss said "the compiled loss nan differs from the eager nan" and fell back to eager."""
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    trainer = trainer_for(model)
+    with caplog.at_level(logging.WARNING, logger="ignite_amp"):
+        trainer.run(batches([8]), max_epochs=1)
+    graphs_ = trainer.amp_step.graphs
+    assert graphs_.parity == "not checked: the first loss is not finite (nan eager, nan compiled)"
+    assert graphs_.off is None and "differs" not in caplog.text
+    assert "compile reduce-overhead: parity not checked: the first loss is not finite" in caplog.text
+
+
+def test_a_compiled_loss_that_is_not_finite_where_eager_is_falls_back_saying_so():
+    assert loss_mismatch(2.302, float("inf"), torch.bfloat16) == ("the compiled loss is not finite (inf) where the "
+                                                                  "eager one is 2.302")
