@@ -345,8 +345,9 @@ class TensorBoardMetrics:
 def _split_check_of(step: Any) -> dict:
     """The split check's line for the health summary (a training step's ``split_check``; none on other steps)."""
     check = getattr(step, "split_check", None)
-    summary = check.summary() if check is not None else None
-    return {"split_check": summary, "split_checked": bool(check.batches)} if summary else {}
+    if check is None or not (summary := check.summary()):
+        return {}
+    return {"split_check": summary, "split_checked": bool(check.batches)}
 
 
 def _flush(engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:

@@ -293,14 +293,14 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
         try:
             for _ in range(3):  # again only where random operators were keyed wrong (see Still.learn)
                 held.reset()
-                whole = grads(*part, m)
+                whole = grads(part[0], part[1], m)
                 if whole is None:
                     return _INCONCLUSIVE
                 changed = held.changed()
                 held.reset()  # the first piece draws what the part's first rows drew (NumPy, Python)
-                first = grads(*pieces[0], sizes[0])
+                first = grads(pieces[0][0], pieces[0][1], sizes[0])
                 held.reset(replay=False)  # the second piece continues where the first stopped
-                second = grads(*pieces[1], sizes[1])
+                second = grads(pieces[1][0], pieces[1][1], sizes[1])
                 again, unkeyable = held.learn([m, *sizes])
                 if not again:
                     break
@@ -310,7 +310,7 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
             return _uncut(chunks, _cannot(m, exc))
         except Exception as exc:  # noqa: BLE001 (the loss on a cut it cannot take, said in one line)
             return _uncut(chunks, _cannot(m, exc))
-        if first is None or second is None:  # a piece's loss has no gradient (no item to learn from in it)
+        if whole is None or first is None or second is None:  # a piece's loss has no gradient (no item in it)
             return _INCONCLUSIVE
         rel, conclusive = _difference(whole, first, second, (w1, w2))
         if not conclusive:
@@ -323,12 +323,12 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
         drew = held.drew()
         if drew:  # a draw per forward rather than per row: the second piece from the entry state too
             held.reset()
-            second_again = grads(*pieces[1], sizes[1])
+            second_again = grads(pieces[1][0], pieces[1][1], sizes[1])
             again_rel = math.inf if second_again is None else _difference(whole, first, second_again, (w1, w2))[0]
             if again_rel <= tol:
                 return _Said(again_rel, tol)
         held.reset()
-        whole_again = grads(*part, m)
+        whole_again = grads(part[0], part[1], m)
         if whole_again is None:  # the part's loss had a gradient the first time: not this time
             return _INCONCLUSIVE
         unsteady = _difference(whole, whole_again, [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]

@@ -15,7 +15,7 @@ the forward's samples; :func:`learn_axes` learns it for sure from the shapes one
 its pieces, and names the operators that follow the batch in a way no key can (a permutation of the batch's rows,
 draws without replacement across samples).
 """
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -155,7 +155,7 @@ def keyed_uniforms(shape: Sequence[int], device: Any, salt: int, keys: Optional[
     if axis == CONSTANT or keys is None or not shape:
         h = combine(base, torch.arange(numel, dtype=torch.long, device=device)).reshape(shape)
     else:
-        a, k = axis  # type: ignore[misc]
+        a, k = cast(Tuple[int, int], axis)
         rows = shape[a]
         rest = numel // rows if rows else 0
         index = torch.arange(rows, dtype=torch.long, device=device)

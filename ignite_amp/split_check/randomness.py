@@ -249,9 +249,20 @@ class _Forward:
     """One forward's keys: its samples, their keys, and the random calls it made (name, shape keyed, shape out,
     the axis used)."""
 
-    def __init__(self, n: Optional[int], keys: Optional[torch.Tensor]) -> None:
-        self.n, self.keys = n, keys
+    def __init__(self, n: Optional[int], batch: Any = None) -> None:
+        self.n = n
+        self._batch: Any = batch
+        self._keys: Optional[torch.Tensor] = None
         self.calls: List[Tuple[str, Tuple[int, ...], Tuple[int, ...], Axis]] = []
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """The samples' keys, computed at the first random call that needs them (a forward without one reads none
+        of the batch)."""
+        if self._keys is None and self.n and self._batch is not None:
+            x, y = self._batch
+            self._keys, self._batch = sample_keys(x, y, self.n), None
+        return self._keys
 
 
 class Still:
@@ -284,7 +295,8 @@ class Still:
         else:
             axis, salt = self.axes.get(number) or guess_axis(shape, current.n), number
         current.calls.append((name, shape, tuple(out_shape) if out_shape is not None else shape, axis))
-        return keyed_uniforms(shape, device, self.seed * 1_000_003 + salt, current.keys, axis, count)
+        keys = current.keys if axis != CONSTANT else None
+        return keyed_uniforms(shape, device, self.seed * 1_000_003 + salt, keys, axis, count)
 
     def replay(self) -> None:
         """NumPy's and Python's global generators back to the state they had on entry."""
@@ -308,7 +320,7 @@ class Still:
     def forward(self, x: Any = None, y: Any = None, n: Optional[int] = None) -> Iterator[None]:
         """Dropout off and torch's random operators keyed by the samples of ``(x, y)`` (``n`` of them: see the
         module; without ``n``, by position only), for a forward."""
-        self._current = _Forward(n, sample_keys(x, y, n) if n else None)
+        self._current = _Forward(n, (x, y) if n else None)
         try:
             with _NoDropout(), _Keyed(self):
                 yield
@@ -347,7 +359,7 @@ class Still:
     def changed(self) -> List[str]:
         """The buffers whose values differ from their state on entry (a forward that changes its own state)."""
         return [path for module, name, path, _, saved in self._buffers
-                if not torch.equal(module._buffers[name], saved)]
+                if (now := module._buffers[name]) is not None and not torch.equal(now, saved)]
 
     def drew(self) -> List[str]:
         """The global generators (NumPy's, Python's) that are not in their entry state: a forward drew from them."""

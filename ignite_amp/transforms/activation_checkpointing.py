@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch.utils.checkpoint
 from torch import nn
@@ -197,7 +197,8 @@ def _no_kv_cache(model: nn.Module) -> None:
     by default): its blocks append to it in the forward, which a checkpointed block's recompute cannot replay
     (selective checkpointing fails in the backward). transformers turns it off itself when its own checkpointing
     trains; so does this, once, and says so."""
-    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+    configs: Dict[int, Any] = {id(c): c for m in model.modules()
+                               if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
     for config in configs.values():
         config.use_cache = False
     if configs:
