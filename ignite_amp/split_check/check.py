@@ -72,7 +72,10 @@ LOW_PRECISION_TOLERANCE = 5e-2
 #: Largest relative gradient difference accepted with float8 layers: their tensorwise scales are the whole
 #: batch's, so a chunk rounds differently (~10%); a sum (50% off in two halves) or a contrastive loss still shows.
 FLOAT8_TOLERANCE = 0.25
+_VAGUE = ("a zero, tiny or non-finite gradient, a part whose pieces the usual weightings weigh alike, a batch of one "
+          "sample, or out of memory")
 _INCONCLUSIVE, _UNCUT = -1.0, -0.5  # verdicts the ranks agree on (max): a measured difference is >= 0
+_ALIKE = -0.75  # a pass on a part whose pieces another usual weighting weighs as the step does: the other halves next
 
 
 class _Said(NamedTuple):
@@ -125,12 +128,13 @@ class SplitCheck:
         if not self.batches and not self.inconclusive:
             return None
         if not self.batches:
-            return (f"split check: inconclusive on all {self.inconclusive} batches it tried (a zero, tiny or "
-                    f"non-finite gradient, a batch of one sample, or out of memory): the weighting of the chunks "
-                    f"was never checked")
+            tried = "the 1 batch" if self.inconclusive == 1 else f"all {self.inconclusive} batches"
+            return (f"split check: inconclusive on {tried} it tried ({_VAGUE}): the weighting of the chunks was "
+                    f"never checked")
         spots = f", {self.spots} of them spot checks" if self.spots else ""
         vague = f"; {self.inconclusive} inconclusive" if self.inconclusive else ""
-        return f"split check: {self.batches} batches checked, exact within tolerance{spots}{vague}"
+        batches = "1 batch" if self.batches == 1 else f"{self.batches} batches"
+        return f"split check: {batches} checked, exact within tolerance{spots}{vague}"
 
     def __call__(self, step: Any, batch: tuple, chunks: int, cycle_length: int) -> None:
         if not self.enabled or not (chunks > 1 or cycle_length > 1 or is_distributed()):
@@ -152,8 +156,13 @@ class SplitCheck:
         if step.batch_size >= 2:
             try:
                 small = self._limit is not None or step.oom_count > 0
-                found = _measure(step, batch, chunks, small, self.passes % 2 == 0, self._limit,
-                                 seed=self.batches + self.inconclusive)
+                last = self.passes % 2 == 0
+                found = _measure(step, batch, chunks, small, last, self._limit, seed=self.batches + self.inconclusive)
+                if isinstance(found, float) and found == _ALIKE:  # the batch's other halves may tell them apart
+                    found = _measure(step, batch, chunks, small, not last, self._limit,
+                                     seed=self.batches + self.inconclusive)
+                if isinstance(found, float) and found == _ALIKE:
+                    found = _INCONCLUSIVE
             except RuntimeError as exc:
                 if not is_oom_error(exc):
                     raise
@@ -184,9 +193,8 @@ class SplitCheck:
             self.tries += 1
             self.inconclusive += 1
             if self.tries == TRIES and not self.passes:
-                logger.warning("split check: inconclusive on %d batches (a zero, tiny or non-finite gradient, a batch "
-                               "of one sample, or out of memory, each time): the weighting of the chunks is not "
-                               "checked yet; spot checks go on through the run", TRIES)
+                logger.warning("split check: inconclusive on %d batches (%s, each time): the weighting of the chunks "
+                               "is not checked yet; spot checks go on through the run", TRIES, _VAGUE)
             return
         if worst == _UNCUT:  # the batch cannot be cut, and the step does not cut it: nothing to check
             self.tries, self.enabled = TRIES, False
@@ -317,6 +325,8 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
             return _INCONCLUSIVE
         tol = _tolerance(step)
         if rel <= tol:
+            if _coincides(step, batch, chunks, pieces, (w1, w2)):
+                return _ALIKE  # this part cannot tell the step's weighting from another: another part
             return _Said(rel, tol)
         if unkeyable:
             return _Said(math.inf, tol, _unkeyed(m, rel, tol, unkeyable))
@@ -339,6 +349,35 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
         del whole, first, second
         terms = _terms(step, module, params, part, pieces, held, dtype)
     return Measured(products, sizes, counts, tol, candidates(step.loss_fn, pieces), terms)
+
+
+def _coincides(step: Any, batch: tuple, chunks: int, pieces: List[tuple], w: Tuple[float, float]) -> bool:
+    """Whether a pass proves nothing: another usual weighting (the samples, where the step weighs by num_items; a
+    count :func:`~ignite_amp.split_check.diagnosis.candidates` names) gives the part's pieces the step's shares by
+    coincidence (two labelled tokens in each), while it gives the step's own chunks other shares than the step
+    does. The step's chunks would then be weighed wrong without the check seeing it."""
+    firsts = step._split_pieces(*batch, step.batch_size, max(chunks, 2))[:2]
+    sizes = [step._count_samples(*c) for c in firsts]
+    counts = None if step.num_items is None else [float(step.num_items(*c)) for c in firsts]
+    if counts is not None and not all(c >= 0 for c in counts):
+        return False
+    steps = shares(counts if counts is not None else sizes)  # what the step gives its chunks
+    others = {text: c for text, c in candidates(step.loss_fn, firsts)}
+    if step.num_items is not None:
+        others["the samples"] = [float(s) for s in sizes]
+        piece_counts = {"the samples": [float(step._count_samples(*p)) for p in pieces]}
+    else:
+        piece_counts = {}
+    piece_counts.update(candidates(step.loss_fn, pieces))
+    for text, on_pieces in piece_counts.items():
+        on_chunks = others.get(text)
+        if on_chunks is None:
+            continue
+        same_here = abs(shares(on_pieces)[0] - w[0]) < 1e-3
+        differs_there = abs(shares(on_chunks)[0] - steps[0]) > 1e-3
+        if same_here and differs_there:
+            return True
+    return False
 
 
 def _tolerance(step: Any) -> float:

@@ -169,9 +169,25 @@ def _labels(x: Any, y: Any) -> Tuple[str, Any]:
 
 
 def _class_weight(loss_fn: Any) -> Optional[torch.Tensor]:
+    """The loss's class weights: its ``weight`` (a loss module), a ``functools.partial``'s ``weight=``, or the one
+    1-d floating tensor a function reads from its closure or globals (``lambda out, y: cross_entropy(out, y,
+    weight=w)``); a guess the
+    residual of the measured gradients confirms or not before anything is said."""
     weight = getattr(loss_fn, "weight", None)
     if weight is None and hasattr(loss_fn, "keywords"):  # functools.partial(cross_entropy, weight=...)
         weight = loss_fn.keywords.get("weight")
+    code = getattr(loss_fn, "__code__", None)
+    if weight is None and code is not None:  # what the function's body reads: its closure and its globals
+        values = []
+        for cell in getattr(loss_fn, "__closure__", None) or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                continue
+        names = getattr(loss_fn, "__globals__", {})
+        values += [names[name] for name in code.co_names if name in names]
+        held = [v for v in values if torch.is_tensor(v) and v.dim() == 1 and v.is_floating_point()]
+        weight = held[0] if len(held) == 1 else None
     return weight if torch.is_tensor(weight) and weight.dim() == 1 else None
 
 

@@ -299,6 +299,17 @@ def test_fractional_num_items_weigh_as_themselves_and_the_step_is_exact_under_ac
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_a_part_whose_pieces_weigh_alike_by_coincidence_proves_nothing_and_the_other_halves_decide():
+    """Class weights [1, 3, 0.5, 2]: the last halves (labels 1, 0 | 3, 3) weigh 4 and 4, as the samples do, while the
+    step's chunks weigh 8 and 5: that pass proved nothing (the run went 34% off in silence); the first halves tell."""
+    torch.manual_seed(0)
+    weight = torch.tensor([1.0, 3.0, 0.5, 2.0])
+    x, y = torch.randn(8, 6), torch.tensor([0, 1, 1, 0, 2, 2, 3, 3])
+    loss = lambda out, t: F.cross_entropy(out, t, weight=weight)  # noqa: E731  (the weights read from the closure)
+    with pytest.raises(SplitCheckError, match=r"num_items=lambda x, y: weight\[y\]\.sum\(\) .* fits"):
+        trainer_for(nn.Linear(6, 4), loss).run([(x, y)])
+
+
 # -- 5. state restored without in-place writes to what autograd saved -----------------------------------------------
 def test_a_class_weight_buffer_in_a_dict_of_losses_gets_a_diagnosis_not_an_autograd_error():
     class Criterion(nn.Module):
