@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch import nn
-
 from ignite.engine import Events
+from torch import nn
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.errors import SplitCheckError
