@@ -184,5 +184,5 @@ def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], de
     try:
         kept_in = f"kept in {shown_path(keep_choice(key, chosen, why, what))}"
     except OSError as exc:
-        kept_in = f"not kept: {exc.strerror or exc}"
+        kept_in = f"not kept: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
     return chosen, f"{why}; {kept_in}"

@@ -117,7 +117,10 @@ def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file" / "below"))  # a folder that cannot be made
     dtype, why = config_dtype(cfg, Loaded(0.25, 0.125), CPU)
-    assert dtype == "bfloat16" and why.endswith("; not kept: Not a directory")
+    assert dtype == "bfloat16" and why.endswith(f"; not kept: {tmp_path / 'file'} is a file, not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file"))  # the folder itself a file: said in one line (issue 59)
+    assert config_dtype(cfg, Loaded(0.25, 0.125), CPU)[1].endswith(
+        f"; not kept: {CACHE_ENV} names a file, {tmp_path / 'file'}, not a folder")
     assert not glob.glob(str(tmp_path / "**" / "*.tmp"), recursive=True)
     with pytest.raises(OSError):
         keep_choice("k", "float32", "why", "what")
