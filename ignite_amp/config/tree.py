@@ -39,6 +39,7 @@ from ignite_amp.core.config_keys import (
 from ignite_amp.data.datasets import DataConfig
 from ignite_amp.engine import AmpConfig
 from ignite_amp.errors import ConfigError
+from ignite_amp.files.atomic import write_text
 from ignite_amp.handlers.best_checkpoint import CheckpointConfig
 from ignite_amp.handlers.gradient_clipping import ClippingConfig
 from ignite_amp.handlers.non_finite_guard import NonFiniteConfig
@@ -223,7 +224,7 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
 
 def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
     """Write the resolved config as YAML (atomically: temp file, then rename)."""
-    _write_atomic(os.fspath(path), yaml12.dump(cfg))
+    write_text(os.fspath(path), yaml12.dump(cfg))
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict:
@@ -262,15 +263,8 @@ def write_batch_size(path: Union[str, os.PathLike], batch_size: int) -> None:
                 lines[i] = new
                 candidate = "".join(lines)
                 if (yaml12.load(candidate) or {}).get("data", {}).get("batch_size") == batch_size:
-                    _write_atomic(path, candidate)
+                    write_text(path, candidate)
                     return
                 lines[i] = line
     raw.setdefault("data", {})["batch_size"] = batch_size
-    _write_atomic(path, yaml12.dump(raw))
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_text(path, yaml12.dump(raw))
