@@ -56,7 +56,7 @@ def plan_command(args: argparse.Namespace) -> int:
         _check_json_output(args.json, args.config)
     if to_stdout:  # the JSON alone on stdout, to parse; the table for a person on stderr
         safe_print = functools.partial(_print_to, sys.stderr)
-    decided, dtype_why = plan_dtype(cfg)  # dtype auto on a CPU: the choice train makes (kept per machine and model)
+    decided, dtype_why = plan_dtype(cfg)  # dtype auto on a CPU: train's kept choice, with no probe (nothing real)
     started = time.perf_counter()
 
     def progress(peak) -> None:  # one line per traced size: a large model takes seconds each
