@@ -7,7 +7,7 @@ import functools
 import sys
 import time
 
-__all__ = ["add_plan_parser", "plan_command"]
+__all__ = ["add_plan_parser", "plan_command", "json_to_stdout"]
 
 
 def add_plan_parser(sub, add_config) -> None:
@@ -51,7 +51,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ConfigError(f"--batch-sizes: expected positive integers, got {args.batch_sizes}")
     cfg = load_config(args.config, args.overrides)
-    to_stdout = bool(args.json) and _is_stdout(args.json)
+    to_stdout = json_to_stdout(args)
     if args.json and not to_stdout:
         _check_json_output(args.json, args.config)
     if to_stdout:  # the JSON alone on stdout, to parse; the table for a person on stderr
@@ -101,13 +101,15 @@ def _print_to(stream, *args, **kwargs) -> None:
     print(*args, **kwargs, file=stream, flush=True)
 
 
-def _is_stdout(path: str) -> bool:
-    """``-``, or a name of this process's stdout (``/dev/stdout``, ``/dev/fd/1``, ``/proc/self/fd/1``): the JSON is
-    printed there, not written over it (a redirected stdout's file would be truncated)."""
+def json_to_stdout(args: argparse.Namespace) -> bool:
+    """Whether ``--json`` is ``-`` or a name of this process's stdout (``/dev/stdout``, ``/dev/fd/1``,
+    ``/proc/self/fd/1``): the JSON is printed there, alone, not written over it (a redirected stdout's file would
+    be truncated)."""
     import os
 
-    if path == "-":
-        return True
+    path = getattr(args, "json", None)
+    if not path or path == "-":
+        return path == "-"
     try:
         return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
     except (OSError, ValueError, AttributeError):  # no such file, or no stdout with a descriptor

@@ -15,16 +15,15 @@ __all__ = ["write_text"]
 def write_text(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically: a new file gets the permissions ``open`` would give it (the
     umask's), a replaced one keeps its own. Raises the OSError of a failed write, with nothing left behind."""
-    target = os.path.realpath(path)
     try:
-        mode = os.stat(target).st_mode
-    except FileNotFoundError:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:  # a new file (or a link to one)
         mode = None
-    if mode is not None and not stat.S_ISREG(mode):  # a device or a pipe: no temporary file can replace it
+    if mode is not None and not stat.S_ISREG(mode):  # a device or a pipe (/dev/stderr): nothing can replace it
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         return
-    folder, name = os.path.split(target)
+    folder, name = os.path.split(os.path.realpath(path))
     temporary = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open(path, "w")
     try:
@@ -34,7 +33,7 @@ def write_text(path: str, text: str) -> None:
             os.fsync(f.fileno())  # a full disk some file systems report only here
         if mode is not None:
             os.chmod(temporary, stat.S_IMODE(mode))
-        os.replace(temporary, target)
+        os.replace(temporary, os.path.join(folder, name))
     except BaseException:
         try:
             os.remove(temporary)

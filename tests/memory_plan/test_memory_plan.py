@@ -241,10 +241,12 @@ def test_the_plans_json_on_stdout_and_a_failed_write_that_leaves_nothing(tmp_pat
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(tiny_config(tmp_path, amp={"dtype": "float32"})))
     argv = ["plan", str(path), "--memory", "64MiB", "--batch-sizes", "4"]
-    assert main([*argv, "--json", "-"]) == 0
+    builtin = ["plan", "quickstart", "--set", "device=cpu", "--set", "data.image_size=16", "--set",
+               "model.kwargs={width: 8}", *argv[2:]]  # a built-in's name: its "config: the built-in ..." note too
+    assert main([*builtin, "--json", "-"]) == 0
     printed = capsys.readouterr()
-    assert json.loads(printed.out)["memory"] == 64 * 2 ** 20  # the JSON alone on stdout; the table on stderr
-    assert "| 4 |" in printed.err and not os.path.exists("-")
+    assert json.loads(printed.out)["memory"] == 64 * 2 ** 20  # the JSON alone on stdout; the rest on stderr
+    assert "| 4 |" in printed.err and "config: the built-in quickstart" in printed.err and not os.path.exists("-")
     redirected = tmp_path / "stdout.txt"  # `plan --json /dev/stdout > stdout.txt`: printed, not written over
     with open(redirected, "w") as stdout:
         real, sys.stdout = sys.stdout, stdout
