@@ -137,6 +137,8 @@ def _parse_override(item: str) -> tuple:
         raise ConfigError(f"--set {shown}: a key path of {key.count('.') + 1} levels (the limit is {MAX_DEPTH})")
     try:  # the value is read as in a config file (YAML 1.2 scalars)
         parsed = yaml12.load(value) if value.strip() else None
+    except yaml.constructor.ConstructorError as exc:  # YAML, read as a config refuses it (a duplicate or a list key)
+        raise ConfigError(f"--set {shown}: {exc.problem}") from None
     except yaml.YAMLError:
         parsed = value
     except RecursionError:

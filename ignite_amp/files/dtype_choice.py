@@ -84,6 +84,9 @@ def keep_choice(key: str, dtype: str, why: str, what: str) -> str:
     the file atomically under the file's lock (another process's entries kept); returns the file's path. An OSError
     (a read-only home, a full disk, a file where the folder goes, the lock held past :data:`LOCK_WAIT_S`) is the
     caller's; its ``strerror`` is a phrase for a line."""
+    named = os.environ.get(CACHE_ENV, "")
+    if named.startswith("~") and os.path.expanduser(named) == named:  # not a folder of ./~user
+        raise FileNotFoundError(errno.ENOENT, f"{CACHE_ENV} {named}: {named.split(os.sep)[0]} is no user's home")
     path = choices_path()
     folder = os.path.dirname(path)
     _refuse_a_file_for_the_folder(folder)

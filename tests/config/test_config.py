@@ -136,6 +136,9 @@ def test_a_list_or_a_mapping_as_a_key_is_one_line(tmp_path, capsys):
         line = capsys.readouterr().err
         assert line.startswith(f"ignite-amp: error: {path}: not valid YAML (line ") and line.count("\n") == 1
         assert line.endswith(f": {what}; a config's keys are names\n"), line
+    assert main(["train", "quickstart", "--set", "model.kwargs={? [a, b]: 1}"]) == 2  # not read as the text itself
+    assert capsys.readouterr().err.endswith("ignite-amp: error: --set model.kwargs={? [a, b]: 1}: a list as a key "
+                                            "(['a', 'b']); a config's keys are names\n")
 
 
 def test_usage_errors_are_one_line(capsys):

@@ -64,6 +64,10 @@ def test_a_cache_folder_under_the_home_is_expanded_and_a_relative_xdg_cache_home
     monkeypatch.setenv(CACHE_ENV, "~/cache")
     assert keep_choice("k", "float32", "why", "what") == str(tmp_path / "home" / "cache" / "dtype-choices.json")
     assert shown_path(choices_path()) == "~/cache/dtype-choices.json" and not (tmp_path / "~").exists()
+    monkeypatch.setenv(CACHE_ENV, "~nosuchuser/cache")  # no such home: said, not made in the working directory
+    with pytest.raises(FileNotFoundError, match=f"^.*{CACHE_ENV} ~nosuchuser/cache: ~nosuchuser is no user's home$"):
+        keep_choice("k", "float32", "why", "what")
+    assert sorted(os.listdir(tmp_path)) == ["home"]
     monkeypatch.setenv(CACHE_ENV, "relative")  # a folder the user named: this working directory's, said in full
     assert choices_path() == str(tmp_path / "relative" / "dtype-choices.json")
     monkeypatch.delenv(CACHE_ENV)
