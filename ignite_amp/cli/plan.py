@@ -4,6 +4,7 @@ The parser part imports no torch (``ignite-amp --help`` stays fast); :func:`plan
 """
 import argparse
 import functools
+import re
 import sys
 import time
 
@@ -41,6 +42,10 @@ def plan_command(args: argparse.Namespace) -> int:
 
     print_to_stdout = safe_print
 
+    bare = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*", args.memory or "")
+    if bare:  # 80: bytes, or 80 GB meant? (parse_bytes reads a number as bytes; a command line says its unit)
+        raise ConfigError(f"--memory: {bare[1]} has no unit; write {bare[1]}GiB or {bare[1]}GB (units: B, KB, MB, GB, "
+                          f"TB, KiB, MiB, GiB, TiB)")
     try:
         memory = None if args.memory is None else parse_bytes(args.memory)
     except ValueError as exc:

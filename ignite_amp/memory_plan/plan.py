@@ -44,8 +44,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 *
 
 
 def parse_bytes(text: Union[str, int, float]) -> int:
-    """``"80GiB"``, ``"80 GB"``, ``"512MiB"``, ``"512B"`` or a number of bytes (an int), as bytes (a ValueError names
-    the forms). A text without a unit (``"80"``: 80 bytes, or 80 GB meant?) is refused, naming the units.
+    """``"80GiB"``, ``"80 GB"``, ``"512MiB"`` or a number of bytes, as bytes (a ValueError names the forms).
 
     >>> parse_bytes("80GiB") == 80 * 2 ** 30, parse_bytes("1.5 GB")
     (True, 1500000000)
@@ -55,9 +54,6 @@ def parse_bytes(text: Union[str, int, float]) -> int:
     else:
         found = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)([a-z]*)", str(text).strip().lower().replace(" ", ""))
         value, unit = (float(found[1]), found[2]) if found else (math.nan, "")
-        if found and not unit and value > 0:
-            raise ValueError(f"memory: {text!r} has no unit; write {found[1]}GiB or {found[1]}GB (units: B, KB, MB, "
-                             f"GB, TB, KiB, MiB, GiB, TiB)")
     if unit not in _UNITS or not value > 0 or math.isinf(value) or value * _UNITS[unit] < 1:
         raise ValueError(f"memory: expected a size such as 80GiB, 24GB or 512MiB (at least a byte), got {text!r}")
     return int(value * _UNITS[unit])

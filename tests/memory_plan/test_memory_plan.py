@@ -219,7 +219,7 @@ def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert max(p["peak"] for p in data["peaks"] if p["batch_size"] <= fit) <= data["budget"]
     for bad, why in ((["--memory", "lots"], "--memory: memory: expected a size"), (["--margin", "2"], "--margin"),
                      (["--batch-sizes", "0"], "--batch-sizes"),
-                     (["--memory", "80"], "--memory: memory: '80' has no unit; write 80GiB or 80GB (units: B, KB")):
+                     (["--memory", "80"], "--memory: 80 has no unit; write 80GiB or 80GB (units: B, KB, MB")):
         assert main(["plan", str(path), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err
