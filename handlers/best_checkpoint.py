@@ -82,7 +82,7 @@ class BestCheckpoint:
     metric or a parameter is non-finite: the run stops with
     :class:`~ignite_amp.errors.NonFiniteError` and the files on disk stay as they were.
 
-    :meth:`resume` continues from the newest ``last`` checkpoint that loads (an unreadable one is
+    :meth:`resume` continues from the newest checkpoint that loads (an unreadable one is
     renamed ``*.unreadable`` and named in a warning) and rebuilds the best table from the best
     files present with the exact scores the checkpoint stored, so a worse model after a resume
     never replaces a better one, and a best file that is gone is simply not in the table.
@@ -204,14 +204,15 @@ class BestCheckpoint:
     def find_resumable(cls, dirname: str, of_a_config: bool = True) -> Tuple[Optional[str], Optional[dict]]:
         """``(path, state)`` of the newest checkpoint in ``dirname`` that loads, or ``(None, None)`` if none is there.
 
-        ``last`` files come first, newest first, then ``best`` files (each holds the full run
-        state too), newest first. Files that do not load (truncated, not a checkpoint) and are
-        newer than the one chosen are renamed ``<name>.unreadable`` (kept, never picked again)
-        and named in a warning. When files are there but none loads, it raises a CheckpointError
-        naming them and the way out (nothing is renamed). A sound file that holds a class this process cannot
-        load is not damage: ``CheckpointTypeError`` (one line) at once, nothing renamed. Callable before the run
-        is built, so the stored config can be compared with the new one first. ``of_a_config``: only files that hold
-        a trainer and a config, as a config run's do (a script's may hold any subset of its objects).
+        The newest epoch comes first, whichever file holds it: its ``last`` file, else its ``best`` file (each
+        holds the full run state; a save stopped between the two leaves the best one alone). Files that do not
+        load (truncated, not a checkpoint) and are newer than the one chosen are renamed ``<name>.unreadable``
+        (kept, never picked again) and named in a warning. When files are there but none loads, it raises a
+        CheckpointError naming them and the way out (nothing is renamed). A sound file that holds a class this
+        process cannot load is not damage: ``CheckpointTypeError`` (one line) at once, nothing renamed. Callable
+        before the run is built, so the stored config can be compared with the new one first. ``of_a_config``:
+        only files that hold a trainer and a config, as a config run's do (a script's may hold any subset of its
+        objects).
         """
         return find_resumable(dirname, of_a_config, cls.LAST_PREFIX, cls.BEST_PREFIX, cls.UNREADABLE)
 
@@ -303,9 +304,11 @@ class BestCheckpoint:
         match = re.fullmatch(r"(last|best)_checkpoint_(\d+)(?:_.+)?\.(?:pt|dcp)", os.path.basename(path))
         epoch = int(match.group(2)) if match else None
         in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirname)
-        if match and epoch is not None and match.group(1) == self.LAST_PREFIX and in_dir:
-            _load_table(self.last, [(epoch, os.path.basename(path))])
-            remove_replaced_lasts(self.dirname, epoch, self.LAST_PREFIX)
+        if match and epoch is not None and in_dir:
+            last = match.group(1) == self.LAST_PREFIX
+            if last:
+                _load_table(self.last, [(epoch, os.path.basename(path))])
+            remove_replaced_lasts(self.dirname, epoch, self.LAST_PREFIX, "" if last else os.path.basename(path))
         if epoch is not None:
             move_newer_aside(self.dirname, epoch, path, (self.LAST_PREFIX, self.BEST_PREFIX))
         _load_table(self.best, self._best_table(epoch, state.get("best_table")))

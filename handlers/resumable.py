@@ -1,8 +1,8 @@
-"""Resuming from the checkpoint files :class:`~ignite_amp.handlers.BestCheckpoint` wrote: which file (the ``last``
-files newest first, then the ``best`` ones, the first that loads; newer files that do not load renamed aside, kept,
-and named in a warning), a sharded checkpoint's shards loaded (a failure told apart: damage, a type this process
-cannot load, shards that do not fit), and the directory made that run's (older ``last`` files a killed save left
-removed, newer files moved aside). ``BestCheckpoint.find_resumable`` is its public name.
+"""Resuming from the checkpoint files :class:`~ignite_amp.handlers.BestCheckpoint` wrote: which file (the newest epoch
+first, its ``last`` file before its ``best`` one, the first that loads; newer files that do not load renamed aside,
+kept, and named in a warning), a sharded checkpoint's shards loaded (a failure told apart: damage, a type this
+process cannot load, shards that do not fit), and the directory made that run's (older ``last`` files a killed save
+left removed, newer files moved aside). ``BestCheckpoint.find_resumable`` is its public name.
 """
 import logging
 import os
@@ -40,8 +40,11 @@ def find_resumable(dirname: str, of_a_config: bool, last_prefix: str, best_prefi
                    unreadable: str) -> Tuple[Optional[str], Optional[dict]]:
     """``(path, state)`` of the newest checkpoint in ``dirname`` that loads, or ``(None, None)`` if none is there
     (``BestCheckpoint.find_resumable`` says how)."""
-    candidates = [(last_prefix, e, n) for e, n, _ in reversed(checkpoint_files(dirname, last_prefix))]
-    candidates += [(best_prefix, e, n) for e, n, _ in reversed(checkpoint_files(dirname, best_prefix, r"_.+"))]
+    # Newest epoch first, whichever file holds it (a save stopped after best_2, before last_2, leaves the state of
+    # epoch 2 in best_2 alone); at the same epoch the last file (it also holds the best table).
+    candidates = [(e, 1, n) for e, n, _ in checkpoint_files(dirname, last_prefix)]
+    candidates += [(e, 0, n) for e, n, _ in checkpoint_files(dirname, best_prefix, r"_.+")]
+    candidates.sort(reverse=True)
     skipped = []
     for _, _, name in candidates:
         path = os.path.join(dirname, name)
@@ -88,14 +91,15 @@ def load_shards(path: str, objects: dict) -> None:
             from None
 
 
-def remove_replaced_lasts(dirname: str, epoch: int, last_prefix: str) -> None:
-    """Older ``last`` checkpoints than the one resumed: a save killed after its rename, before removing the
-    one it replaced. Rank 0 finishes that save (nothing would remove them later)."""
+def remove_replaced_lasts(dirname: str, epoch: int, last_prefix: str, resumed: str = "") -> None:
+    """Older ``last`` checkpoints than the one resumed (``resumed``: its name, default the ``last`` file of
+    ``epoch``): a save stopped after its rename (or after the best file of that epoch), before the last one
+    replaced the old. Rank 0 finishes that save (nothing would remove them later)."""
     older = [name for file_epoch, name, _ in checkpoint_files(dirname, last_prefix) if file_epoch < epoch]
     for name in older if idist.get_rank() == 0 else ():
         remove_path(os.path.join(dirname, name))
-        logger.warning("removed %s: replaced by last_checkpoint_%d (a save stopped before removing it)", name,
-                       epoch)
+        logger.warning("removed %s: replaced by %s (a save stopped before removing it)", name,
+                       resumed or f"last_checkpoint_{epoch}")
 
 
 def move_newer_aside(dirname: str, epoch: int, resumed: str, prefixes: Tuple[str, str]) -> None:

@@ -56,6 +56,25 @@ def no_process_group_left_behind():
     assert not leaked, "the test left a process group (or Ignite's cached one) behind"
 
 
+@pytest.fixture
+def file_size_limit():
+    """``file_size_limit(n)``: a context in which this process may write no file past ``n`` bytes (``ulimit -f``: a
+    write past it fails with EFBIG, "File too large", as on a full disk or quota; Python ignores SIGXFSZ)."""
+    import contextlib
+    import resource
+
+    @contextlib.contextmanager
+    def limited(n: int):
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    return limited
+
+
 def assert_doctests_pass(module) -> None:
     """The module's docstring examples run and pass, and there are some (a deleted example fails too)."""
     import doctest

@@ -23,9 +23,10 @@ def _schema(args: argparse.Namespace) -> int:
     if args.output in (None, "", "-"):
         safe_print(text, end="")
         return 0
-    try:  # in place: a symlink is followed, a device is written to, nothing is left behind
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+    from ignite_amp.files.atomic import write_text
+
+    try:  # whole or not at all: a symlink is followed, a device is written to, nothing is left behind
+        write_text(args.output, text)
     except OSError as exc:
         raise ConfigError(f"-o {args.output}: cannot write ({exc.strerror or exc})") from None
     return 0

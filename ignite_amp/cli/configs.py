@@ -8,6 +8,7 @@ and the command says which it took (:func:`ignite_amp.config.builtin.find_config
 import argparse
 import os
 import shlex
+import sys
 
 from ignite_amp.config.builtin import builtin_names, builtin_path, builtin_summary, find_config, init_config
 from ignite_amp.errors import ConfigError
@@ -67,4 +68,7 @@ def resolve_config(args: argparse.Namespace) -> None:
                           f"(ignite-amp init {source.builtin} -o FILE) and search with it")
     args.config_as_typed, args.config = typed, source.path
     if source.note and int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 says it
-        safe_print(source.note)
+        from ignite_amp.cli.plan import json_to_stdout
+
+        # on stderr where stdout carries the plan's JSON alone (plan --json -)
+        safe_print(source.note, **({"file": sys.stderr} if json_to_stdout(args) else {}))

@@ -77,6 +77,9 @@ def describe(exc: BaseException) -> Tuple[int, str]:
         then = (f"the last checkpoint is kept: {fix} and {_rerun()} to resume" if _checkpoint_kept() else
                 f"no checkpoint was written yet: {fix} and run the same command again")
         return 1, f"ignite-amp: stopped: {what} ({_written_file(exc)}); {then}"
+    no_temporary = _no_temporary_folder(exc)
+    if no_temporary:
+        return 1, f"ignite-amp: stopped: {no_temporary}"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.EISDIR,
                                                   errno.ENOTDIR):
         # EISDIR/ENOTDIR: a directory where the run keeps a file (.lock, config.yaml), or the reverse
@@ -86,6 +89,33 @@ def describe(exc: BaseException) -> Tuple[int, str]:
     written = _written_file(exc) if isinstance(exc, OSError) and not exc.filename else None
     what = f" ({written})" if written and written != "writing the run" else ""
     return 1, f"ignite-amp: internal error: {exc.__class__.__name__}: {one_line(exc)}{what} ({where})"
+
+
+def _no_temporary_folder(exc: BaseException) -> Optional[str]:
+    """Python's "No usable temporary directory found in [...]" (``tempfile`` could write a file in none of them), in
+    words: the folders tried, and whether their disks are full (measured), else that none takes a file."""
+    import ast
+    import shutil
+
+    text = str(exc.args[1]) if isinstance(exc, FileNotFoundError) and len(exc.args) > 1 else ""
+    if not text.startswith("No usable temporary directory found in "):
+        return None
+    try:
+        folders = [str(f) for f in ast.literal_eval(text.partition(" found in ")[2])]
+    except (ValueError, SyntaxError):
+        folders = []
+    free = {}
+    for folder in folders:
+        try:
+            free[folder] = shutil.disk_usage(folder).free
+        except OSError:  # not there
+            pass
+    tried = ", ".join(dict.fromkeys(folders)) or "the temporary folders"
+    if free and all(room < 2 ** 20 for room in free.values()):
+        return (f"the disk is full: no folder for temporary files has room ({tried}); free some space, or set TMPDIR "
+                f"to a folder on a disk with room, and run the command again")
+    return (f"no folder for temporary files takes a file ({tried}); set TMPDIR to a folder you can write to, and run "
+            f"the command again")
 
 
 def _written_file(exc: BaseException, otherwise: str = "writing the run") -> str:

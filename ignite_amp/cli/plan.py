@@ -3,10 +3,12 @@
 The parser part imports no torch (``ignite-amp --help`` stays fast); :func:`plan_command` does.
 """
 import argparse
+import functools
+import re
 import sys
 import time
 
-__all__ = ["add_plan_parser", "plan_command"]
+__all__ = ["add_plan_parser", "plan_command", "json_to_stdout"]
 
 
 def add_plan_parser(sub, add_config) -> None:
@@ -20,7 +22,8 @@ def add_plan_parser(sub, add_config) -> None:
                       help="batch sizes to plan (default: the config's data.batch_size)")
     plan.add_argument("--margin", type=float, default=None,
                       help="share of the memory kept free for what the plan does not count (default 0.15)")
-    plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
+    plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE (- or /dev/stdout: to "
+                                                     "stdout, and the table to stderr)")
     plan.add_argument("--checkpointing", action="store_true",
                       help="also the table of activation checkpointing choices (none, selective, full per number of "
                            "blocks) with their peak and recompute (shown for activation_checkpointing: auto too)")
@@ -32,10 +35,17 @@ def plan_command(args: argparse.Namespace) -> int:
 
     from ignite_amp.config.tree import load_config
     from ignite_amp.errors import ConfigError
+    from ignite_amp.files.atomic import write_text
     from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, format_bytes, parse_bytes
     from ignite_amp.run.console import safe_print
     from ignite_amp.run.plan import plan_config, plan_dtype
 
+    print_to_stdout = safe_print
+
+    bare = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*", args.memory or "")
+    if bare:  # 80: bytes, or 80 GB meant? (parse_bytes reads a number as bytes; a command line says its unit)
+        raise ConfigError(f"--memory: {bare[1]} has no unit; write {bare[1]}GiB or {bare[1]}GB (units: B, KB, MB, GB, "
+                          f"TB, KiB, MiB, GiB, TiB)")
     try:
         memory = None if args.memory is None else parse_bytes(args.memory)
     except ValueError as exc:
@@ -46,9 +56,12 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ConfigError(f"--batch-sizes: expected positive integers, got {args.batch_sizes}")
     cfg = load_config(args.config, args.overrides)
-    if args.json:
+    to_stdout = json_to_stdout(args)
+    if args.json and not to_stdout:
         _check_json_output(args.json, args.config)
-    decided, dtype_why = plan_dtype(cfg)  # dtype auto on a CPU: the choice train makes (kept per machine and model)
+    if to_stdout:  # the JSON alone on stdout, to parse; the table for a person on stderr
+        safe_print = functools.partial(_print_to, sys.stderr)
+    decided, dtype_why = plan_dtype(cfg)  # dtype auto on a CPU: train's kept choice, with no probe (nothing real)
     started = time.perf_counter()
 
     def progress(peak) -> None:  # one line per traced size: a large model takes seconds each
@@ -77,13 +90,35 @@ def plan_command(args: argparse.Namespace) -> int:
         for line in checkpoint_options_lines(options, size, plan.budget):
             safe_print(line)
     if args.json:
+        extra = {} if options is None else {"checkpoint_options": [dataclasses.asdict(o) for o in options]}
+        text = json.dumps({"config": cfg["name"], **plan.to_dict(), **extra}, indent=2) + "\n"
+        if to_stdout:
+            print_to_stdout(text, end="")
+            return 0
         try:
-            with open(args.json, "w", encoding="utf-8") as f:
-                extra = {} if options is None else {"checkpoint_options": [dataclasses.asdict(o) for o in options]}
-                json.dump({"config": cfg["name"], **plan.to_dict(), **extra}, f, indent=2)
+            write_text(args.json, text)  # whole or not at all: a failed write leaves nothing to refuse a retry
         except OSError as exc:
             raise ConfigError(f"--json {args.json}: cannot write ({exc.strerror or exc})") from None
     return 0
+
+
+def _print_to(stream, *args, **kwargs) -> None:
+    print(*args, **kwargs, file=stream, flush=True)
+
+
+def json_to_stdout(args: argparse.Namespace) -> bool:
+    """Whether ``--json`` is ``-`` or a name of this process's stdout (``/dev/stdout``, ``/dev/fd/1``,
+    ``/proc/self/fd/1``): the JSON is printed there, alone, not written over it (a redirected stdout's file would
+    be truncated)."""
+    import os
+
+    path = getattr(args, "json", None)
+    if not path or path == "-":
+        return path == "-"
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # no such file, or no stdout with a descriptor
+        return False
 
 
 def _check_json_output(path: str, config: str) -> None:

@@ -15,6 +15,7 @@ import re
 from typing import Any, List, NamedTuple, Optional
 
 from ignite_amp.errors import ConfigError
+from ignite_amp.files.atomic import write_text
 
 __all__ = ["SCHEMA_FILE", "SCHEMA_LINE", "ConfigSource", "builtin_names", "builtin_path", "builtin_summary",
            "find_config", "init_config"]
@@ -161,22 +162,24 @@ def init_config(name: str, output: str, force: bool = False) -> List[str]:
     if os.path.isdir(schema_path):  # found before the config is written: a rerun would find that one in the way
         raise ConfigError(f"{schema_path}: is a directory, where the config's JSON Schema goes (its first line names "
                           f"it); move it, or write the config elsewhere")
-    written = [output]
-    _write(output, text, "-o ")
     try:
         with open(schema_path, encoding="utf-8") as f:
             current = f.read()
     except (OSError, UnicodeDecodeError):
         current = None
+    if not os.path.isdir(os.path.dirname(output) or "."):
+        raise ConfigError(f"-o {output}: cannot write (No such file or directory)")
+    # The schema first, each file whole or not at all (a full disk, a quota, ulimit -f): a write that fails leaves
+    # no config behind to refuse the retry, nor a config beside a schema cut short
+    written = [output] + ([schema_path] if current != schema else [])
     if current != schema:
-        _write(schema_path, schema, "")
-        written.append(schema_path)
+        _write(schema_path, schema, "", f"; {output} not written")
+    _write(output, text, "-o ")
     return written
 
 
-def _write(path: str, text: str, label: str) -> None:
+def _write(path: str, text: str, label: str, then: str = "") -> None:
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_text(path, text)
     except OSError as exc:
-        raise ConfigError(f"{label}{path}: cannot write ({exc.strerror or exc})") from None
+        raise ConfigError(f"{label}{path}: cannot write ({exc.strerror or exc}){then}") from None

@@ -39,6 +39,7 @@ from ignite_amp.core.config_keys import (
 from ignite_amp.data.datasets import DataConfig
 from ignite_amp.engine import AmpConfig
 from ignite_amp.errors import ConfigError
+from ignite_amp.files.atomic import write_text
 from ignite_amp.handlers.best_checkpoint import CheckpointConfig
 from ignite_amp.handlers.gradient_clipping import ClippingConfig
 from ignite_amp.handlers.non_finite_guard import NonFiniteConfig
@@ -136,6 +137,8 @@ def _parse_override(item: str) -> tuple:
         raise ConfigError(f"--set {shown}: a key path of {key.count('.') + 1} levels (the limit is {MAX_DEPTH})")
     try:  # the value is read as in a config file (YAML 1.2 scalars)
         parsed = yaml12.load(value) if value.strip() else None
+    except yaml.constructor.ConstructorError as exc:  # YAML, read as a config refuses it (a duplicate or a list key)
+        raise ConfigError(f"--set {shown}: {exc.problem}") from None
     except yaml.YAMLError:
         parsed = value
     except RecursionError:
@@ -223,7 +226,7 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
 
 def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
     """Write the resolved config as YAML (atomically: temp file, then rename)."""
-    _write_atomic(os.fspath(path), yaml12.dump(cfg))
+    write_text(os.fspath(path), yaml12.dump(cfg))
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict:
@@ -262,15 +265,8 @@ def write_batch_size(path: Union[str, os.PathLike], batch_size: int) -> None:
                 lines[i] = new
                 candidate = "".join(lines)
                 if (yaml12.load(candidate) or {}).get("data", {}).get("batch_size") == batch_size:
-                    _write_atomic(path, candidate)
+                    write_text(path, candidate)
                     return
                 lines[i] = line
     raw.setdefault("data", {})["batch_size"] = batch_size
-    _write_atomic(path, yaml12.dump(raw))
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_text(path, yaml12.dump(raw))

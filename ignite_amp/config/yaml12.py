@@ -45,7 +45,8 @@ def _float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
 
 
 class Loader(yaml.SafeLoader):
-    """PyYAML's SafeLoader with YAML 1.2 core scalars, refusing a key written twice in one mapping."""
+    """PyYAML's SafeLoader with YAML 1.2 core scalars, refusing a key written twice in one mapping, and a key that is
+    a list or a mapping (``? [a, b]``)."""
 
     yaml_implicit_resolvers: dict = {}
 
@@ -56,6 +57,13 @@ class Loader(yaml.SafeLoader):
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:  # "? [a, b]": a list (or mapping) as a key; a config's keys are names
+                    what = "mapping" if isinstance(key, dict) else type(key).__name__
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a {what} as a key ({key!r}); a config's keys are names", key_node.start_mark) \
+                        from None
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)

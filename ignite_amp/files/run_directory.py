@@ -146,23 +146,28 @@ def check_run_directories(cfg: dict) -> None:
 
 def check_writable(path: str, key: str = "output_dir") -> None:
     """Create the directory ``path`` and write a file in it, or raise a ConfigError naming ``key``."""
+    probe = os.path.join(path, f".write-test-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
     except OSError as exc:
-        raise ConfigError(f"{key}: cannot write to {path} ({_dangling_link(path) or exc.strerror or exc})") from None
+        if os.path.isfile(probe):  # written in part (a full disk): not left behind
+            os.remove(probe)
+        raise ConfigError(f"{key}: cannot write to {path} ({_in_the_way(path) or exc.strerror or exc})") from None
 
 
-def _dangling_link(path: str) -> Optional[str]:
-    """The part of ``path`` that is a symbolic link leading nowhere (makedirs' bare "File exists"), said so."""
+def _in_the_way(path: str) -> Optional[str]:
+    """The part of ``path`` that is a file, or a symbolic link leading nowhere (makedirs' bare "File exists" or
+    "Not a directory"), said so."""
     head = path
     while head and not os.path.exists(head):
         if os.path.islink(head):
             return f"{head} is a symbolic link that leads nowhere: a loop, or its target is missing"
         head = os.path.dirname(head.rstrip(os.sep))
+    if head and not os.path.isdir(head):
+        return f"{head} is a file, not a folder"
     return None
 
 

@@ -139,7 +139,7 @@ def choice_key(cfg: dict) -> Tuple[str, str]:
     return hashlib.sha256(words.encode()).hexdigest()[:16], words
 
 
-def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], device: torch.device,
+def config_dtype(cfg: dict, model: Union[None, nn.Module, Callable[[], nn.Module]], device: torch.device,
                  resumed: Optional[str] = None) -> Tuple[str, str]:
     """``(the dtype for the engines, why)`` of a config run: ``amp.dtype`` as it is, with ``""`` for why, unless
     it is ``auto`` on a CPU; then the dtype chosen, and why in words.
@@ -151,7 +151,8 @@ def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], de
     bfloat16, without bfloat16 instructions float32 (emulated bfloat16 ran 8x slower), across several processes
     float32 (every rank must run the same). :data:`~ignite_amp.run.dtype_probe.PROBE_ENV` fixes the outcome without
     a probe. ``resumed``: the dtype the resumed checkpoint trained in (float32 or bfloat16): kept, so that a resume
-    does not change precision.
+    does not change precision. ``model`` None (``ignite-amp plan``: fake tensors only, no real step): no probe; where
+    one would run and no choice is kept, float32, saying that train's probe decides.
     """
     asked = cfg["amp"]["dtype"]
     if asked != "auto" or device.type != "cpu":
@@ -176,6 +177,9 @@ def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], de
     if kept is not None:
         return kept.dtype, (f"this machine's choice for this model since {kept.decided} ({kept.why}); kept in "
                             f"{shown_path(choices_path())}: delete it to probe again")
+    if model is None:
+        return "float32", ("no choice kept for this model on this machine yet: train's probe decides at its start "
+                           "(float32 or bfloat16, timed on the model's own step); planned in float32")
     try:
         probe = probe_cpu_dtype(model if isinstance(model, nn.Module) else model(), _batch(cfg, device))
     except Exception as exc:  # the model cannot run this batch: float32, and check_model_runs says why
@@ -184,5 +188,5 @@ def config_dtype(cfg: dict, model: Union[nn.Module, Callable[[], nn.Module]], de
     try:
         kept_in = f"kept in {shown_path(keep_choice(key, chosen, why, what))}"
     except OSError as exc:
-        kept_in = f"not kept: {exc.strerror or exc}"
+        kept_in = f"not kept: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
     return chosen, f"{why}; {kept_in}"

@@ -124,16 +124,11 @@ def _check_model_runs(cfg: dict, model: torch.nn.Module, device: torch.device) -
 
 
 def plan_dtype(cfg: dict) -> Tuple[dict, str]:
-    """The config with ``amp.dtype: auto`` decided as ``train`` decides it on a CPU (this machine's kept choice for
-    the model, else a probe of a real build, then kept: :func:`~ignite_amp.run.dtype_probe.config_dtype`), and why;
+    """The config with ``amp.dtype: auto`` decided as ``train`` decides it on a CPU, without a probe (a plan builds
+    nothing for real and runs no step): this machine's kept choice for the model, the rule where no probe runs, else
+    float32, saying that train's probe decides (:func:`~ignite_amp.run.dtype_probe.config_dtype`); and why.
     ``(cfg, "")`` where there is nothing to decide (a named dtype, a GPU: the engines' rule)."""
-    device = config_device(cfg)
-
-    def real_model() -> torch.nn.Module:  # the probe times real steps: built as the run builds it, seeded
-        seed_everything(cfg["seed"])
-        return build_model(**cfg["model"])
-
-    dtype, why = config_dtype(cfg, real_model, device)
+    dtype, why = config_dtype(cfg, None, config_device(cfg))
     return ({**cfg, "amp": {**cfg["amp"], "dtype": dtype}}, why) if why else (cfg, "")
 
 

@@ -135,3 +135,17 @@ def test_compare_with_a_missing_device_is_one_line(quick_cfg, tmp_path, capsys):
     assert main(["compare", str(path), "--steps", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "device: device 'cuda' was asked for but CUDA is not available" in err
+
+
+def test_a_file_where_the_comparison_goes_is_named_in_one_line(quick_cfg, tmp_path, capsys):
+    """Issue 59, unclear: compare's folder naming an existing file said "cannot write ... (File exists)"."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(quick_cfg))
+    folder = quick_cfg["output_dir"] + "-compare"
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with open(folder, "w") as f:
+        f.write("mine")
+    assert main(["compare", str(path), "--steps", "2"]) == 2
+    assert capsys.readouterr().err == (f"ignite-amp: error: output_dir: cannot write to {folder} ({folder} is a file, "
+                                       f"not a folder)\n")
+    assert open(folder).read() == "mine"

@@ -157,3 +157,22 @@ def test_configs_lists_the_built_in_names(capsys):
     assert [line.split()[0] for line in lines[:-1]] == builtin_names()
     assert lines[1].startswith("quickstart        A small CNN on the built-in shapes data set")
     assert lines[-1] == "train one: ignite-amp train NAME; a copy to edit: ignite-amp init NAME -o FILE"
+
+
+@pytest.mark.parametrize("limit", [0, 1024])
+def test_init_on_a_full_disk_leaves_nothing_and_the_retry_writes_both_files(elsewhere, capsys, file_size_limit, limit):
+    """Issue 59.4: a write that failed (full disk, quota, ulimit -f) left a 0-byte mine.yaml that the retry refused
+    ("exists; add --force") and train read as a config of defaults; under 1 KiB, a config beside a schema cut to
+    invalid JSON."""
+    with file_size_limit(limit):
+        assert main(["init", "-o", "mine.yaml"]) == 2
+    assert capsys.readouterr().err == (f"ignite-amp: error: {SCHEMA_FILE}: cannot write (File too large); mine.yaml "
+                                       f"not written\n")
+    assert os.listdir(elsewhere) == []
+    (elsewhere / SCHEMA_FILE).write_text(json.dumps(config_schema(), indent=2) + "\n")  # current: not written again
+    with file_size_limit(100):  # the config itself cut short
+        assert main(["init", "-o", "mine.yaml"]) == 2
+    assert capsys.readouterr().err == "ignite-amp: error: -o mine.yaml: cannot write (File too large)\n"
+    assert os.listdir(elsewhere) == [SCHEMA_FILE]
+    assert main(["init", "-o", "mine.yaml"]) == 0  # the retry, with room: no --force needed
+    assert load_config("mine.yaml")["name"] == "mine"

@@ -126,6 +126,21 @@ def test_missing_and_broken_files(tmp_path, capsys):
     assert "broken.yaml: not valid YAML (line" in err and err.count("\n") == 1
 
 
+def test_a_list_or_a_mapping_as_a_key_is_one_line(tmp_path, capsys):
+    """Issue 59, unclear: a YAML complex key (``? [a, b]``) ended in "internal error: TypeError: unhashable type"."""
+    path = tmp_path / "complex.yaml"
+    for text, what in (("name: x\n? [a, b]\n: 1\n", "a list as a key (['a', 'b'])"),
+                       ("data:\n  ? {a: 1}\n  : 2\n", "a mapping as a key ({'a': 1})")):
+        path.write_text(text)
+        assert main(["train", str(path)]) == 2
+        line = capsys.readouterr().err
+        assert line.startswith(f"ignite-amp: error: {path}: not valid YAML (line ") and line.count("\n") == 1
+        assert line.endswith(f": {what}; a config's keys are names\n"), line
+    assert main(["train", "quickstart", "--set", "model.kwargs={? [a, b]: 1}"]) == 2  # not read as the text itself
+    assert capsys.readouterr().err.endswith("ignite-amp: error: --set model.kwargs={? [a, b]: 1}: a list as a key "
+                                            "(['a', 'b']); a config's keys are names\n")
+
+
 def test_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as info:
         main(["explode"])

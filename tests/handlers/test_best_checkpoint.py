@@ -106,6 +106,24 @@ def test_a_last_checkpoint_a_killed_save_left_behind_is_removed_on_resume(tmp_pa
     assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
 
 
+def test_a_save_stopped_between_the_best_and_the_last_file_resumes_the_newer_best_file(tmp_path, caplog):
+    """Issue 59.7: a disk full (or a kill) after best_checkpoint_2 was written, before last_checkpoint_2, resumed
+    last_checkpoint_1 (epoch 1) although best_checkpoint_2 holds the whole state of epoch 2."""
+    trainer, _ = scripted(tmp_path, [0.5, 0.9])
+    trainer.run([0], max_epochs=2)
+    (tmp_path / "last_checkpoint_1.pt").write_bytes((tmp_path / "best_checkpoint_1_accuracy=0.5000.pt").read_bytes())
+    os.remove(tmp_path / "last_checkpoint_2.pt")  # the save of epoch 2 stopped before its last file
+    path, state = BestCheckpoint.find_resumable(str(tmp_path), of_a_config=False)
+    assert os.path.basename(path) == "best_checkpoint_2_accuracy=0.9000.pt" and state["trainer"]["iteration"] == 2
+    trainer, ckpt = scripted(tmp_path, [0.7], resume=True)
+    assert trainer.state.epoch == 2 and ckpt.resumed_path == path
+    assert files(tmp_path, "last") == []  # epoch 1's last file is replaced by the state resumed
+    assert "removed last_checkpoint_1.pt: replaced by best_checkpoint_2_accuracy=0.9000.pt" in caplog.text
+    trainer.run([0], max_epochs=3)
+    assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
+    assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.9000.pt", "best_checkpoint_3_accuracy=0.7000.pt"]
+
+
 def test_attach_keeps_the_temp_files_of_saves_in_progress_in_other_live_processes(tmp_path):
     """Issue 39.6: a second script on the same directory removed the first's in-flight temp file as stale, and the
     first died in FileNotFoundError. A temp file is stale when its pid is gone, or this process's (a restart)."""

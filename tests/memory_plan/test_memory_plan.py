@@ -1,5 +1,6 @@
 """The memory plan: a step traced under fake tensors peaks where the real step does (MemTracker on both)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -217,10 +218,50 @@ def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert fit > 16 and data["memory"] == 64 * 2 ** 20 and "CUDA caching allocator" in data["not_counted"]
     assert max(p["peak"] for p in data["peaks"] if p["batch_size"] <= fit) <= data["budget"]
     for bad, why in ((["--memory", "lots"], "--memory: memory: expected a size"), (["--margin", "2"], "--margin"),
-                     (["--batch-sizes", "0"], "--batch-sizes")):
+                     (["--batch-sizes", "0"], "--batch-sizes"),
+                     (["--memory", "80"], "--memory: 80 has no unit; write 80GiB or 80GB (units: B, KB, MB")):
         assert main(["plan", str(path), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err
+
+
+def test_the_plans_json_on_stdout_and_a_failed_write_that_leaves_nothing(tmp_path, monkeypatch, capsys,
+                                                                         file_size_limit):
+    """Issue 59.8: ``plan --json -`` wrote a file named ``-``, and ``/dev/stdout`` was refused as "not an earlier
+    plan". Issue 59.4: a write that failed left a 0-byte (or cut) FILE, which the retry refused."""
+    import json
+    import sys
+
+    import yaml
+
+    from conftest import tiny_config
+    from ignite_amp.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path, amp={"dtype": "float32"})))
+    argv = ["plan", str(path), "--memory", "64MiB", "--batch-sizes", "4"]
+    builtin = ["plan", "quickstart", "--set", "device=cpu", "--set", "data.image_size=16", "--set",
+               "model.kwargs={width: 8}", *argv[2:]]  # a built-in's name: its "config: the built-in ..." note too
+    assert main([*builtin, "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["memory"] == 64 * 2 ** 20  # the JSON alone on stdout; the rest on stderr
+    assert "| 4 |" in printed.err and "config: the built-in quickstart" in printed.err and not os.path.exists("-")
+    redirected = tmp_path / "stdout.txt"  # `plan --json /dev/stdout > stdout.txt`: printed, not written over
+    with open(redirected, "w") as stdout:
+        real, sys.stdout = sys.stdout, stdout
+        try:
+            assert main([*argv, "--json", str(redirected)]) == 0
+        finally:
+            sys.stdout = real
+    assert json.loads(redirected.read_text())["peaks"][0]["batch_size"] == 4
+    out = tmp_path / "plan.json"
+    with file_size_limit(100):
+        assert main([*argv, "--json", str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"ignite-amp: error: --json {out}: cannot write (File too large)\n")
+    assert sorted(os.listdir(tmp_path)) == ["c.yaml", "stdout.txt"]
+    assert main([*argv, "--json", str(out)]) == 0  # the retry
+    assert json.loads(out.read_text())["peaks"][0]["batch_size"] == 4
 
 
 class TrackedMeter(MemoryMeter):

@@ -394,5 +394,5 @@ def test_init_into_a_folder_written_with_a_slash_suggests_one_path(tmp_path, mon
 @pytest.mark.fake_trace
 def test_a_fit_at_the_search_s_cap_says_so(tmp_path, capsys):
     path = write(tmp_path, tiny_config(tmp_path))
-    assert main(["plan", path, "--memory", "1e30"]) == 0
+    assert main(["plan", path, "--memory", "1e30B"]) == 0
     assert "less 15%: batch 16777216 or more (the search stops there)" in capsys.readouterr().out

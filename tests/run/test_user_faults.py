@@ -66,6 +66,8 @@ CASES = [
     ("cifar with no data and no download", {"data": {"name": "cifar10", "root": "nowhere"}}, 2,
      "data.root: nowhere/cifar-10-batches-py/data_batch_1 is missing (set data.download: true"),
     ("output_dir not writable", lambda t: {"output_dir": blocked(t, "f")}, 2, "output_dir: cannot write to"),
+    ("output_dir a file", lambda t: ((t / "f").write_text(""), {"output_dir": str(t / "f")})[1], 2,
+     "f is a file, not a folder)"),  # issue 59: "File exists"
     ("output_dir a symlink loop", lambda t: (os.symlink(t / "loop", t / "loop"), {"output_dir": str(t / "loop")})[1],
      2, "loop is a symbolic link that leads nowhere: a loop, or its target is missing)"),  # issue 39: "File exists"
     ("resume from a missing file", {"handlers": {"checkpoint": {"resume": "nope.pt"}}}, 2,
