@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import torch
@@ -227,6 +228,15 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     assert "ignite_amp/configs/quickstart.yaml" in shipped and shipped <= set(names), shipped - set(names)
     from ignite_amp import __version__
     assert wheel.startswith(f"ignite_amp-{__version__}-"), wheel  # the version: ignite_amp/version.py alone
+    info = f"{wheel.split('-py')[0]}.dist-info"  # LICENSE, or licenses/LICENSE with a newer setuptools (PEP 639)
+    assert {f"{info}/LICENSE", f"{info}/licenses/LICENSE"} & set(names), [n for n in names if n.startswith(info)]
+    # The sdist (setuptools' own build, as `python -m build` calls it) ships the LICENSE too.
+    proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                           "print(b.build_sdist(sys.argv[1]))", str(tmp_path)], cwd=source, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(tmp_path / proc.stdout.split()[-1]) as sdist:
+        assert {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n} >= {"LICENSE", "CHANGELOG.md"}
 
 
 def test_importing_the_package_leaves_logging_alone():
