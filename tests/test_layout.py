@@ -10,7 +10,7 @@ import zipfile
 
 import torch
 
-from conftest import ROOT
+from helpers import ROOT, checkout_copy
 
 PACKAGES = {"ignite_amp": os.path.join(ROOT, "ignite_amp"), "ignite_amp.handlers": os.path.join(ROOT, "handlers")}
 
@@ -193,20 +193,6 @@ def test_no_module_is_a_hall():
     """One owner per module (STYLE.md): none over 400 lines."""
     long = {m: n for m, path in modules().items() if (n := len(open(path, encoding="utf-8").readlines())) > 400}
     assert not long, long
-
-
-def checkout_copy(dest) -> str:
-    """The checkout's files (tracked, and new ones git does not ignore) copied to ``dest``: a build there leaves
-    nothing in the checkout (setuptools writes ``build/`` and ``*.egg-info`` beside the sources)."""
-    import shutil
-
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, listed):
-        if os.path.isfile(os.path.join(ROOT, name)):
-            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
-    return str(dest)
 
 
 def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):

@@ -4,7 +4,7 @@ import configparser
 import os
 import re
 
-from conftest import ROOT
+from helpers import ROOT
 from ignite_amp import __version__
 
 CHANGELOG = open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8").read()

@@ -6,7 +6,7 @@ import os
 import subprocess
 import textwrap
 
-from conftest import ROOT
+from helpers import ROOT
 
 SCRIPT = textwrap.dedent('''
     import torch

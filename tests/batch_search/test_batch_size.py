@@ -12,10 +12,10 @@ from torch.nn.functional import cross_entropy
 import ignite_amp.batch_search.policy
 import ignite_amp.batch_search.runner
 import ignite_amp.batch_search.strategies
-from conftest import ROOT, OOMAbove, assert_doctests_pass
+from helpers import ROOT, FakeClock, OOMAbove, assert_doctests_pass
+from helpers.memory import FakeMeter
 from ignite_amp.batch_search import (
     VERIFY_STAGES,
-    MemoryMeter,
     Trial,
     TrialRunner,
     find_batch_size,
@@ -254,33 +254,6 @@ def test_format_trials_shows_every_column_and_why():
 
 
 # -- real steps: find_batch_size with a stand-in model, a fake meter and a fake clock ----------
-class FakeMeter(MemoryMeter):
-    """A simulated device's peak-memory counter: the stand-in model reports what it holds."""
-
-    def __init__(self, capacity):
-        self.capacity, self.peak, self.resets = capacity, 0.0, 0
-
-    def reset(self):
-        self.peak, self.resets = 0.0, self.resets + 1
-
-    def hold(self, nbytes):
-        self.peak = max(self.peak, nbytes)
-
-    def peak_bytes(self):
-        return self.peak
-
-    def capacity_bytes(self):
-        return self.capacity
-
-
-class FakeClock:
-    def __init__(self):
-        self.ms = 0.0
-
-    def __call__(self):
-        return self.ms / 1000
-
-
 class MemoryHungry(nn.Module):
     """Stand-in for a GPU model: a step at batch n holds ``a + b * n`` bytes (optimizer state
     included once it exists; an evaluation forward half the activations), raises

@@ -200,7 +200,7 @@ def test_the_backoff_recovers_from_the_stand_ins_out_of_memory_error_losing_no_s
 
 def test_the_memory_module_examples_run():
     import ignite_amp.core.memory
-    from conftest import assert_doctests_pass
+    from helpers import assert_doctests_pass
 
     assert_doctests_pass(ignite_amp.core.memory)
 

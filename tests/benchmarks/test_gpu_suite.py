@@ -11,7 +11,7 @@ import ignite
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",

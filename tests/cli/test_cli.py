@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import CONFIGS, ROOT
+from helpers import CONFIGS, ROOT
 from ignite_amp import __version__, load_config, train_from_config
 from ignite_amp.cli.main import main
 

@@ -54,7 +54,7 @@ def test_a_second_comparison_starts_fresh_curves(quick_cfg):
 
 
 def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
-    cfg = dict(quick_cfg, model={"name": "conftest:overflow_cnn", "num_classes": 10},
+    cfg = dict(quick_cfg, model={"name": "helpers:overflow_cnn", "num_classes": 10},
                optimizer={"name": "SGD", "lr": 0.01})
     modes = ["float16", "float16+scaler", "bfloat16"]
     results = {r.mode: r for r in compare(cfg, steps=3, modes=modes, print_fn=lambda *a: None)}

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ROOT, tiny_config
+from helpers import ROOT, tiny_config
 
 COLUMNS = 160
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import ignite_amp.config.builtin as builtin_configs
-from conftest import CONFIGS, assert_doctests_pass
+from helpers import CONFIGS, assert_doctests_pass
 from ignite_amp.cli.commands import _train_command
 from ignite_amp.cli.configs import resolve_config
 from ignite_amp.cli.main import build_parser, main

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 import ignite_amp.config.tree
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import Config, ConfigError, default_config, flatten_config, load_config
 from ignite_amp.core.config_keys import leaves

@@ -6,7 +6,7 @@ import os
 import pytest
 import yaml
 
-from conftest import CONFIGS
+from helpers import CONFIGS
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import Config, config_schema, default_config, load_config
 from ignite_amp.core.config_keys import leaves

@@ -16,7 +16,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.data.prefetch as prefetch
-from conftest import OOMAbove, assert_doctests_pass, mlp, tiny_config
+from helpers import OOMAbove, assert_doctests_pass, mlp, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.core.nested import map_tensors
 from ignite_amp.data.datasets import make_loader

@@ -10,7 +10,7 @@ import urllib.parse
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 PUBLIC = ("ignite_amp", "ignite_amp.handlers")
 

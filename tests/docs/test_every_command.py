@@ -23,10 +23,9 @@ from typing import List, NamedTuple, Optional
 import pytest
 import torch
 import yaml
-from test_docs import code_blocks
-from test_layout import checkout_copy
 
-from conftest import ROOT
+from helpers import ROOT, checkout_copy
+from helpers.docs import code_blocks
 
 VERBATIM = os.environ.get("IGNITE_AMP_VERBATIM") == "1"
 SMALLER = {"data.train_size": "64", "data.val_size": "32"}

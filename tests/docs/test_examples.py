@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 
 EXAMPLES = os.path.join(ROOT, "examples")
 

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 

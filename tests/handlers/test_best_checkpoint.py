@@ -5,7 +5,7 @@ import torch
 from ignite.engine import Engine, Events
 
 import ignite_amp.handlers.best_checkpoint
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.cli.main import main
 from ignite_amp.handlers import BestCheckpoint, CheckpointError
 from ignite_amp.run.compose import build_run

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 from ignite.engine import Events
-from test_tensorboard import read, values
 from torch.nn.functional import cross_entropy
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from conftest import id_batches, mlp
+from helpers import id_batches, mlp
+from helpers.tensorboard import read, values
 from ignite_amp import AmpEvents, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, NonFiniteGuard, TensorBoardMetrics
 from ignite_amp.handlers.non_finite_guard import loss_code

@@ -7,7 +7,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.handlers.oom_backoff
-from conftest import OOMAbove, assert_doctests_pass, id_batches
+from helpers import OOMAbove, assert_doctests_pass, id_batches
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.config.tree import ConfigError
 from ignite_amp.handlers import BatchSizeFloorError, OOMBackoff
@@ -138,7 +138,7 @@ def test_state_round_trip_and_bad_arguments():
 
 
 def oom_cfg(quick_cfg, **over):
-    cfg = dict(quick_cfg, model={"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 8}},
+    cfg = dict(quick_cfg, model={"name": "helpers:oom_cnn", "num_classes": 10, "kwargs": {"limit": 8}},
                amp={"dtype": "float32"})
     cfg["data"] = dict(cfg["data"], batch_size=32)
     cfg.update(over)

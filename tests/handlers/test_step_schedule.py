@@ -5,7 +5,7 @@ from ignite.handlers import CosineAnnealingScheduler, PiecewiseLinear
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.step_schedule
-from conftest import assert_doctests_pass, tiny_config
+from helpers import assert_doctests_pass, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer
 from ignite_amp.handlers import StepSchedule
 

@@ -6,26 +6,19 @@ import pytest
 import torch
 from ignite.engine import Events
 from ignite.metrics import Accuracy, Loss
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import api_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.tensorboard.metrics
-from conftest import ROOT, assert_doctests_pass, id_batches, mlp
+from helpers import ROOT, assert_doctests_pass, id_batches, mlp
+from helpers.tensorboard import read, values
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
 from ignite_amp.handlers.tensorboard.metrics import FACTS_TAG, HEALTH_TAG, HPARAMS, LAYOUT, TAGS
 
 MAX_NORM = 10.0
-
-
-def read(path, split=""):
-    """The events of the run in ``path`` (its text, HParams and layout) or of one split's run (its scalars)."""
-    acc = EventAccumulator(os.path.join(str(path), split), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
 
 
 def runs(path):
@@ -66,10 +59,6 @@ def logged(tmp_path):
     trainer.run(batches, max_epochs=2)
     tb.close()
     return runs(tmp_path), record, tb
-
-
-def values(acc, tag):
-    return {e.step: e.value for e in acc.Scalars(tag)}
 
 
 def test_docstring_example_runs():

@@ -8,8 +8,8 @@ import re
 import time
 
 import pytest
-from test_tensorboard_server import serve_tensorboard
 
+from helpers.tensorboard import serve_tensorboard
 from ignite_amp import train_from_config
 from ignite_amp.cli.commands import _dashboard_hint
 from ignite_amp.files.run_directory import dashboard_command

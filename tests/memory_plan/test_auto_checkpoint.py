@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan.auto_checkpoint as auto_checkpoint
-from conftest import assert_doctests_pass, tiny_config
+from helpers import assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer, load_config
 from ignite_amp.memory_plan.auto_checkpoint import _ladder, checkpoint_to_fit
 from ignite_amp.memory_plan.choices import OptionPlanner

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT, free_port, in_group
 from ignite_amp import load_config, train_from_config
 from ignite_amp.data.datasets import EvenShardSampler
 from ignite_amp.launcher import launch
 
-TESTS = os.path.join(ROOT, "tests")  # where conftest.py is: the children import their models from it
+TESTS = os.path.join(ROOT, "tests")  # where helpers/ is: the children import their models from it
 
 # float32, a model without BatchNorm (per-rank batch statistics would differ from the global
 # batch's), no augmentation: two ranks of 16 must train exactly like one process of 32.
@@ -27,7 +27,7 @@ BASE = {
     "amp": {"dtype": "float32"},
     "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 256, "val_size": 65,
              "image_size": 16},
-    "model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 1000}},
+    "model": {"name": "helpers:oom_cnn", "num_classes": 10, "kwargs": {"limit": 1000}},
     "optimizer": {"name": "AdamW", "lr": 3e-3},
     "scheduler": {"name": "onecycle"},
     "train": {"epochs": 2},
@@ -132,7 +132,7 @@ def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_pa
 
 
 def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
-    cfg = config(tmp_path / "two", model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
+    cfg = config(tmp_path / "two", model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
     two = cli(cfg, tmp_path)
     assert two.returncode == 0, two.stderr
     saved = weights(tmp_path / "two")
@@ -147,7 +147,7 @@ def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
 def test_out_of_memory_in_the_first_forward_of_a_batchnorm_model_does_not_hang(tmp_path):
     """DDP would broadcast buffers at the start of a forward: the retrying rank would call it once
     more than the others. The step turns that off and the evaluator sends rank 0's buffers instead."""
-    cfg = config(tmp_path / "bn", model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "norm": True}},
+    cfg = config(tmp_path / "bn", model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "norm": True}},
                  train={"epochs": 1})
     out = cli(cfg, tmp_path)
     assert out.returncode == 0, out.stderr
@@ -195,7 +195,7 @@ def test_nccl_without_cuda_is_refused_in_one_line(tmp_path):
 
 
 def _search_on_rank(limits: dict) -> int:
-    from conftest import OOMAbove, mlp  # noqa: F401  (stand-in: a model that runs out of memory above a size)
+    from helpers import OOMAbove, mlp  # noqa: F401  (stand-in: a model that runs out of memory above a size)
     from ignite_amp.batch_search import find_batch_size
 
     model = OOMAbove(limit=limits[dist.get_rank()])
@@ -226,7 +226,7 @@ def test_ddp_all_reduces_once_per_optimizer_step(tmp_path, monkeypatch):
     import ignite.distributed as idist
 
     monkeypatch.setenv("LOCAL_RANK", "0")
-    from conftest import mlp
+    from helpers import mlp
     from ignite_amp import create_amp_trainer
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -270,7 +270,7 @@ def test_torchrun_with_one_gpu_process_trains_on_the_gpu_unwrapped(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_nccl_on_two_gpus_trains_like_one_and_backs_off_together(tmp_path):
     cfg = config(tmp_path / "two", device="cuda",
-                 model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
+                 model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
     two = cli(cfg, tmp_path)
     assert two.returncode == 0, two.stderr
     assert "training ddp on 2 processes (nccl), cuda" in two.stdout
@@ -363,8 +363,6 @@ def _choose_non_ascii(rank, out):
 def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
     """Case 32.1: rank 0's chosen checkpoint went to the other ranks in a buffer sized in characters, filled with
     UTF-8 bytes ('.../runü/.../last_checkpoint_1.pM')."""
-    from test_fsdp import free_port, in_group
-
     ckpt = tmp_path / "runü" / "checkpoints" / "last_checkpoint_1.pt"
     ckpt.parent.mkdir(parents=True)
     torch.save({"trainer": {"epoch": 1}, "config": {"value": {}}}, ckpt)

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import ignite_amp.core.device
-from conftest import CLOCK, ClockedCNN, tiny_config
+from helpers import CLOCK, ClockedCNN, tiny_config
 from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path, keep_choice, kept_choice, shown_path
 from ignite_amp.run import dtype_probe
 from ignite_amp.run import plan as run_plan
@@ -52,7 +52,7 @@ def avx512_without_a_fixed_outcome(monkeypatch, tmp_path):
 def quickstart_like(tmp_path, **over):
     from ignite_amp import load_config
 
-    return load_config(tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10, "kwargs": {}},
+    return load_config(tiny_config(tmp_path, model={"name": "helpers:clocked_cnn", "num_classes": 10, "kwargs": {}},
                                    **over))
 
 
@@ -137,7 +137,7 @@ def test_plan_and_train_make_the_same_choice(tmp_path, monkeypatch, capsys):
                         lambda *a, **k: planned.append(k["dtype"]) or real_estimate(*a, **k))
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
     out = capsys.readouterr().out
-    assert "u: conftest:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
+    assert "u: helpers:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
     assert f"dtype auto: a bfloat16 step took 0.50x float32's time in a 1.5 s probe on this CPU; kept in " \
            f"{choices_path()}" in out
     assert planned == ["bfloat16"]  # the plan traced the step in the dtype train will use

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ignite_amp.core.device
-from conftest import CLOCK, ClockedCNN, tiny_config
+from helpers import CLOCK, ClockedCNN, tiny_config
 from ignite_amp import probe_cpu_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.files.dtype_choice import CACHE_ENV
@@ -153,7 +153,7 @@ def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monk
     monkeypatch.delenv(PROBE_ENV)
     real = dtype_probe.probe_cpu_dtype
     monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda model, xy: real(model, xy, clock=CLOCK))
-    cfg = tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10,
+    cfg = tiny_config(tmp_path, model={"name": "helpers:clocked_cnn", "num_classes": 10,
                                        "kwargs": {"float32": 0.25, "bfloat16": 0.125}},
                       handlers={"tensorboard": {"enabled": True}})
     lines = []

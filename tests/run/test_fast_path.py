@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.run.fused as fused
-from conftest import assert_doctests_pass, tiny_config
+from helpers import assert_doctests_pass, tiny_config
 from ignite_amp.config.tree import load_config
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import create_amp_trainer

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, error_lines, id_batches, mlp
+from helpers import ROOT, error_lines, id_batches, mlp
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli.main import main
 from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
@@ -112,7 +112,7 @@ def test_nan_in_float16_is_skipped_and_the_run_goes_on():
 def test_nan_stops_the_run_with_one_line_and_keeps_the_best_checkpoint(quick_cfg, tmp_path, capsys, monkeypatch,
                                                                        dtype, after, message):
     cfg = dict(quick_cfg, amp={"dtype": dtype}, train={"epochs": 2},
-               model={"name": "conftest:nan_after", "num_classes": 10, "kwargs": {"after": 10**6}},
+               model={"name": "helpers:nan_after", "num_classes": 10, "kwargs": {"after": 10**6}},
                handlers={"non_finite": {"max_consecutive": 3}})
     path = write(tmp_path, cfg)
     assert main(["train", path, "--set", "train.epochs=1"]) == 0  # one good epoch: a best checkpoint

@@ -11,7 +11,7 @@ import yaml
 from PIL import Image
 from torch.nn.functional import cross_entropy
 
-from conftest import ROOT, error_lines, mlp
+from helpers import ROOT, error_lines, mlp
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import load_config
@@ -109,8 +109,8 @@ def test_one_class_and_train_size_on_an_image_folder_are_one_line(quick_cfg, tmp
     ("model.name=math:pi", "model.name: math:pi is a float, not a callable that builds a torch.nn.Module"),
     ("model.name=collections:OrderedDict", "model.name: collections:OrderedDict built a OrderedDict, not a "
                                            "torch.nn.Module"),
-    ("model.name=conftest:raises_when_built", "model.name: conftest:raises_when_built raised ValueError: the user's "
-                                              "model code failed"),
+    ("model.name=helpers:raises_when_built", "model.name: helpers:raises_when_built raised ValueError: the user's "
+                                             "model code failed"),
 ])
 def test_user_mistakes_are_user_errors(quick_cfg, tmp_path, capsys, override, message):
     assert main(["train", write(tmp_path, quick_cfg), "--set", override]) == 2

@@ -6,7 +6,7 @@ import torch
 import yaml
 from torch.nn.functional import cross_entropy
 
-from conftest import error_lines, tiny_config
+from helpers import error_lines, tiny_config
 from ignite_amp.cli.main import main
 
 
@@ -46,8 +46,7 @@ def test_the_plan_fits_the_steady_step_and_plans_the_one_time_split_check_apart(
 
 @pytest.mark.fake_trace
 def test_the_planned_split_check_is_the_real_first_steps_peak():
-    from test_memory_plan import Transformer, measured_peak, tokens
-
+    from helpers.memory import Transformer, measured_peak, tokens
     from ignite_amp.memory_plan.plan import estimate_memory
 
     torch.manual_seed(0)

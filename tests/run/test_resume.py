@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_config
+from helpers import tiny_config
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import load_config
 from ignite_amp.errors import CheckpointError
@@ -283,10 +283,10 @@ def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_direc
 
 
 # --- a run killed mid-epoch resumes to the uninterrupted run's weights, bit for bit ------------------------------
-OOM = {"model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 16}}}  # batches of 32: 2 chunks
+OOM = {"model": {"name": "helpers:oom_cnn", "num_classes": 10, "kwargs": {"limit": 16}}}  # batches of 32: 2 chunks
 COMBINATIONS = {  # a pass over the loader is 4 batches of 32
     "float8-epoch_length-cosine": {"amp": {"dtype": "float8"}, "scheduler": {"name": "cosine"},
-                                   "model": {"name": "conftest:image_mlp", "num_classes": 10, "kwargs": {}},
+                                   "model": {"name": "helpers:image_mlp", "num_classes": 10, "kwargs": {}},
                                    "train": {"epoch_length": 3}},
     "epoch_length-cosine": {"train": {"epoch_length": 3}, "scheduler": {"name": "cosine"}},
     "epoch_length-longer-than-the-loader-onecycle": {"train": {"epoch_length": 6}, "scheduler": {"name": "onecycle"}},

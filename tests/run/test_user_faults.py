@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT
-from conftest import tiny_config as config
+from helpers import ROOT
+from helpers import tiny_config as config
 from ignite_amp.cli.main import main
 
 
@@ -48,8 +48,8 @@ CASES = [
      "scheduler.kwargs: cosine refused its arguments (unsupported operand"),
     ("image too small for the model", {"data": {"image_size": 8}}, 2,
      "model.name: ignite_amp.models:small_cnn cannot run on 3x8x8 images"),
-    ("wrong head width", {"model": {"name": "conftest:three_outputs", "num_classes": 10, "kwargs": {}}}, 2,
-     "model.name: conftest:three_outputs returns (2, 3) for a batch of 2, not (2, 10) logits"),
+    ("wrong head width", {"model": {"name": "helpers:three_outputs", "num_classes": 10, "kwargs": {}}}, 2,
+     "model.name: helpers:three_outputs returns (2, 3) for a batch of 2, not (2, 10) logits"),
     ("corrupt image", lambda t: (image_folder(t / "imgs", {"train": ["a", "b"], "val": ["a", "b"]},
                                               corrupt="train/a/bad.png"),
                                  {"data": {"name": "imagefolder", "root": str(t / "imgs"), "image_size": 16,
@@ -206,7 +206,7 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
 
 
 def test_warnings_of_a_build_that_fails_go_to_the_log_not_before_the_one_line(tmp_path, capsys):
-    model = {"name": "conftest:warns_when_built", "num_classes": 10, "kwargs": {"heads": 3}}
+    model = {"name": "helpers:warns_when_built", "num_classes": 10, "kwargs": {"heads": 3}}
     cfg = config(tmp_path, model=model)
     assert main(["train", write(tmp_path, cfg)]) == 2
     err = capsys.readouterr().err
@@ -269,7 +269,7 @@ def test_weights_ruined_on_an_epochs_last_step_are_never_saved(tmp_path, capsys)
 
 def test_a_float16_run_whose_loss_is_never_finite_stops(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NAN_AFTER", "1")
-    cfg = config(tmp_path, amp={"dtype": "float16"}, model={"name": "conftest:nan_after", "num_classes": 10,
+    cfg = config(tmp_path, amp={"dtype": "float16"}, model={"name": "helpers:nan_after", "num_classes": 10,
                                                             "kwargs": {}},
                  data={"train_size": 64}, handlers={"non_finite": {"max_consecutive": 50}})
     assert main(["train", write(tmp_path, cfg)]) == 1

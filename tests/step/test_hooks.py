@@ -8,7 +8,7 @@ from ignite.metrics import Accuracy
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import mlp
+from helpers import mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import SplitCheckError
 from ignite_amp.handlers import NonFiniteGuard, OOMBackoff, TensorBoardMetrics

@@ -6,7 +6,7 @@ from ignite.engine import Events
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import OOMAbove, id_batches, mlp
+from helpers import OOMAbove, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import OOMAbove, hand_loop  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
+from helpers import OOMAbove, hand_loop  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import BatchError, SplitCheckError
 from ignite_amp.handlers import OOMBackoff

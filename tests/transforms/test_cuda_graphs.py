@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.transforms.cuda_graphs as graphs
-from conftest import OOMAbove, assert_doctests_pass
+from helpers import OOMAbove, assert_doctests_pass
 from ignite_amp.config.tree import load_config
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.errors import ConfigError

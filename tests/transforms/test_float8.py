@@ -10,7 +10,7 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import ignite_amp.transforms.float8 as f8
-from conftest import assert_doctests_pass, recording_backend, three_blocks, tiny_config
+from helpers import assert_doctests_pass, free_port, in_group, recording_backend, three_blocks, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer, train_from_config
 from ignite_amp.step.facts import step_facts, summary_line
 from ignite_amp.transforms.float8 import convert_to_float8, float8_plan
@@ -339,8 +339,6 @@ def _fsdp_float8(rank, out):
 
 
 def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_optimizer_step(tmp_path):
-    from test_fsdp import free_port, in_group
-
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _fsdp_float8, str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for r in results:
@@ -353,7 +351,7 @@ def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_opt
 def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     import yaml
 
-    from conftest import error_lines
+    from helpers import error_lines
     from ignite_amp.cli.main import main
 
     monkeypatch.setitem(sys.modules, "torchao", None)
@@ -431,7 +429,7 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
     load_full_model_state was a raw UnpicklingError. Without torchao it is one line, and nothing is renamed."""
     import subprocess
 
-    from conftest import ROOT
+    from helpers import ROOT
     from ignite_amp.handlers import BestCheckpoint
 
     torch.manual_seed(0)

@@ -2,11 +2,9 @@
 sharded model as DDP trains the unsharded one, the mixed-precision policy, float16 skips agreed across ranks,
 and sharded checkpoints that survive kill -9 and resume on another number of processes."""
 import errno
-import gc
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from ignite.engine import Engine, Events
 from torch.distributed.fsdp import fully_shard
 from torch.nn.functional import cross_entropy
 
-from conftest import ROOT, error_lines, tiny_config
+from helpers import ROOT, error_lines, free_port, in_group, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer, load_config
 from ignite_amp.cli.main import main
 from ignite_amp.data.datasets import LockstepBatches
@@ -56,26 +54,6 @@ def train_items(model, rank):
         y[torch.rand(6, generator=g) < 0.4] = -100  # padding, a different count on each rank
         batches.append((torch.randn(6, 8, generator=g), y))
     trainer.run(batches)
-
-
-def in_group(rank, world, port, work, out):
-    """A spawned rank: ``work(rank, out)`` inside a gloo group of ``world``. Its objects are freed (gc: the
-    engines hold the model in reference cycles) while the group exists; freed at exit instead, gloo's
-    teardown aborted now and then ("terminate called without an active exception"), as the launcher's
-    ``_call`` avoids for runs."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        work(rank, out)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compare(rank, out):

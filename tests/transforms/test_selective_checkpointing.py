@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from test_checkpointing import batches, block_calls, net, relative_difference, train
 from torch import nn
 
-from conftest import ROOT, recording_backend, three_blocks, tiny_config
+from helpers import ROOT, recording_backend, three_blocks, tiny_config
+from helpers.checkpointing import batches, block_calls, net, relative_difference, train
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
 from ignite_amp.step.facts import step_facts
