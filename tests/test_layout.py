@@ -8,6 +8,7 @@ import sys
 import tarfile
 import zipfile
 
+import pytest
 import torch
 
 from helpers import ROOT, checkout_copy
@@ -143,6 +144,8 @@ def test_no_folder_is_a_hall():
     assert not crowded, crowded
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_each_folder_names_its_public_names_and_imports_them_on_first_use():
     """``from ignite_amp.step import AmpStep``, as ``from ignite.engine import Engine``: the defining module's
     object, listed by ``dir()``; nothing is imported before a name is used (a fresh interpreter)."""
@@ -195,6 +198,8 @@ def test_no_module_is_a_hall():
     assert not long, long
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     before = set(os.listdir(ROOT))
     source = checkout_copy(tmp_path / "source")
@@ -225,6 +230,8 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
         assert {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n} >= {"LICENSE", "CHANGELOG.md"}
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_importing_the_package_leaves_logging_alone():
     code = ("import logging; before = {n: logging.getLogger(n).level for n in logging.root.manager.loggerDict}; "
             "root = logging.getLogger().level; handlers = list(logging.getLogger().handlers); "

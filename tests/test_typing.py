@@ -6,6 +6,8 @@ import os
 import subprocess
 import textwrap
 
+import pytest
+
 from helpers import ROOT
 
 SCRIPT = textwrap.dedent('''
@@ -40,6 +42,8 @@ MISTAKES = {  # the line a user writes -> what the checker must say about it
 }
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_users_script_type_checks_clean_and_each_mistake_is_told(tmp_path):
     clean, wrong = tmp_path / "user_script.py", tmp_path / "user_mistakes.py"
     clean.write_text(SCRIPT)

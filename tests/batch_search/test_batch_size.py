@@ -31,6 +31,7 @@ pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conft
 GiB, MiB = 2**30, 2**20
 
 
+@pytest.mark.slow
 def test_docstring_examples():
     assert_doctests_pass(ignite_amp.batch_search.policy)
     assert_doctests_pass(ignite_amp.batch_search.strategies)  # fit_line's
@@ -291,6 +292,7 @@ def make_batch(n):
     return torch.randn(n, 5), torch.randint(0, 3, (n,))
 
 
+@pytest.mark.slow
 def test_find_batch_size_runs_real_steps_measures_them_and_verifies():
     model, optimizer, meter, clock = hungry()
     lines = []
@@ -324,6 +326,7 @@ def test_find_batch_size_runs_real_steps_measures_them_and_verifies():
     assert result.table.splitlines()[1:-1] == lines[2:]
 
 
+@pytest.mark.slow
 def test_the_evaluation_batch_counts():
     """A large evaluation batch can be what does not fit: it is inside every trial's peak."""
     model, optimizer, meter, clock = hungry(a=2 * GiB, b=40 * MiB)
@@ -334,6 +337,7 @@ def test_the_evaluation_batch_counts():
     assert all(n == 600 for training, n, _, _ in model.forwards if not training)
 
 
+@pytest.mark.slow
 def test_find_batch_size_with_a_real_step_leaves_no_trace():
     torch.manual_seed(0)
     model = OOMAbove(limit=100)
@@ -364,6 +368,7 @@ def test_find_batch_size_with_a_real_step_leaves_no_trace():
     assert "OOM" in table and f"chosen batch size {result.batch_size}" in table
 
 
+@pytest.mark.slow
 def test_out_of_memory_inside_the_optimizer_step_is_a_failed_trial():
     model, optimizer, meter, clock = hungry(capacity=16 * GiB)
     step = optimizer.step

@@ -11,7 +11,6 @@ from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
 from ignite_amp.batch_search import CudaMemoryMeter, MemoryMeter, Trial, TrialRunner, find_batch_size, search_batch_size
-from ignite_amp.core.memory import PeakWindow
 from ignite_amp.handlers import OOMBackoff
 
 CAP = 1024 * MiB
@@ -106,6 +105,7 @@ class ReservedMeter(MemoryMeter):
         return float(self.allocator.cap)
 
 
+@pytest.mark.slow
 def test_a_search_that_reads_the_reserve_falls_short_on_a_capped_device(true_fit):
     """The stand-in reproduces the H100's failure: reading the reserve, the search keeps far less than fits
     (or nothing at all)."""
@@ -119,6 +119,7 @@ def test_a_search_that_reads_the_reserve_falls_short_on_a_capped_device(true_fit
     assert kept < 0.9 * true_fit, (kept, true_fit)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["model", "bisect"])
 def test_the_search_on_a_capped_device_is_within_10_percent_of_the_largest_fit(strategy, true_fit):
     """Issue 48's CPU target: the reserve reaches the cap at every size, and the search still keeps a batch
@@ -148,6 +149,7 @@ def test_the_slack_is_measured_where_the_reserve_is_clear_of_the_cap():
     assert t.peak_bytes == pytest.approx(meter.window.highest * (1 + meter.slack), rel=0.05)
 
 
+@pytest.mark.slow
 def test_the_search_leaves_the_peak_counter_as_it_would_read_untouched():
     """A user who reads max_memory_allocated after a search gets the process's peak, the trials' included
     (CUDA's counter has one value per process; the search resets it per trial and restores it)."""
@@ -160,20 +162,6 @@ def test_the_search_leaves_the_peak_counter_as_it_would_read_untouched():
     gc.collect()
     assert allocator.max_memory_allocated() >= 400 * MiB  # not reset to the last trial's window
     assert allocator.memory_allocated() == 100 * MiB  # nothing left held
-
-
-def test_a_peak_window_restores_the_larger_of_before_and_its_windows():
-    allocator = CachingAllocatorStandIn(CAP)
-    held = allocator.malloc(10 * MiB)
-    with PeakWindow("stand-in", allocator) as window:
-        window.start()
-        big = allocator.malloc(50 * MiB)
-        del big
-        assert window.allocated_peak() == 60 * MiB
-        window.start()
-        assert window.allocated_peak() == 10 * MiB
-    assert allocator.max_memory_allocated() == 60 * MiB and allocator.memory_allocated() == 10 * MiB
-    del held
 
 
 # -- the backoff --------------------------------------------------------------------------------------
@@ -196,11 +184,3 @@ def test_the_backoff_recovers_from_the_stand_ins_out_of_memory_error_losing_no_s
     assert trainer.amp_step.micro_batches >= 2
     # after the backoff every iteration's forwards add up to the batch exactly once
     assert sum(seen[attempts[2]:]) == 2 * n
-
-
-def test_the_memory_module_examples_run():
-    import ignite_amp.core.memory
-    from helpers import assert_doctests_pass
-
-    assert_doctests_pass(ignite_amp.core.memory)
-

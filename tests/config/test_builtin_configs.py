@@ -83,6 +83,7 @@ def test_without_the_built_ins_installed_a_file_still_trains_and_a_name_says_how
         find_config("quickstart")
 
 
+@pytest.mark.slow
 def test_train_by_name_from_another_directory_says_which_config_it_took(elsewhere, capsys):
     assert main(["train", "quickstart", *TINY]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -194,6 +194,7 @@ def test_the_cpu_default_keeps_the_dataloader():
     assert isinstance(train, DataLoader) and isinstance(val, DataLoader)
 
 
+@pytest.mark.slow
 def test_a_config_run_with_data_on_the_device_trains(tmp_path):
     from ignite_amp.run.compose import build_run
 

@@ -235,6 +235,7 @@ def test_validation_through_the_wrapper_gives_the_plain_loaders_metrics():
     assert evaluator.run(DevicePrefetcher(loader, CPU, streams=RecordingStreams())).metrics["accuracy"] == plain
 
 
+@pytest.mark.slow
 def test_a_config_run_trains_the_same_losses_through_the_wrapper(tmp_path, monkeypatch):
     """A run built from a config with the prefetcher forced on (the stand-in streams, as on CUDA) trains and
     validates as the run without it: the same batches in the same order, the same figures."""

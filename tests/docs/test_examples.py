@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers import ROOT
+
+pytestmark = [pytest.mark.docs]
+
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
@@ -45,6 +49,8 @@ def test_two_inputs_reports_training_accuracy_from_the_trainer():
     assert train_last > train_first and val_last > 0.8
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_an_example_runs_as_the_readme_says():
     proc = subprocess.run([sys.executable, os.path.join("examples", "hf_style.py"), "--tiny"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

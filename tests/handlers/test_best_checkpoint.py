@@ -106,6 +106,8 @@ def test_a_last_checkpoint_a_killed_save_left_behind_is_removed_on_resume(tmp_pa
     assert files(tmp_path, "last") == ["last_checkpoint_3.pt"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_attach_keeps_the_temp_files_of_saves_in_progress_in_other_live_processes(tmp_path):
     """Issue 39.6: a second script on the same directory removed the first's in-flight temp file as stale, and the
     first died in FileNotFoundError. A temp file is stale when its pid is gone, or this process's (a restart)."""
@@ -215,6 +217,7 @@ def states(run):
     )
 
 
+@pytest.mark.slow
 def test_resume_equivalence(quick_cfg, tmp_path):
     """4 epochs straight == 2 epochs, a fresh process-like rebuild, resume, 2 more (float16, scaler, onecycle)."""
     torch.use_deterministic_algorithms(True)
@@ -245,6 +248,7 @@ def test_resume_equivalence(quick_cfg, tmp_path):
             assert torch.equal(torch.as_tensor(pa[name]), torch.as_tensor(pb[name])), name
 
 
+@pytest.mark.slow
 def test_cli_reports_bad_checkpoint_in_one_line(quick_cfg, tmp_path, capsys):
     import yaml
 

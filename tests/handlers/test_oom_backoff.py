@@ -145,6 +145,7 @@ def oom_cfg(quick_cfg, **over):
     return cfg
 
 
+@pytest.mark.slow
 def test_config_run_with_backoff_completes_and_resumes_at_the_size_that_worked(quick_cfg):
     run = build_run(oom_cfg(quick_cfg), print_fn=lambda *a: None)
     run.train()
@@ -155,12 +156,14 @@ def test_config_run_with_backoff_completes_and_resumes_at_the_size_that_worked(q
     assert again.to_save["oom_backoff"].events == 2
 
 
+@pytest.mark.slow
 def test_config_without_backoff_fails_on_oom(quick_cfg):
     run = build_run(oom_cfg(quick_cfg, handlers={"oom_backoff": {"enabled": False}}), print_fn=lambda *a: None)
     with pytest.raises(torch.OutOfMemoryError):
         run.train()
 
 
+@pytest.mark.slow
 def test_mode_batch_refuses_fixed_length_schedules(quick_cfg):
     with pytest.raises(ConfigError, match="handlers.oom_backoff.mode: batch changes the steps per epoch"):
         build_run(oom_cfg(quick_cfg, scheduler={"name": "cosine"}, handlers={"oom_backoff": {"mode": "batch"}}))

@@ -142,6 +142,8 @@ def test_step_breakdown_counts_iterations_that_ran_a_step():
     assert "| forward | 2.50 | 31% |" in format_breakdown(result)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_no_kineto_error_lines_on_a_cpu_run(tmp_path):
     """A CUDA build of torch on a machine without a GPU driver makes Kineto print
     `gpuGetDeviceCount failed with code 35` (and USDT lines) around a profile; on CPU runs

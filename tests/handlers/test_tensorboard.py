@@ -408,6 +408,7 @@ def test_trainer_metrics_are_logged_in_the_train_run_beside_val(tmp_path):
     assert sorted(values(read(tmp_path, "val"), "accuracy")) == [4, 8]
 
 
+@pytest.mark.slow
 def test_trainer_metrics_of_a_config_run_are_logged(quick_cfg):
     from ignite_amp.run.compose import build_run
 

@@ -28,6 +28,7 @@ def served(quick_cfg, tmp_path):
         yield base, result
 
 
+@pytest.mark.slow
 def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served):
     base, result = served
     # The run's own files are ".", one run per split under it (as Keras's), the profiler's text beside;
@@ -95,6 +96,8 @@ def check_hparams(base, result):
     assert values[("train", "throughput/median_samples_per_sec")] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_in_a_real_browser_the_dashboard_renders_without_console_warnings(served, tmp_path):
     """Headless Chromium (from the OS packages; skipped without it) opens the URL the CLI prints and the
     HParams tab: pages render, and the console has no HParams domain warning."""

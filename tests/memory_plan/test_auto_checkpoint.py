@@ -146,6 +146,7 @@ def test_a_model_whose_selective_checkpointing_saves_nothing_gets_full(planner):
     assert _ladder(relu) == [(k, 0) for k in range(7)]
 
 
+@pytest.mark.slow
 def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the_blocks(tmp_path, capsys):
     from ignite_amp.cli.main import main
     from ignite_amp.run.compose import build_run

@@ -158,6 +158,7 @@ def test_docstring_examples():
     assert_doctests_pass(memory_plan)
 
 
+@pytest.mark.slow
 def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     import json
 
@@ -230,6 +231,7 @@ class TrackedMeter(MemoryMeter):
         return self.capacity
 
 
+@pytest.mark.slow
 def test_the_batch_size_search_starts_from_the_plan():
     from ignite_amp.batch_search import find_batch_size
 

@@ -123,6 +123,7 @@ def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, 
         keep_choice("k", "float32", "why", "what")
 
 
+@pytest.mark.slow
 @pytest.mark.fake_trace
 def test_plan_and_train_make_the_same_choice(tmp_path, monkeypatch, capsys):
     from ignite_amp.cli.main import main
@@ -148,6 +149,7 @@ def test_plan_and_train_make_the_same_choice(tmp_path, monkeypatch, capsys):
     run.close()
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_checkpoints_precision_or_names_the_change(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
     cfg["model"]["kwargs"] = {"float32": 0.25, "bfloat16": 0.125}

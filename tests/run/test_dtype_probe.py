@@ -148,6 +148,7 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
         config_dtype(cfg, model, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monkeypatch, tmp_path, kept):
     cpu("avx512")
     monkeypatch.delenv(PROBE_ENV)

@@ -142,6 +142,7 @@ def test_auto_channels_last_is_off_under_fsdp_where_true_is_refused():
                                                              "(contiguous shards only)")
 
 
+@pytest.mark.slow
 def test_the_start_line_of_a_cpu_run_says_what_auto_chose(tmp_path):
     from ignite_amp.run.compose import build_run
 

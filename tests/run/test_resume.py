@@ -77,6 +77,7 @@ def test_a_changed_config_over_a_finished_run_is_a_new_run_unless_it_trains_long
     assert rerun_of_a_finished_run(stored, None, new)[0] == "resume"  # a checkpoint that does not say: as before
 
 
+@pytest.mark.slow
 def test_a_finished_run_rerun_with_fewer_epochs_starts_anew_and_moves_it_aside(tmp_path, capsys):
     path, cfg = base(tmp_path, train={"epochs": 2})
     assert main(["train", path]) == 0
@@ -109,6 +110,7 @@ def last(cfg, epoch):
     return torch.load(os.path.join(cfg["output_dir"], "checkpoints", f"last_checkpoint_{epoch}.pt"), weights_only=True)
 
 
+@pytest.mark.slow
 def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0
@@ -134,6 +136,7 @@ def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tm
         "weight_decay"]
 
 
+@pytest.mark.slow
 def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0
@@ -150,6 +153,7 @@ def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
     assert open(os.path.join(cfg["output_dir"], "config.yaml")).read() == config_before
 
 
+@pytest.mark.slow
 def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path, capsys):
     path, cfg = base(tmp_path, train={"epochs": 2})
     assert main(["train", path]) == 0
@@ -164,6 +168,7 @@ def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path
     assert f"resumed from {cfg['output_dir']}/checkpoints/last_checkpoint_1.pt at epoch 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_starting_over_moves_the_tensorboard_split_runs_aside_too(tmp_path, capsys):
     """The train and val runs (subdirectories of output_dir) go with the rest: no old curve under a new run."""
     path, cfg = base(tmp_path, handlers={"tensorboard": {"enabled": True}})
@@ -175,6 +180,7 @@ def test_starting_over_moves_the_tensorboard_split_runs_aside_too(tmp_path, caps
             == len(os.listdir(os.path.join(cfg["output_dir"], split)))
 
 
+@pytest.mark.slow
 def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_path, capsys):
     path, cfg = base(tmp_path)
     bad = ["--set", "data.name=cifar10", "--set", f"data.root={tmp_path / 'none'}"]
@@ -186,6 +192,7 @@ def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_
     assert "building the run failed: ConfigError: data.root" in log and "epoch 1/1" in log  # its details, then the run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["none", "cosine"])
 def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys, schedule):
     path, cfg = base(tmp_path, scheduler={"name": schedule})
@@ -204,6 +211,7 @@ def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys,
     assert not os.path.exists(cfg["output_dir"])
 
 
+@pytest.mark.slow
 def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0
@@ -215,6 +223,8 @@ def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_
     assert last(cfg, 2)["config"]["value"]["data"]["batch_size"] == 32
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
     """Issue 32.8: a stored config whose kwargs repeat a value 2**60 times through shared objects (what YAML
     aliases load as) is compared, and a change in it shown, in time linear in what is written. In a child
@@ -245,6 +255,7 @@ def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
     assert key == "model.kwargs" and int(length) < 400
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_directory(tmp_path, capsys, monkeypatch):
     """Cases 32.2 and 32.3: resuming epoch 1 of a 3-epoch run deleted its newer best checkpoints; stopped at
     epoch 2, ``resume: auto`` then took the abandoned last_checkpoint_3, and the SIGTERM line's "same command"
@@ -323,6 +334,7 @@ def _killed_in_epoch_2(cfg):
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over", COMBINATIONS.values(), ids=COMBINATIONS)
 def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, over):
     """Issue 39.2, 39.3: train.epoch_length shorter than the loader (a resume started a new pass where the run was in

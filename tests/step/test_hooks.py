@@ -140,6 +140,8 @@ def _token_mean_grads_on_rank(batches: list) -> list:
     return seen[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_num_items_gives_the_token_mean_over_every_rank():
     from ignite_amp import load_config
 
@@ -437,6 +439,7 @@ def test_a_models_own_loss_in_y_pred_is_the_token_mean_with_num_items():
     assert from_output.item() == pytest.approx(step_loss.item(), rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_x", [True, False])
 def test_the_padding_warning_names_where_the_labels_are(caplog, in_x):
     # Issue 37: a lambda that may be wrong is not given: labels a custom model reads, or a y read by a loss_fn of

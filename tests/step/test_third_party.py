@@ -42,6 +42,7 @@ def quiet(config):
     return config
 
 
+@pytest.mark.slow
 def test_hf_causal_lm_trains_and_evaluates_with_its_default_cache():
     torch.manual_seed(0)
     config = quiet(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16,
@@ -62,6 +63,7 @@ def test_hf_causal_lm_trains_and_evaluates_with_its_default_cache():
     assert isinstance(caches, list) and len(caches) == 2 and type(caches[0]).__name__.endswith("Cache")
 
 
+@pytest.mark.slow
 def test_hf_encoder_classifier_matches_the_hand_written_loop():
     torch.manual_seed(0)
     config = quiet(transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -93,6 +95,7 @@ def t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
+@pytest.mark.slow
 def test_seq2seq_with_num_items_gives_the_token_mean_of_the_hand_written_loop():
     model, batches = t5(), t5_batches()
     reference = copy.deepcopy(model)
@@ -103,6 +106,7 @@ def test_seq2seq_with_num_items_gives_the_token_mean_of_the_hand_written_loop():
     assert trainer.amp_step.items.item() == (batches[-1]["labels"] != -100).sum().item()
 
 
+@pytest.mark.slow
 def test_seq2seq_without_num_items_is_stopped_by_the_split_check_or_told_once(caplog):
     """Issue 37: a token mean weighed by samples is stopped before it trains, naming the num_items that fits;
     accepted knowingly (check_split=False), the padding warning still says it once."""
@@ -115,6 +119,7 @@ def test_seq2seq_without_num_items_is_stopped_by_the_split_check_or_told_once(ca
     assert len(lines) == 1 and "counting the items the loss averages over" in lines[0]  # the check names the lambda
 
 
+@pytest.mark.slow
 def test_timm_vit_matches_the_hand_written_loop():
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,

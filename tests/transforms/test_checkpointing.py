@@ -65,6 +65,7 @@ def test_batch_norm_running_statistics_are_updated_once():
         assert torch.equal(a, b), name  # num_batches_tracked is 2, not 4; the running means and variances agree
 
 
+@pytest.mark.slow
 def test_compile_captures_the_checkpointed_blocks_in_one_graph():
     """Issue 39: the wrapper's recompute flag (a list appended to) was a side effect dynamo refuses inside the
     checkpoint ("HOP: Unsafe side effect"): compile captured nothing and the model ran eager."""
@@ -148,6 +149,7 @@ def test_blocks_checkpointed_already_stay_as_they_are_and_bad_arguments():
     assert block_names(net()) == ["blocks.0", "blocks.1", "blocks.2"]  # the rule FSDP2 shards by
 
 
+@pytest.mark.slow
 def test_compile_traces_the_checkpointed_blocks():
     data = batches(2)
     plain, checkpointed = net(), net()
@@ -207,6 +209,7 @@ class SavedBytesDevice(nn.Module):
         return out
 
 
+@pytest.mark.slow
 def test_the_batch_size_search_finds_a_larger_batch_with_it_on():
     found = {}
     for checkpointing in (False, True):
@@ -222,6 +225,7 @@ def test_the_batch_size_search_finds_a_larger_batch_with_it_on():
 
 
 # -- from a config -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_config_run_checkpoints_the_named_blocks_and_a_resume_may_turn_it_off(tmp_path):
     cfg = tiny_config(tmp_path, amp={"activation_checkpointing": True}, distributed={"blocks": ["Sequential"]})
     run = build_run(cfg, print_fn=lambda line: None)
@@ -244,6 +248,7 @@ def flat_cnn(num_classes: int) -> nn.Module:
                          nn.Linear(8, num_classes))
 
 
+@pytest.mark.slow
 def test_a_config_model_without_blocks_warns_once_and_unknown_blocks_are_one_line(tmp_path):
     cfg = tiny_config(tmp_path, amp={"activation_checkpointing": True},
                       model={"name": "test_checkpointing:flat_cnn", "kwargs": {}})
@@ -282,6 +287,8 @@ def _ranks(rank, out):
                 "calls": (block_calls(ddp[False]), block_calls(ddp[True]))}, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_and_fsdp2_train_the_same_with_it_and_a_sharded_model_is_refused(tmp_path):
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _ranks, str(tmp_path)), nprocs=2)
     assert not dist.is_initialized()

@@ -221,6 +221,7 @@ def image_mlp(num_classes: int = 10) -> nn.Module:
     return mlp(num_classes, width=64, in_features=3 * 16 * 16)
 
 
+@pytest.mark.slow
 def test_config_float8_run_states_its_layers(tmp_path):
     printed = []
     cfg = tiny_config(tmp_path, amp={"dtype": "float8", "float8_recipe": "tensorwise"},
@@ -233,6 +234,7 @@ def test_config_float8_run_states_its_layers(tmp_path):
                for line in printed), printed
 
 
+@pytest.mark.slow
 def test_a_model_with_no_converted_layer_does_not_claim_float8_layers_in_its_start_line(tmp_path):
     printed = []
     cfg = tiny_config(tmp_path, amp={"dtype": "float8"})  # small_cnn: one Linear, the head, never converted
@@ -241,6 +243,8 @@ def test_a_model_with_no_converted_layer_does_not_claim_float8_layers_in_its_sta
     assert "with bfloat16 autocast (float8: no Linear layer converted)" in start and "Linear layers in" not in start
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_importing_torchao_prints_no_torch_warning_the_user_cannot_act_on(tmp_path):
     """torch logs torchao's deprecated register_constant() on import (``W1126 ... KernelPreference``): filtered
     where ignite-amp imports torchao. A fresh process: the line is printed on the first import only."""
@@ -287,6 +291,7 @@ def test_mfu_peaks_for_float8_are_labelled_beside_bfloat16(monkeypatch):
     assert peak_tflops(cuda, torch.bfloat16, float8=True) is None  # no float8 tensor cores
 
 
+@pytest.mark.slow
 def test_batch_size_search_trains_the_float8_model_it_will_run():
     from ignite_amp import find_batch_size
 
@@ -300,6 +305,7 @@ def test_batch_size_search_trains_the_float8_model_it_will_run():
         create_amp_evaluator(model, device="cpu", dtype="float8")
 
 
+@pytest.mark.slow
 def test_config_resume_from_float8_in_bfloat16_loads_and_says_so(tmp_path, caplog):
     model = {"name": f"{__name__}:image_mlp", "num_classes": 10, "kwargs": {}}
     train_from_config(tiny_config(tmp_path, amp={"dtype": "float8"}, model=model), print_fn=lambda *_: None)
@@ -338,6 +344,8 @@ def _fsdp_float8(rank, out):
                os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_optimizer_step(tmp_path):
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _fsdp_float8, str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
@@ -348,6 +356,7 @@ def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_opt
     assert all(torch.equal(v, results[1]["full"][k]) for k, v in results[0]["full"].items())
 
 
+@pytest.mark.slow
 def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     import yaml
 
@@ -423,6 +432,8 @@ print(sorted(os.listdir(ckpts)))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported_and_is_never_renamed(tmp_path):
     """Issue 39.1: the shards hold torchao's WeightWithDynamicFloat8CastTensor, which weights_only loading allows
     only once torchao.float8 is imported: a bfloat16 resume renamed every sound checkpoint .unreadable, and
@@ -457,6 +468,7 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
     assert lines[3] == str(["best_checkpoint_1_accuracy=0.5000.dcp", "last_checkpoint_1.dcp"])
 
 
+@pytest.mark.slow
 def test_float8_with_activation_checkpointing_compiles_in_one_graph():
     """Issue 39: on a GPU float8 turns compile on, and the checkpoint wrapper's side effect made dynamo capture
     nothing: float8 + activation checkpointing ran eager. fullgraph=True: a graph break is an error."""
@@ -480,6 +492,7 @@ def image_linear_blocks(num_classes: int = 10) -> nn.Module:
                          nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]), nn.Linear(32, num_classes))
 
 
+@pytest.mark.slow
 def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_path):
     """Issue 39: the config path checkpointed first, then float8 replaced the Linear blocks by Float8Linear
     layers without the checkpoint (checkpointed_blocks: none); the Python path had the right order."""

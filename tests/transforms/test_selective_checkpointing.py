@@ -52,6 +52,7 @@ def gradients(model, x, loss):
     return [p.grad for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "resnet", "hugging face gpt2 with dropout"])
 def test_gradients_are_bitwise_those_without_checkpointing(name, gpt):
     make, x, loss = {
@@ -117,6 +118,7 @@ def test_training_is_the_same_from_the_factory(options, dropout):
         shard_model(net(), "float32", device="cpu", activation_checkpointing="auto")
 
 
+@pytest.mark.slow
 def test_compile_traces_the_selective_checkpoints():
     data = batches(2)
     plain, selective = net(), net()
@@ -126,6 +128,7 @@ def test_compile_traces_the_selective_checkpoints():
     assert relative_difference(selective, plain) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("float8", [False, True])
 def test_selective_checkpoints_compile_in_one_graph(float8):
     """As full checkpointing (issue 39): dynamo captures the selective checkpoints (torch's own contexts, read by
@@ -158,6 +161,7 @@ def test_float8_and_selective_checkpointing_compose_exactly():
     assert torch.equal(weights["selective"], weights[False])
 
 
+@pytest.mark.slow
 def test_a_config_says_selective(tmp_path):
     cfg = tiny_config(tmp_path, amp={"activation_checkpointing": "selective"}, distributed={"blocks": ["Sequential"]})
     run = build_run(cfg, print_fn=lambda line: None)
