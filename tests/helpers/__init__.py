@@ -254,6 +254,26 @@ def clocked_cnn(num_classes: int = 10, float32: float = 1.0, bfloat16: float = 0
     return ClockedCNN(num_classes, float32, bfloat16)
 
 
+def tiny_detector():
+    """A torchvision Faster R-CNN of a few thousand parameters, for 32x32 to 48x48 images and 3 classes."""
+    from torchvision.models.detection import FasterRCNN
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.ops import MultiScaleRoIAlign
+
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, padding=1), nn.ReLU())
+    backbone.out_channels = 8
+    return FasterRCNN(backbone, num_classes=3, min_size=32, max_size=48, image_mean=[0.5] * 3, image_std=[0.25] * 3,
+                      rpn_anchor_generator=AnchorGenerator(sizes=((8, 16),), aspect_ratios=((1.0,),)),
+                      box_roi_pool=MultiScaleRoIAlign(["0"], 3, 2), representation_size=32)
+
+
+def detection_prepare(batch, device, non_blocking):
+    """A detection batch ``(images, targets)`` as the model takes it in training: ``((images, targets), None)``."""
+    images, targets = batch
+    return (list(images), list(targets)), None  # the model takes (images, targets) in training
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (a process group's or a server's)."""
     with socket.socket() as s:

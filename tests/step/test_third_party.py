@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from helpers import OOMAbove, hand_loop  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
+# OOMAbove: the stand-in's module; the out-of-memory errors below are the same kind
+from helpers import OOMAbove, detection_prepare, hand_loop, tiny_detector  # noqa: F401
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import BatchError, SplitCheckError
 from ignite_amp.handlers import OOMBackoff
@@ -131,29 +132,11 @@ def test_timm_vit_matches_the_hand_written_loop():
     assert_same_weights(model, reference)
 
 
-def tiny_detector():
-    from torchvision.models.detection import FasterRCNN
-    from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from torchvision.ops import MultiScaleRoIAlign
-
-    torch.manual_seed(0)
-    backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, padding=1), nn.ReLU())
-    backbone.out_channels = 8
-    return FasterRCNN(backbone, num_classes=3, min_size=32, max_size=48, image_mean=[0.5] * 3, image_std=[0.25] * 3,
-                      rpn_anchor_generator=AnchorGenerator(sizes=((8, 16),), aspect_ratios=((1.0,),)),
-                      box_roi_pool=MultiScaleRoIAlign(["0"], 3, 2), representation_size=32)
-
-
 def detection_batch(n, seed):
     g = torch.Generator().manual_seed(seed)
     images = [torch.rand(3, 32 + 8 * (i % 2), 32, generator=g) for i in range(n)]  # uneven sizes
     targets = [{"boxes": torch.tensor([[4.0, 4.0, 20.0, 24.0]]), "labels": torch.tensor([1 + i % 2])} for i in range(n)]
     return tuple(images), tuple(targets)  # what torchvision's detection recipes collate: tuple(zip(*batch))
-
-
-def detection_prepare(batch, device, non_blocking):
-    images, targets = batch
-    return (list(images), list(targets)), None  # the model takes (images, targets) in training
 
 
 class OutOfMemoryAbove(nn.Module):
