@@ -210,6 +210,19 @@ def image_mlp(num_classes: int = 10, width: int = 64) -> nn.Module:
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes))
 
 
+def flat_mlp(num_classes=10, batch_norm=False, reads_values=False):
+    """An MLP of 3x16x16 images; ``batch_norm``: a BatchNorm1d (batch 1 cannot train); ``reads_values``: its
+    constructor reads a value (as a check of its initialisation would), which fake tensors cannot."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 64)]
+    if batch_norm:
+        layers.append(torch.nn.BatchNorm1d(64))
+    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, num_classes))
+    if reads_values and not torch.isfinite(model[1].weight).all():
+        raise ValueError("non-finite initial weights")
+    return model
+
+
 class FakeClock:
     """A clock that moves only when told: what a timed probe or search reads in tests (no wall time). It reads
     ``now`` seconds; a stand-in may move it by ``now`` or by ``ms``, in milliseconds."""

@@ -6,7 +6,7 @@ import torch
 import yaml
 from torch.nn.functional import cross_entropy
 
-from helpers import error_lines, tiny_config
+from helpers import error_lines, flat_mlp, tiny_config
 from ignite_amp.cli.main import main
 
 
@@ -146,21 +146,8 @@ def test_a_full_disk_at_the_first_save_does_not_promise_previous_checkpoints(tmp
         "again"), line
 
 
-def flat_mlp(num_classes=10, batch_norm=False, reads_values=False):
-    """An MLP of 3x16x16 images; ``batch_norm``: a BatchNorm1d (batch 1 cannot train); ``reads_values``: its
-    constructor reads a value (as a check of its initialisation would), which fake tensors cannot."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 64)]
-    if batch_norm:
-        layers.append(torch.nn.BatchNorm1d(64))
-    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, num_classes))
-    if reads_values and not torch.isfinite(model[1].weight).all():
-        raise ValueError("non-finite initial weights")
-    return model
-
-
 def mlp_config(tmp_path, **kwargs):
-    return tiny_config(tmp_path, model={"name": "test_reliability_6:flat_mlp", "num_classes": 10, "kwargs": kwargs})
+    return tiny_config(tmp_path, model={"name": "helpers:flat_mlp", "num_classes": 10, "kwargs": kwargs})
 
 
 @pytest.mark.slow
@@ -170,7 +157,7 @@ def test_plan_says_in_one_line_that_the_model_cannot_run_at_the_image_size(tmp_p
     path = write(tmp_path, mlp_config(tmp_path))
     assert main(["plan", path, "--set", "data.image_size=8"]) == 2
     out, err = capsys.readouterr()
-    assert error_lines(err) == ["ignite-amp: error: model.name: test_reliability_6:flat_mlp cannot run on 3x8x8 "
+    assert error_lines(err) == ["ignite-amp: error: model.name: helpers:flat_mlp cannot run on 3x8x8 "
                                 "images (a and b must have same reduction dim, but got [2, 192] X [768, 64].); check "
                                 "data.image_size and model.kwargs"], err
     assert "Traceback" not in err and "memory plan" not in out
