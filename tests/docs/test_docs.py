@@ -95,9 +95,11 @@ def run_python_blocks(blocks: List[Block], tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def python_blocks_ran(tmp_path_factory):
-    """Every python block that is run, run (once, for all of them)."""
-    return run_python_blocks([b for b in BLOCKS if b.language == "python" and not b.not_run], tmp_path_factory)
+def python_blocks_ran(request, tmp_path_factory):
+    """The python blocks of the selected tests (``-k "guides/architecture"``: that page's), run once for all."""
+    selected = {item.callspec.params["block"].name for item in request.session.items
+                if getattr(item, "originalname", "") == "test_python_block_runs"}
+    return run_python_blocks([b for b in BLOCKS if b.name in selected and not b.not_run], tmp_path_factory)
 
 
 @pytest.mark.slow
