@@ -138,6 +138,7 @@ def test_the_search_on_a_capped_device_is_within_10_percent_of_the_largest_fit(s
     assert trainer.state.iteration == 6
 
 
+@pytest.mark.slow
 def test_the_slack_is_measured_where_the_reserve_is_clear_of_the_cap():
     """The allocator's rounding shows as slack when the reserve had room, and only then."""
     allocator, model, optimizer = capped(cap=8192 * MiB, benchmark=False, per_sample=3 * MiB + 100)
@@ -165,6 +166,7 @@ def test_the_search_leaves_the_peak_counter_as_it_would_read_untouched():
 
 
 # -- the backoff --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_backoff_recovers_from_the_stand_ins_out_of_memory_error_losing_no_sample(true_fit):
     """A batch of 2n where n trains and 2n cannot (the reserve at the cap, the cache full of the last
     step's blocks): the allocator raises, the step retries the same batch in micro-batches, every sample is
