@@ -42,6 +42,7 @@ MISTAKES = {  # the line a user writes -> what the checker must say about it
 }
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_users_script_type_checks_clean_and_each_mistake_is_told(tmp_path):

@@ -34,6 +34,7 @@ def rows(section: dict, index: int = 0) -> list:
     return section["tables"][index]["rows"]
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_a_reason(smoke):
@@ -54,6 +55,7 @@ def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_
         assert section["seconds"] <= section["budget_s"]
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_gpu_budgets_add_up_to_six_minutes_at_most(smoke):
@@ -65,6 +67,7 @@ def test_the_gpu_budgets_add_up_to_six_minutes_at_most(smoke):
     assert all(0 < b["expected_h100_s"] <= b["budget_s"] for b in budgets.values())
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
@@ -112,6 +115,7 @@ def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
     assert len(s["j_handler_cost"]["targets"]) == 12
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_smoke_markdown_has_the_header_and_one_part_per_section(smoke):
@@ -151,6 +155,7 @@ def suite(monkeypatch):
                            split_check_section=catalog.split_check_section)
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_section_past_its_budget_is_stopped_with_its_subprocesses_and_keeps_what_it_recorded(suite, tmp_path):
@@ -248,6 +253,7 @@ def opt_in(tmp_path_factory):
     return report, out
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
@@ -263,6 +269,7 @@ def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
     assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
@@ -275,6 +282,7 @@ def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
     assert "NOT MEASURED" in (out / "gpu_suite.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
@@ -305,6 +313,7 @@ def test_section_b_reads_an_interval_and_a_verdict_from_its_rounds(monkeypatch):
     assert verdict_of(*ratio_interval(noisy, hand)[1:], 1.01) == "inconclusive"
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
@@ -323,6 +332,7 @@ def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"] * 3
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(opt_in):

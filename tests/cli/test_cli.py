@@ -18,6 +18,7 @@ def test_quickstart_config_is_valid_and_uses_no_download():
     assert gpu["data"]["name"] == "cifar10"
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_quickstart_end_to_end_through_the_cli(tmp_path):

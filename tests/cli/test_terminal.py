@@ -106,6 +106,7 @@ def check_epochs_and_bars(screen, epochs=2):
         assert done and done.group(1) == done.group(2), (bar, screen)
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hint_is_quoted(tmp_path):
@@ -120,6 +121,7 @@ def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hi
     assert screen[-1].startswith("  and untick \"Ignore outliers in chart scaling\""), screen
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_parent_holds_other_things(tmp_path):
@@ -134,6 +136,7 @@ def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_p
     assert screen[-3] == f"dashboard: tensorboard --logdir {out}", screen
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_line(tmp_path):
@@ -147,6 +150,7 @@ def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_
     assert screen[-1].startswith("ignite-amp: interrupted"), screen
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed

@@ -28,6 +28,7 @@ def site(tmp_path_factory):
     return out, proc.stderr
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_site_builds_without_a_warning(site):
@@ -92,6 +93,7 @@ def test_every_public_class_constant_has_a_doc_comment():
     assert not missing, f"class constants without a #: doc comment: {missing}"
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_every_public_name_is_in_the_api_reference(site):
@@ -105,6 +107,7 @@ def test_every_public_name_is_in_the_api_reference(site):
     assert not missing, f"public names missing from the API reference: {missing}"
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_config_reference_lists_every_key_with_its_doc(site):
@@ -118,6 +121,7 @@ def test_the_config_reference_lists_every_key_with_its_doc(site):
         assert f"<span class=\"pre\">{path}</span>" in page, path
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_cli_reference_shows_every_command(site):
@@ -134,6 +138,7 @@ def test_the_cli_reference_shows_every_command(site):
                 assert option in page, (name, option)
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_api_page_and_the_offline_search_in_a_browser(site, browser):

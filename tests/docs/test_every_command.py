@@ -187,6 +187,7 @@ def checkout_state() -> set:
     return {line for line in status.splitlines() if "__pycache__" not in line}
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed

@@ -49,6 +49,7 @@ def test_two_inputs_reports_training_accuracy_from_the_trainer():
     assert train_last > train_first and val_last > 0.8
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_an_example_runs_as_the_readme_says():

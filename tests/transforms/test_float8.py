@@ -243,6 +243,7 @@ def test_a_model_with_no_converted_layer_does_not_claim_float8_layers_in_its_sta
     assert "with bfloat16 autocast (float8: no Linear layer converted)" in start and "Linear layers in" not in start
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_importing_torchao_prints_no_torch_warning_the_user_cannot_act_on(tmp_path):

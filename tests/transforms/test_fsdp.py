@@ -187,6 +187,7 @@ def last(run_dir):
     return os.path.join(ckpts, names[0]) if names else None
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
@@ -251,6 +252,7 @@ def test_lockstep_validation_batches_are_as_many_on_every_rank_and_cover_each_sa
     assert all(0 < len(b) <= batch + 1 for batches in shards for b in batches)
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
