@@ -91,6 +91,7 @@ def same(a, b) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_logged_number_is_the_one_torchs_norm_and_clipping_give(tmp_path, dtype):
     """The default handlers together, seeded: each logged scalar equals, to the bit, what a hand loop with

@@ -41,6 +41,7 @@ def make(limit, lr=0.1, backoff=None, seed=0):
     return model, trainer
 
 
+@pytest.mark.slow
 def test_training_completes_every_sample_once_and_weights_match_reference():
     batches = id_batches(40, 8)
     ref, ref_trainer = make(limit=1000)
@@ -57,6 +58,7 @@ def test_training_completes_every_sample_once_and_weights_match_reference():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_floor_stops_the_run_with_one_line():
     model, trainer = make(limit=3, backoff=OOMBackoff(min_batch_size=4))
     with pytest.raises(BatchSizeFloorError) as info:
@@ -74,6 +76,7 @@ def test_other_errors_are_not_swallowed(error):
     assert info.value is error and backoff.events == 0
 
 
+@pytest.mark.slow
 def test_evaluator_backs_off_too():
     model = OOMAbove(limit=3)
     evaluator = create_amp_evaluator(model, {"accuracy": Accuracy()}, device="cpu", dtype="float32")
@@ -85,6 +88,7 @@ def test_evaluator_backs_off_too():
     assert evaluator.amp_step.micro_batches == 4
 
 
+@pytest.mark.slow
 def test_grow_after_tries_larger_again_and_still_loses_nothing():
     backoff = OOMBackoff(grow_after=2)
     model, trainer = make(limit=4, backoff=backoff)

@@ -65,6 +65,7 @@ def test_docstring_example_runs():
     assert_doctests_pass(ignite_amp.handlers.tensorboard.metrics)
 
 
+@pytest.mark.slow
 def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(logged):
     split, _, _ = logged
     tags = set(split["train"].Tags()["scalars"])
@@ -81,6 +82,7 @@ def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(log
     assert sorted(values(split["train"], "loss")) == list(range(2, 17, 2))
 
 
+@pytest.mark.slow
 def test_time_series_opens_on_the_metrics(logged):
     """TensorBoard's Time Series sorts the groups (a tag's part before the first '/') by name."""
     split, _, _ = logged
@@ -102,6 +104,7 @@ def test_batch_size_without_facts_is_logged_at_the_first_log_then_on_change(tmp_
     assert values(read(tmp_path, "train"), "step/batch_size") == {2: 8, 6: 4}
 
 
+@pytest.mark.slow
 def test_loss_scale_and_skipped_steps_match_the_scaler(logged):
     acc, record = logged[0]["train"], logged[1]
     for step, value in values(acc, "precision/loss_scale").items():
@@ -112,6 +115,7 @@ def test_loss_scale_and_skipped_steps_match_the_scaler(logged):
     assert record["scale"][2] == 256.0 and record["scale"][3] == 128.0
 
 
+@pytest.mark.slow
 def test_window_means(logged):
     split, record, tb = logged
     acc = split["train"]
@@ -135,6 +139,7 @@ def test_window_means(logged):
     assert "throughput/mfu" not in acc.Tags()["scalars"]  # no known peak on a CPU
 
 
+@pytest.mark.slow
 def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
     split, record, _ = logged
     acc = split["train"]
@@ -149,6 +154,7 @@ def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
     assert 0 < sum(expected.values()) < len(expected)  # the run has windows that bound and windows that did not
 
 
+@pytest.mark.slow
 def test_validation_best_values(logged):
     split, _, tb = logged
     val = split["val"]
@@ -165,6 +171,7 @@ def fact_text(acc, last=False):
     return events[-1 if last else 0].tensor_proto.string_val[0].decode()
 
 
+@pytest.mark.slow
 def test_run_facts_text_says_what_ran(logged):
     acc, tb = logged[0][""], logged[2]
     text = fact_text(acc)
@@ -174,6 +181,7 @@ def test_run_facts_text_says_what_ran(logged):
     assert "gflops_per_sample" not in text and "| gflops_per_sample | 6.08e-07 |" in fact_text(acc, last=True)
 
 
+@pytest.mark.slow
 def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
     acc = logged[0][""]
     content = acc.PluginTagToContent("hparams")
@@ -224,6 +232,7 @@ def run_layout(acc):
     return layout
 
 
+@pytest.mark.slow
 def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(logged):
     split, _, _ = logged
     layout = run_layout(split[""])

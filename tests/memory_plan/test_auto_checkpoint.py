@@ -108,6 +108,7 @@ def test_the_choices_price_memory_and_recompute(planner):
     assert planner(2, 4).name == "full 2 + selective 4/6" and planner(0, 0).name == "none"
 
 
+@pytest.mark.slow
 def test_auto_takes_the_cheapest_choice_that_fits(planner):
     # Between selective on 2 and on 3 blocks: selective on the first 3, a fraction of a percent of recompute.
     model, choice = fit((planner(0, 2).peak + planner(0, 3).peak) / 2)

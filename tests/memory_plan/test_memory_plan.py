@@ -83,6 +83,7 @@ def transformer_plans():
                              "micro": {"micro_batches": 4}}.items()}
 
 
+@pytest.mark.slow
 def test_checkpointing_and_micro_batches_lower_the_planned_activations(transformer_plans):
     act = {name: plan.peaks[0].kinds["activations"] for name, plan in transformer_plans.items()}
     assert act["checkpointed"] < act["plain"] / 2 and act["micro"] < act["plain"] / 2

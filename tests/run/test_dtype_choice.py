@@ -87,6 +87,7 @@ def test_a_clear_win_is_kept_whatever_the_clock_of_the_runs_after(tmp_path, firs
     assert chosen == ("bfloat16" if first is QUIET else "float32")  # a busy first probe could not tell: float32
 
 
+@pytest.mark.slow
 def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_home(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
     config_dtype(cfg, Loaded(0.25, 0.125), CPU)
@@ -107,6 +108,7 @@ def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_
     assert shown_path(choices_path()) == "~/.cache/ignite-amp/dtype-choices.json"
 
 
+@pytest.mark.slow
 def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
     path = tmp_path / "cache" / "dtype-choices.json"

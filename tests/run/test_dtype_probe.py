@@ -56,6 +56,7 @@ def test_load_on_some_steps_does_not_decide_each_dtypes_fastest_step_does():
     assert probe.dtype == BF16 and probe.ratio == pytest.approx(0.8)  # a median would say 2.4x: float32
 
 
+@pytest.mark.slow
 def test_the_two_run_interleaved_after_a_warm_up_each_within_the_budget():
     model = ClockedCNN(10, 0.125, 0.0625)
     probe_cpu_dtype(model, batch(), clock=CLOCK)

@@ -72,6 +72,7 @@ def _trained(name: str, use_fused: bool, kwargs: dict) -> tuple:
     return [p.detach().clone() for p in model.parameters()], skipped, trainer.amp_step.scaler.get_scale()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kwargs", [("AdamW", {"weight_decay": 0.05}), ("Adam", {}),
                                           ("SGD", {"momentum": 0.9, "nesterov": True})])
 def test_a_fused_step_gives_the_unfused_result_under_a_float16_scaler(name, kwargs):

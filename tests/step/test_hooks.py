@@ -326,6 +326,7 @@ def bn_model():
     return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
+@pytest.mark.slow
 def test_micro_batches_on_a_batchnorm_model_say_once_that_the_gradient_is_no_longer_exact(caplog):
     data = [(torch.randn(8, 5), torch.randint(0, 3, (8,))) for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="ignite_amp"):

@@ -316,6 +316,7 @@ def _load(name: str, source: str):
     return module
 
 
+@pytest.mark.slow
 def test_an_ignite_mnist_script_ports_by_one_line_and_resumes(tmp_path):
     import ignite.engine
 

@@ -152,6 +152,7 @@ class OutOfMemoryAbove(nn.Module):
         return self.model(images, targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 4])
 def test_torchvision_detection_trains_and_evaluates_in_micro_batches_and_after_an_oom_retry(n):
     batches = [detection_batch(n, seed) for seed in range(2)]

@@ -29,6 +29,7 @@ def test_docstring_examples():
     assert_doctests_pass(ignite_amp.transforms.activation_checkpointing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, options, dropout", [
     ("float32", {}, 0.0),
     ("float32", {"micro_batches": 2, "accumulation_steps": 2, "num_items": lambda x, y: (y != -100).sum()}, 0.0),
@@ -122,6 +123,7 @@ def test_a_6_block_model_saves_at_least_2x_fewer_activation_bytes():
         torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True))
 
 
+@pytest.mark.slow
 def test_the_run_facts_name_the_blocks_and_a_model_without_blocks_is_one_warning():
     trainer = train(net(depth=12), True, batches(1))
     facts = step_facts(trainer.amp_step)
@@ -167,6 +169,7 @@ def test_describe_blocks():
     assert describe_blocks([]) == ""
 
 
+@pytest.mark.slow
 def test_out_of_memory_backoff_with_it_on_loses_nothing():
     data = batches(3, size=8)
     reference = net()

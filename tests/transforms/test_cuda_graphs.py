@@ -148,6 +148,7 @@ def test_the_config_takes_reduce_overhead():
         load_config({"amp": {"compile": "max"}})
 
 
+@pytest.mark.slow
 def test_reduce_overhead_compiles_for_real_on_cpu_and_passes_its_parity_check():
     torch.manual_seed(0)
     model, reference = nn.Linear(4, 3), nn.Linear(4, 3)

@@ -127,6 +127,7 @@ def _losses(dtype: str, steps: int = 60, **kwargs) -> list:
     return losses
 
 
+@pytest.mark.slow
 def test_emulated_float8_trains_within_5_percent_of_bfloat16():
     # Measured on a 2-core CPU VM: loss 2.288 -> 0.268 (float8) vs 0.259 (bfloat16) after 60 steps, 3.4% apart.
     bf16, fp8 = _losses("bfloat16"), _losses("float8")
@@ -374,6 +375,7 @@ def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch
         '(or pip install "torchao>=0.10"); other dtypes run without it']
 
 
+@pytest.mark.slow
 def test_float8_and_activation_checkpointing_compose_exactly():
     """The model transforms in their order (float8, then activation checkpointing): the same weights with
     checkpointing on as off, under float8 with micro-batches."""

@@ -94,6 +94,7 @@ def test_the_recompute_runs_no_matmul_again():
     assert "addmm" in SAVED_OPS and "native_layer_norm" not in SAVED_OPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options, dropout", [
     ({}, 0.0), ({"micro_batches": 2}, 0.3), ({"dtype": "bfloat16"}, 0.0),
     ({"dtype": "float16", "micro_batches": 2, "accumulation_steps": 2}, 0.0),  # with the GradScaler
@@ -149,6 +150,7 @@ def test_selective_checkpoints_compile_in_one_graph(float8):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_float8_and_selective_checkpointing_compose_exactly():
     """float8, then checkpointing (the transforms' order): the blocks' float8 matmuls (_scaled_mm) are kept."""
     pytest.importorskip("torchao")
