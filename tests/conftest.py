@@ -69,8 +69,8 @@ def quick_cfg(tmp_path):
 
 @pytest.fixture
 def browser():
-    """Headless Chromium through chromedriver (tests/webdriver.py); the test is skipped without them."""
-    from webdriver import Browser, find_browser
+    """Headless Chromium through chromedriver (tests/helpers/webdriver.py); the test is skipped without them."""
+    from helpers.webdriver import Browser, find_browser
 
     found = find_browser()
     if found is None:

@@ -1,14 +1,14 @@
 """The batch-size search and the out-of-memory backoff on a capped device, without a GPU: a CPU stand-in of
-CUDA's caching allocator (tests/batch_search/caching_allocator.py) whose reserve reaches the cap whatever the
+CUDA's caching allocator (tests/helpers/caching_allocator.py) whose reserve reaches the cap whatever the
 batch, as an H100's did under ``set_per_process_memory_fraction`` (issue 48)."""
 import gc
 
 import pytest
 import torch
-from caching_allocator import AllocatingNet, CachingAllocatorStandIn, MiB
 from ignite.engine import Events
 from torch.nn.functional import cross_entropy
 
+from helpers.caching_allocator import AllocatingNet, CachingAllocatorStandIn, MiB
 from ignite_amp import create_amp_trainer
 from ignite_amp.batch_search import CudaMemoryMeter, MemoryMeter, Trial, TrialRunner, find_batch_size, search_batch_size
 from ignite_amp.handlers import OOMBackoff

@@ -1,9 +1,8 @@
 """ignite_amp.core.memory: the peak window over an allocator's counters (on the CPU stand-in of CUDA's caching
-allocator, tests/batch_search/caching_allocator.py), and the module's examples."""
-from caching_allocator import CachingAllocatorStandIn, MiB
-
+allocator, tests/helpers/caching_allocator.py), and the module's examples."""
 import ignite_amp.core.memory
 from helpers import assert_doctests_pass
+from helpers.caching_allocator import CachingAllocatorStandIn, MiB
 from ignite_amp.core.memory import PeakWindow
 
 CAP = 1024 * MiB

@@ -50,7 +50,7 @@ def tokens(n):
 
 def measured_peak(model, optimizer, make_batch, n, **kwargs) -> int:
     """The real step's peak, tracked as the plan tracks the fake one (optimizer state as after a first step; the
-    steady step's: the one-time split check is planned apart, tests/run/test_reliability_6.py)."""
+    steady step's: the one-time split check is planned apart, tests/cli/test_adversarial_commands.py)."""
     trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", **{"check_split": False, **kwargs})
     warm_optimizer(optimizer)
     batch = make_batch(n)
