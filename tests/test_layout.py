@@ -5,11 +5,13 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 
+import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT, checkout_copy
 
 PACKAGES = {"ignite_amp": os.path.join(ROOT, "ignite_amp"), "ignite_amp.handlers": os.path.join(ROOT, "handlers")}
 
@@ -142,6 +144,8 @@ def test_no_folder_is_a_hall():
     assert not crowded, crowded
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_each_folder_names_its_public_names_and_imports_them_on_first_use():
     """``from ignite_amp.step import AmpStep``, as ``from ignite.engine import Engine``: the defining module's
     object, listed by ``dir()``; nothing is imported before a name is used (a fresh interpreter)."""
@@ -194,20 +198,8 @@ def test_no_module_is_a_hall():
     assert not long, long
 
 
-def checkout_copy(dest) -> str:
-    """The checkout's files (tracked, and new ones git does not ignore) copied to ``dest``: a build there leaves
-    nothing in the checkout (setuptools writes ``build/`` and ``*.egg-info`` beside the sources)."""
-    import shutil
-
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, listed):
-        if os.path.isfile(os.path.join(ROOT, name)):
-            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
-    return str(dest)
-
-
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     before = set(os.listdir(ROOT))
     source = checkout_copy(tmp_path / "source")
@@ -227,8 +219,19 @@ def test_the_wheel_installs_one_package_named_ignite_amp(tmp_path):
     assert "ignite_amp/configs/quickstart.yaml" in shipped and shipped <= set(names), shipped - set(names)
     from ignite_amp import __version__
     assert wheel.startswith(f"ignite_amp-{__version__}-"), wheel  # the version: ignite_amp/version.py alone
+    info = f"{wheel.split('-py')[0]}.dist-info"  # LICENSE, or licenses/LICENSE with a newer setuptools (PEP 639)
+    assert {f"{info}/LICENSE", f"{info}/licenses/LICENSE"} & set(names), [n for n in names if n.startswith(info)]
+    # The sdist (setuptools' own build, as `python -m build` calls it) ships the LICENSE too.
+    proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                           "print(b.build_sdist(sys.argv[1]))", str(tmp_path)], cwd=source, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(tmp_path / proc.stdout.split()[-1]) as sdist:
+        assert {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n} >= {"LICENSE", "CHANGELOG.md"}
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_importing_the_package_leaves_logging_alone():
     code = ("import logging; before = {n: logging.getLogger(n).level for n in logging.root.manager.loggerDict}; "
             "root = logging.getLogger().level; handlers = list(logging.getLogger().handlers); "

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from ignite_amp import __version__
 
 CHANGELOG = open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8").read()
@@ -100,3 +100,15 @@ def test_ci_builds_checks_and_trains_from_the_wheel_outside_the_checkout():
     cfg.read(os.path.join(ROOT, "setup.cfg"))
     release = cfg["options.extras_require"]["release"]
     assert re.search(r"^build\b", release, re.M) and re.search(r"^twine\b", release, re.M)
+
+
+def test_the_license_is_the_bsd_3_clause_setup_cfg_declares_and_ships():
+    """LICENSE is BSD-3-Clause, as setup.cfg says; setup.cfg and MANIFEST.in put it in the sdist and the wheel
+    (tests/test_layout.py's wheel test builds both and finds it there)."""
+    text = open(os.path.join(ROOT, "LICENSE"), encoding="utf-8").read()
+    assert text.startswith("BSD 3-Clause License\n") and "Copyright (c) 2026, the ignite-amp authors" in text
+    assert "Neither the name of the copyright holder" in text  # the third clause: BSD-3, not BSD-2
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert cfg["metadata"]["license"] == "BSD-3-Clause" and cfg["metadata"]["license_files"].split() == ["LICENSE"]
+    assert "include LICENSE" in open(os.path.join(ROOT, "MANIFEST.in")).read()

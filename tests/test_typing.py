@@ -6,7 +6,9 @@ import os
 import subprocess
 import textwrap
 
-from conftest import ROOT
+import pytest
+
+from helpers import ROOT
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -40,6 +42,9 @@ MISTAKES = {  # the line a user writes -> what the checker must say about it
 }
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_users_script_type_checks_clean_and_each_mistake_is_told(tmp_path):
     clean, wrong = tmp_path / "user_script.py", tmp_path / "user_mistakes.py"
     clean.write_text(SCRIPT)

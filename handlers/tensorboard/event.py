@@ -18,7 +18,7 @@ def file_writer(writer: Any) -> Any:
     """The event file writer of ``writer`` (a ``SummaryWriter``), opened again after ``close()`` as the writer's own
     ``add_scalar`` opens it: a trainer run again after :meth:`~ignite_amp.handlers.TensorBoardMetrics.close` logs
     into new event files. The one use of the writer's private ``_get_file_writer`` (its ``file_writer`` attribute
-    is None once closed); ``tests/run/test_reliability_6.py`` breaks if torch changes it."""
+    is None once closed); ``tests/cli/test_adversarial_commands.py`` breaks if torch changes it."""
     return writer._get_file_writer()
 
 

@@ -12,10 +12,10 @@ from torch.nn.functional import cross_entropy
 import ignite_amp.batch_search.policy
 import ignite_amp.batch_search.runner
 import ignite_amp.batch_search.strategies
-from conftest import ROOT, OOMAbove, assert_doctests_pass
+from helpers import ROOT, FakeClock, OOMAbove, assert_doctests_pass
+from helpers.memory import FakeMeter
 from ignite_amp.batch_search import (
     VERIFY_STAGES,
-    MemoryMeter,
     Trial,
     TrialRunner,
     find_batch_size,
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conft
 GiB, MiB = 2**30, 2**20
 
 
+@pytest.mark.slow
 def test_docstring_examples():
     assert_doctests_pass(ignite_amp.batch_search.policy)
     assert_doctests_pass(ignite_amp.batch_search.strategies)  # fit_line's
@@ -254,33 +255,6 @@ def test_format_trials_shows_every_column_and_why():
 
 
 # -- real steps: find_batch_size with a stand-in model, a fake meter and a fake clock ----------
-class FakeMeter(MemoryMeter):
-    """A simulated device's peak-memory counter: the stand-in model reports what it holds."""
-
-    def __init__(self, capacity):
-        self.capacity, self.peak, self.resets = capacity, 0.0, 0
-
-    def reset(self):
-        self.peak, self.resets = 0.0, self.resets + 1
-
-    def hold(self, nbytes):
-        self.peak = max(self.peak, nbytes)
-
-    def peak_bytes(self):
-        return self.peak
-
-    def capacity_bytes(self):
-        return self.capacity
-
-
-class FakeClock:
-    def __init__(self):
-        self.ms = 0.0
-
-    def __call__(self):
-        return self.ms / 1000
-
-
 class MemoryHungry(nn.Module):
     """Stand-in for a GPU model: a step at batch n holds ``a + b * n`` bytes (optimizer state
     included once it exists; an evaluation forward half the activations), raises
@@ -318,6 +292,7 @@ def make_batch(n):
     return torch.randn(n, 5), torch.randint(0, 3, (n,))
 
 
+@pytest.mark.slow
 def test_find_batch_size_runs_real_steps_measures_them_and_verifies():
     model, optimizer, meter, clock = hungry()
     lines = []
@@ -351,6 +326,7 @@ def test_find_batch_size_runs_real_steps_measures_them_and_verifies():
     assert result.table.splitlines()[1:-1] == lines[2:]
 
 
+@pytest.mark.slow
 def test_the_evaluation_batch_counts():
     """A large evaluation batch can be what does not fit: it is inside every trial's peak."""
     model, optimizer, meter, clock = hungry(a=2 * GiB, b=40 * MiB)
@@ -361,6 +337,7 @@ def test_the_evaluation_batch_counts():
     assert all(n == 600 for training, n, _, _ in model.forwards if not training)
 
 
+@pytest.mark.slow
 def test_find_batch_size_with_a_real_step_leaves_no_trace():
     torch.manual_seed(0)
     model = OOMAbove(limit=100)
@@ -391,6 +368,7 @@ def test_find_batch_size_with_a_real_step_leaves_no_trace():
     assert "OOM" in table and f"chosen batch size {result.batch_size}" in table
 
 
+@pytest.mark.slow
 def test_out_of_memory_inside_the_optimizer_step_is_a_failed_trial():
     model, optimizer, meter, clock = hungry(capacity=16 * GiB)
     step = optimizer.step

@@ -1,17 +1,16 @@
 """The batch-size search and the out-of-memory backoff on a capped device, without a GPU: a CPU stand-in of
-CUDA's caching allocator (tests/batch_search/caching_allocator.py) whose reserve reaches the cap whatever the
+CUDA's caching allocator (tests/helpers/caching_allocator.py) whose reserve reaches the cap whatever the
 batch, as an H100's did under ``set_per_process_memory_fraction`` (issue 48)."""
 import gc
 
 import pytest
 import torch
-from caching_allocator import AllocatingNet, CachingAllocatorStandIn, MiB
 from ignite.engine import Events
 from torch.nn.functional import cross_entropy
 
+from helpers.caching_allocator import AllocatingNet, CachingAllocatorStandIn, MiB
 from ignite_amp import create_amp_trainer
 from ignite_amp.batch_search import CudaMemoryMeter, MemoryMeter, Trial, TrialRunner, find_batch_size, search_batch_size
-from ignite_amp.core.memory import PeakWindow
 from ignite_amp.handlers import OOMBackoff
 
 CAP = 1024 * MiB
@@ -106,6 +105,7 @@ class ReservedMeter(MemoryMeter):
         return float(self.allocator.cap)
 
 
+@pytest.mark.slow
 def test_a_search_that_reads_the_reserve_falls_short_on_a_capped_device(true_fit):
     """The stand-in reproduces the H100's failure: reading the reserve, the search keeps far less than fits
     (or nothing at all)."""
@@ -119,6 +119,7 @@ def test_a_search_that_reads_the_reserve_falls_short_on_a_capped_device(true_fit
     assert kept < 0.9 * true_fit, (kept, true_fit)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["model", "bisect"])
 def test_the_search_on_a_capped_device_is_within_10_percent_of_the_largest_fit(strategy, true_fit):
     """Issue 48's CPU target: the reserve reaches the cap at every size, and the search still keeps a batch
@@ -137,6 +138,7 @@ def test_the_search_on_a_capped_device_is_within_10_percent_of_the_largest_fit(s
     assert trainer.state.iteration == 6
 
 
+@pytest.mark.slow
 def test_the_slack_is_measured_where_the_reserve_is_clear_of_the_cap():
     """The allocator's rounding shows as slack when the reserve had room, and only then."""
     allocator, model, optimizer = capped(cap=8192 * MiB, benchmark=False, per_sample=3 * MiB + 100)
@@ -148,6 +150,7 @@ def test_the_slack_is_measured_where_the_reserve_is_clear_of_the_cap():
     assert t.peak_bytes == pytest.approx(meter.window.highest * (1 + meter.slack), rel=0.05)
 
 
+@pytest.mark.slow
 def test_the_search_leaves_the_peak_counter_as_it_would_read_untouched():
     """A user who reads max_memory_allocated after a search gets the process's peak, the trials' included
     (CUDA's counter has one value per process; the search resets it per trial and restores it)."""
@@ -162,21 +165,8 @@ def test_the_search_leaves_the_peak_counter_as_it_would_read_untouched():
     assert allocator.memory_allocated() == 100 * MiB  # nothing left held
 
 
-def test_a_peak_window_restores_the_larger_of_before_and_its_windows():
-    allocator = CachingAllocatorStandIn(CAP)
-    held = allocator.malloc(10 * MiB)
-    with PeakWindow("stand-in", allocator) as window:
-        window.start()
-        big = allocator.malloc(50 * MiB)
-        del big
-        assert window.allocated_peak() == 60 * MiB
-        window.start()
-        assert window.allocated_peak() == 10 * MiB
-    assert allocator.max_memory_allocated() == 60 * MiB and allocator.memory_allocated() == 10 * MiB
-    del held
-
-
 # -- the backoff --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_backoff_recovers_from_the_stand_ins_out_of_memory_error_losing_no_sample(true_fit):
     """A batch of 2n where n trains and 2n cannot (the reserve at the cap, the cache full of the last
     step's blocks): the allocator raises, the step retries the same batch in micro-batches, every sample is
@@ -196,11 +186,3 @@ def test_the_backoff_recovers_from_the_stand_ins_out_of_memory_error_losing_no_s
     assert trainer.amp_step.micro_batches >= 2
     # after the backoff every iteration's forwards add up to the batch exactly once
     assert sum(seen[attempts[2]:]) == 2 * n
-
-
-def test_the_memory_module_examples_run():
-    import ignite_amp.core.memory
-    from conftest import assert_doctests_pass
-
-    assert_doctests_pass(ignite_amp.core.memory)
-

@@ -1,4 +1,5 @@
 """The ``"plan"`` strategy when the memory plan traced one batch size only (issue 54's type check found it)."""
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,7 @@ class SmallMeter(MemoryMeter):
         return 1000.0
 
 
+@pytest.mark.slow
 def test_a_plan_with_one_traced_size_hands_over_to_the_memory_model():
     # Nothing fits the plan's budget, so it shows its first size only and has no line to read other sizes on:
     # its peak there was None, and the strategy compared None with the budget (a TypeError).

@@ -11,7 +11,7 @@ import ignite
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
@@ -34,6 +34,9 @@ def rows(section: dict, index: int = 0) -> list:
     return section["tables"][index]["rows"]
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_a_reason(smoke):
     report, _ = smoke
     header = report["header"]
@@ -52,6 +55,9 @@ def test_smoke_report_has_the_header_and_every_section_measured_or_skipped_with_
         assert section["seconds"] <= section["budget_s"]
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_gpu_budgets_add_up_to_six_minutes_at_most(smoke):
     """A GPU is lent for about 15 minutes, start included: the default suite runs, is fixed, and runs again."""
     report, _ = smoke
@@ -61,6 +67,9 @@ def test_the_gpu_budgets_add_up_to_six_minutes_at_most(smoke):
     assert all(0 < b["expected_h100_s"] <= b["budget_s"] for b in budgets.values())
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
     report, _ = smoke
     s = report["sections"]
@@ -106,6 +115,9 @@ def test_smoke_sections_ran_their_code_and_skipped_only_what_needs_cuda(smoke):
     assert len(s["j_handler_cost"]["targets"]) == 12
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_smoke_markdown_has_the_header_and_one_part_per_section(smoke):
     report, md = smoke
     header = report["header"]
@@ -143,6 +155,9 @@ def suite(monkeypatch):
                            split_check_section=catalog.split_check_section)
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_section_past_its_budget_is_stopped_with_its_subprocesses_and_keeps_what_it_recorded(suite, tmp_path):
     def slow(ctx):
         child = subprocess.Popen(["sleep", "120"])
@@ -204,6 +219,8 @@ def test_host_syncs_counts_waits_the_debug_mode_cannot_see(suite, monkeypatch):
     assert all(s.split(" at ")[1].startswith("tests/benchmarks/test_gpu_suite.py:") for s in seen), seen
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_path, monkeypatch):
     slow = tmp_path / "site" / "pytest"
     slow.mkdir(parents=True)
@@ -236,6 +253,9 @@ def opt_in(tmp_path_factory):
     return report, out
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
     pytest.importorskip("torchao")
     report, _ = opt_in
@@ -249,6 +269,9 @@ def test_float8_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
     assert len(section["targets"]) == 6 and {t["verdict"] for t in section["targets"]} == {"NOT MEASURED"}
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
     report, out = opt_in
     section = report["sections"]["k_memory_plan"]
@@ -259,6 +282,9 @@ def test_memory_plan_section_is_opt_in_and_not_measured_without_a_gpu(opt_in):
     assert "NOT MEASURED" in (out / "gpu_suite.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_split_check_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
     """Issue 37: the check's first-step cost, on the CPU stand-in: measured there, NOT MEASURED as a GPU figure."""
     assert "l_split_check" in [s.key for s in suite.OPT_IN] and "l_split_check" not in [s.key for s in suite.SECTIONS]
@@ -287,6 +313,9 @@ def test_section_b_reads_an_interval_and_a_verdict_from_its_rounds(monkeypatch):
     assert verdict_of(*ratio_interval(noisy, hand)[1:], 1.01) == "inconclusive"
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a_gpu(suite, tmp_path):
     """Issue 52: none, selective and full on section h's models (CPU stand-ins); auto needs measured GPU peaks."""
     assert "s_checkpointing_policies" in [s.key for s in suite.OPT_IN]
@@ -303,6 +332,9 @@ def test_the_checkpointing_policies_section_is_opt_in_and_not_measured_without_a
     assert [t["verdict"] for t in ctx.result["targets"]] == ["NOT MEASURED"] * 3
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(opt_in):
     """Issue 51: sections p (memory format, fused step), q (input path) and r (CUDA graphs) run their code on the CPU
     stand-in (o's compiled variant needs CUDA) and say NOT MEASURED; they are outside the default budget."""

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import CONFIGS, ROOT
+from helpers import CONFIGS, ROOT
 from ignite_amp import __version__, load_config, train_from_config
 from ignite_amp.cli.main import main
 
@@ -18,6 +18,9 @@ def test_quickstart_config_is_valid_and_uses_no_download():
     assert gpu["data"]["name"] == "cifar10"
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_quickstart_end_to_end_through_the_cli(tmp_path):
     """The README quickstart as written (`python -m ignite_amp train configs/quickstart.yaml`), into a
     temporary output_dir: it reaches the validation accuracy the README states (above 0.9)."""
@@ -51,6 +54,8 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     assert not [x for x in health if "warning" in x], health
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_train_from_config_learns_shapes(quick_cfg):
     result = train_from_config(dict(quick_cfg, train={"epochs": 3}), print_fn=lambda *a: None)
     history = result["history"]
@@ -83,6 +88,7 @@ def test_unwritable_output_dir_fails_before_training(quick_cfg, capsys, tmp_path
     assert err.startswith("ignite-amp: error: output_dir: cannot write to") and err.count("\n") == 1
 
 
+@pytest.mark.subprocess
 def test_help_and_version_do_not_import_torch():
     """`python -m ignite_amp --help` and `--version` answer without importing torch (or Ignite)."""
     code = ("import runpy, sys\n"

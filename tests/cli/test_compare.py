@@ -1,6 +1,7 @@
 import math
 import os
 
+import pytest
 import torch
 import yaml
 from torch import nn
@@ -9,6 +10,7 @@ from ignite_amp.cli.compare import compare, format_table
 from ignite_amp.cli.main import main
 
 
+@pytest.mark.slow
 def test_compare_modes_from_the_same_weights(quick_cfg, tmp_path):
     results = compare(quick_cfg, steps=6, modes=["float16", "float16+scaler", "bfloat16"], print_fn=lambda *a: None)
     assert [r.mode for r in results] == ["float32", "float16", "float16+scaler", "bfloat16"]
@@ -39,6 +41,7 @@ def scalar_tags(path):
     return acc.Tags()["scalars"]
 
 
+@pytest.mark.slow
 def test_a_second_comparison_starts_fresh_curves(quick_cfg):
     compare(quick_cfg, steps=2, modes=[], print_fn=lambda *a: None)
     said = []
@@ -53,8 +56,9 @@ def test_a_second_comparison_starts_fresh_curves(quick_cfg):
     assert [e.step for e in acc.Scalars("compare/loss")] == [1, 2, 3]  # this comparison's steps only
 
 
+@pytest.mark.slow
 def test_compare_names_the_layer_that_overflows_float16(quick_cfg):
-    cfg = dict(quick_cfg, model={"name": "conftest:overflow_cnn", "num_classes": 10},
+    cfg = dict(quick_cfg, model={"name": "helpers:overflow_cnn", "num_classes": 10},
                optimizer={"name": "SGD", "lr": 0.01})
     modes = ["float16", "float16+scaler", "bfloat16"]
     results = {r.mode: r for r in compare(cfg, steps=3, modes=modes, print_fn=lambda *a: None)}
@@ -110,6 +114,7 @@ def test_a_finite_mode_is_compared_up_to_where_the_reference_went_non_finite(qui
     assert 0 <= results[1].max_rel_diff < 0.1
 
 
+@pytest.mark.slow
 def test_compare_cli(quick_cfg, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(quick_cfg))
@@ -125,7 +130,6 @@ def test_compare_cli(quick_cfg, tmp_path, capsys):
 
 
 def test_compare_with_a_missing_device_is_one_line(quick_cfg, tmp_path, capsys):
-    import pytest
     import torch
 
     if torch.cuda.is_available():

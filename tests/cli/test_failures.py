@@ -1,11 +1,13 @@
-"""How a command ends when it fails (``ignite_amp.cli.failures.describe``): one line for what Python raises deep
-inside a library where the machine, not the code, is at fault."""
+"""How a command ends when it fails (``ignite_amp.cli.failures``): one line for what Python raises deep inside a
+library where the machine, not the code, is at fault; the thread excepthook when threading hands it no value."""
 import shutil
 import tempfile
+import threading
 from collections import namedtuple
 
 import pytest
 
+from ignite_amp.cli import failures
 from ignite_amp.cli.failures import describe
 
 
@@ -29,3 +31,12 @@ def test_no_usable_temporary_folder_says_which_folders_and_whether_the_disk_is_f
                                          f"room ({tmp_path}, /tmp, ")
     assert line.endswith("); free some space, or set TMPDIR to a folder on a disk with room, and run the command "
                          "again") and "\n" not in line
+
+
+def test_a_thread_error_without_a_value_goes_to_the_usual_hook(monkeypatch):
+    # threading's documentation: ExceptHookArgs.exc_value "can be None"; the hook read its __cause__ (AttributeError).
+    seen = []
+    monkeypatch.setitem(failures.state, "excepthook", seen.append)
+    args = threading.ExceptHookArgs([RuntimeError, None, None, threading.current_thread()])
+    failures.thread_failed(args)
+    assert seen == [args]

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ROOT, tiny_config
+from helpers import ROOT, tiny_config
 
 COLUMNS = 160
 
@@ -106,6 +106,9 @@ def check_epochs_and_bars(screen, epochs=2):
         assert done and done.group(1) == done.group(2), (bar, screen)
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hint_is_quoted(tmp_path):
     out = tmp_path / "my runs" / "term run"  # spaces: the hint must quote the path
     code, raw = run_in_a_terminal(["train", config(tmp_path, output_dir=str(out))], ROOT)
@@ -118,6 +121,9 @@ def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hi
     assert screen[-1].startswith("  and untick \"Ignore outliers in chart scaling\""), screen
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_parent_holds_other_things(tmp_path):
     (tmp_path / "notes.txt").write_text("not a run")  # a home or scratch directory
     out = tmp_path / "x"
@@ -130,6 +136,9 @@ def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_p
     assert screen[-3] == f"dashboard: tensorboard --logdir {out}", screen
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_line(tmp_path):
     data = {"name": "shapes", "batch_size": 8, "num_workers": 0, "train_size": 4096, "val_size": 32, "image_size": 16}
     code, raw = run_in_a_terminal(["train", config(tmp_path, data=data)], ROOT, ctrl_c_after=b"[1/512]")
@@ -141,6 +150,10 @@ def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_
     assert screen[-1].startswith("ignite-amp: interrupted"), screen
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.skipif(sys.platform != "linux", reason="spawned gloo processes on Linux")
 def test_with_two_processes_the_bars_and_epoch_lines_do_not_share_lines(tmp_path):
     out = tmp_path / "runs" / "two"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import ignite_amp.config.builtin as builtin_configs
-from conftest import CONFIGS, assert_doctests_pass
+from helpers import CONFIGS, assert_doctests_pass
 from ignite_amp.cli.commands import _train_command
 from ignite_amp.cli.configs import resolve_config
 from ignite_amp.cli.main import build_parser, main
@@ -83,6 +83,7 @@ def test_without_the_built_ins_installed_a_file_still_trains_and_a_name_says_how
         find_config("quickstart")
 
 
+@pytest.mark.slow
 def test_train_by_name_from_another_directory_says_which_config_it_took(elsewhere, capsys):
     assert main(["train", "quickstart", *TINY]) == 0
     out = capsys.readouterr().out.splitlines()

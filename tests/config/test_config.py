@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 import ignite_amp.config.tree
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import Config, ConfigError, default_config, flatten_config, load_config
 from ignite_amp.core.config_keys import leaves
@@ -82,7 +82,8 @@ def test_cli_exits_2_with_one_line_for_each_bad_config(tmp_path, capsys, raw, me
     (["--set", "seed.x=1"], "seed: is a value, not a section"),
     # 3,000 levels: one line, not "internal error: RecursionError" (issue 32.18)
     (["--set", "model.kwargs." + ".".join(["a"] * 3000) + "=1"], "a key path of 3002 levels (the limit is 64)"),
-    (["--set", "model.kwargs.a=" + "[" * 3000 + "]" * 3000], "the value is nested too deeply"),
+    pytest.param(["--set", "model.kwargs.a=" + "[" * 3000 + "]" * 3000], "the value is nested too deeply",
+                 marks=pytest.mark.slow),  # seconds (measured), the rest milliseconds
     (["--set", "model.kwargs.a=" + "[" * 100 + "]" * 100], "model.kwargs.a: nested 102 levels deep (the limit is 64)"),
 ])
 def test_bad_overrides(tmp_path, capsys, args, message):

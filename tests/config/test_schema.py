@@ -6,7 +6,7 @@ import os
 import pytest
 import yaml
 
-from conftest import CONFIGS
+from helpers import CONFIGS
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import Config, config_schema, default_config, load_config
 from ignite_amp.core.config_keys import leaves
@@ -59,6 +59,7 @@ CANDIDATES = [-1, 0, 1, 2, 8, 1.5, "x", "auto", "never", "shapes", "cuda:1", "1e
               "\u0661\u0660", "on", "yes", "x\n", "caf\u00e9", "cuda:\u0661", {"1a": 1}, {"true": 1}, {"a": {"1": 2}}]
 
 
+@pytest.mark.slow
 def test_the_schema_and_the_loader_agree_on_every_key():
     """For each key and a spread of values, the editor's verdict (schema) is the loader's."""
     schema = config_schema()

@@ -64,6 +64,8 @@ def test_a_cuda_device_always_carries_its_index(monkeypatch):
     assert CudaMemoryMeter("cuda").device == torch.device("cuda:1")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_gpu_is_described_by_its_index_and_model(monkeypatch):
     from ignite_amp.core.device import describe_device
 

@@ -13,7 +13,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader
 
 import ignite_amp.data.device_batches as device_batches
-from conftest import OOMAbove, assert_doctests_pass, tiny_config
+from helpers import OOMAbove, assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer
 from ignite_amp.config.tree import ConfigError, load_config
 from ignite_amp.data.datasets import (
@@ -194,6 +194,7 @@ def test_the_cpu_default_keeps_the_dataloader():
     assert isinstance(train, DataLoader) and isinstance(val, DataLoader)
 
 
+@pytest.mark.slow
 def test_a_config_run_with_data_on_the_device_trains(tmp_path):
     from ignite_amp.run.compose import build_run
 

@@ -16,7 +16,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.data.prefetch as prefetch
-from conftest import OOMAbove, assert_doctests_pass, mlp, tiny_config
+from helpers import OOMAbove, assert_doctests_pass, mlp, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.core.nested import map_tensors
 from ignite_amp.data.datasets import make_loader
@@ -235,6 +235,7 @@ def test_validation_through_the_wrapper_gives_the_plain_loaders_metrics():
     assert evaluator.run(DevicePrefetcher(loader, CPU, streams=RecordingStreams())).metrics["accuracy"] == plain
 
 
+@pytest.mark.slow
 def test_a_config_run_trains_the_same_losses_through_the_wrapper(tmp_path, monkeypatch):
     """A run built from a config with the prefetcher forced on (the stand-in streams, as on CUDA) trains and
     validates as the run without it: the same batches in the same order, the same figures."""

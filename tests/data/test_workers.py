@@ -3,7 +3,7 @@ costs to load; never more than the cores; a number wins."""
 import pytest
 
 import ignite_amp.data.workers as workers
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.data.workers import MAX_FROM_FILES, MAX_IN_MEMORY, choose_num_workers, usable_cores
 
 

@@ -11,56 +11,26 @@ A python or bash block preceded by ``<!-- not run: why -->`` (one that needs a G
 The site itself is built and checked by tests/docs/test_docs_site.py.
 """
 import configparser
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-from typing import List, NamedTuple, Optional
+from typing import List, Optional
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
+from helpers.docs import Block, code_blocks, guide_pages
 
-DOCS = os.path.join(ROOT, "docs")
+pytestmark = [pytest.mark.docs]
+
+
 LANGUAGES = {"python", "yaml", "bash", "text"}
 # The first word of a documented command, and what is checked of the rest (see check_command).
 COMMANDS = {"ignite-amp", "python", "python3", "pip", "torchrun", "tensorboard", "sphinx-build", "git", "cd", "export",
             "nvidia-smi", "chromium", "apt-get", "CI=true"}
-
-
-class Block(NamedTuple):
-    page: str
-    line: int
-    language: str
-    text: str
-    not_run: str  # the reason given in <!-- not run: ... -->, or ""
-
-    @property
-    def name(self) -> str:
-        return f"{self.page}:{self.line}"
-
-
-def guide_pages() -> List[str]:
-    pages = []
-    for folder, _, files in os.walk(DOCS):
-        if "_build" in folder:
-            continue
-        pages += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".md")]
-    return sorted(pages)
-
-
-def code_blocks(path: str) -> List[Block]:
-    text = open(path, encoding="utf-8").read()
-    page = os.path.relpath(path, ROOT)
-    blocks = []
-    fences = r"^(?:<!-- not run: (.+?) -->\n)?```(\{[\w-]+\}[^\n]*|\w*)\n(.*?)^```\s*$"
-    for match in re.finditer(fences, text, re.M | re.S):
-        if match.group(2).startswith("{"):  # a MyST directive ({toctree}, {eval-rst}), not code
-            continue
-        line = text.count("\n", 0, match.start(2)) + 1
-        blocks.append(Block(page, line, match.group(2), match.group(3), match.group(1) or ""))
-    return blocks
 
 
 BLOCKS = [b for page in guide_pages() for b in code_blocks(page)]
@@ -79,17 +49,88 @@ def test_every_block_says_its_language():
         assert not indented, f"{page}: an indented code fence is not checked; move it out of the list"
 
 
+# The python blocks' runner: one interpreter imports what every block's start would (torch, Ignite, the package),
+# then forks a process per block, which runs it as a script in its own empty directory (its output goes beside the
+# directory): a fresh interpreter's state but for the imports, which are most of its start. A block past 600 s is
+# stopped.
+RUNNER = """
+import json, os, runpy, signal, sys, traceback
+import torch, ignite, ignite_amp  # nothing runs before the forks but these imports
+codes = {}
+for name, script in json.load(sys.stdin):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(600)
+        os.chdir(os.path.dirname(script))
+        for fd, suffix in ((1, ".out"), (2, ".err")):
+            os.dup2(os.open(os.path.dirname(script) + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv, sys.path[0], code = [script], os.path.dirname(script), 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    codes[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(codes))
+"""
+
+
+def run_python_blocks(blocks: List[Block], tmp_path_factory) -> dict:
+    """Runs ``blocks`` by :data:`RUNNER`: ``{name: (exit code, stdout, stderr)}``."""
+    scripts = []
+    for block in blocks:
+        folder = tmp_path_factory.mktemp("block")
+        (folder / "block.py").write_text(block.text)
+        scripts.append((block.name, str(folder / "block.py")))
+    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(scripts), capture_output=True, text=True,
+                          cwd=tmp_path_factory.getbasetemp(), timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout)
+    return {name: (codes[name], *(open(os.path.dirname(script) + s).read() for s in (".out", ".err")))
+            for name, script in scripts}
+
+
+@pytest.fixture(scope="module")
+def python_blocks_ran(request, tmp_path_factory):
+    """The python blocks of the selected tests (``-k "guides/architecture"``: that page's), run once for all."""
+    selected = {item.callspec.params["block"].name for item in request.session.items
+                if getattr(item, "originalname", "") == "test_python_block_runs"}
+    return run_python_blocks([b for b in BLOCKS if b.name in selected and not b.not_run], tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("block", of("python"))
-def test_python_block_runs(block, tmp_path):
+def test_python_block_runs(block, python_blocks_ran):
     if block.not_run:
         pytest.skip(block.not_run)
-    script = tmp_path / "block.py"
-    script.write_text(block.text)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, f"{block.name}\n{proc.stderr[-3000:]}"
+    code, stdout, stderr = python_blocks_ran[block.name]
+    assert code == 0, f"{block.name}\n{stderr[-3000:]}"
     if "val accuracy" in block.text:  # a script that says it learns does
-        accuracies = [float(a) for a in re.findall(r"val accuracy ([0-9.]+)", proc.stdout)]
-        assert len(accuracies) >= 2 and accuracies[-1] > accuracies[0], proc.stdout
+        accuracies = [float(a) for a in re.findall(r"val accuracy ([0-9.]+)", stdout)]
+        assert len(accuracies) >= 2 and accuracies[-1] > accuracies[0], stdout
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_python_block_runs_as_a_script_of_its_own(tmp_path_factory):
+    """The runner: each block in its own directory and process, as ``__main__`` with its own imports, and a
+    failure (an exception, an exit code) is its block's alone."""
+    blocks = [Block("p", 1, "python", "import os\nopen('mine.txt', 'w').write(os.getcwd())\nprint(__name__)", ""),
+              Block("p", 2, "python", "import os, sys\nassert not os.listdir('.') or os.listdir('.') == ['block.py']"
+                                      "\nprint(sorted(os.listdir('.')))\nsys.exit(3)", ""),
+              Block("p", 3, "python", "print(torch)", ""),  # no import of its own: fails, as it would when pasted
+              Block("p", 4, "python", "print('after')", "")]
+    ran = run_python_blocks(blocks, tmp_path_factory)
+    assert ran["p:1"][0] == 0 and ran["p:1"][1] == "__main__\n"
+    assert ran["p:2"][0] == 3 and ran["p:2"][1] == "['block.py']\n"  # a's file is not in b's directory
+    assert ran["p:3"][0] == 1 and "NameError: name 'torch' is not defined" in ran["p:3"][2]
+    assert ran["p:4"] == (0, "after\n", "")
 
 
 @pytest.mark.parametrize("block", of("yaml"))
@@ -155,6 +196,8 @@ def check_command(words: List[str], where: str, made: Optional[set] = None) -> N
             check_command(["python"] + rest[rest.index("-m"):], where, made)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("block", of("bash"))
 def test_bash_block_names_real_things(block):
     if block.not_run:
@@ -171,6 +214,8 @@ def test_bash_block_names_real_things(block):
             check_command(words, block.name, made)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_command_check_knows_built_in_configs_and_the_files_init_wrote():
     made: set = set()
     check_command(["ignite-amp", "train", "quickstart"], "t", made)

@@ -10,7 +10,10 @@ import urllib.parse
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
+
+pytestmark = [pytest.mark.docs]
+
 
 PUBLIC = ("ignite_amp", "ignite_amp.handlers")
 
@@ -25,6 +28,9 @@ def site(tmp_path_factory):
     return out, proc.stderr
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_site_builds_without_a_warning(site):
     out, log = site
     assert "WARNING" not in log and "ERROR" not in log, log
@@ -87,6 +93,9 @@ def test_every_public_class_constant_has_a_doc_comment():
     assert not missing, f"class constants without a #: doc comment: {missing}"
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_every_public_name_is_in_the_api_reference(site):
     from sphinx.util.inventory import InventoryFile
 
@@ -98,6 +107,9 @@ def test_every_public_name_is_in_the_api_reference(site):
     assert not missing, f"public names missing from the API reference: {missing}"
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_config_reference_lists_every_key_with_its_doc(site):
     from ignite_amp.config.tree import Config
     from ignite_amp.core.config_keys import leaves
@@ -109,6 +121,9 @@ def test_the_config_reference_lists_every_key_with_its_doc(site):
         assert f"<span class=\"pre\">{path}</span>" in page, path
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_cli_reference_shows_every_command(site):
     from ignite_amp.cli.main import build_parser
 
@@ -123,6 +138,9 @@ def test_the_cli_reference_shows_every_command(site):
                 assert option in page, (name, option)
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_api_page_and_the_offline_search_in_a_browser(site, browser):
     out, _ = site
     browser.open((out / "reference" / "api.html").as_uri() + "#ignite_amp.create_amp_trainer")

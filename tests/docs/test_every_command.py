@@ -23,10 +23,12 @@ from typing import List, NamedTuple, Optional
 import pytest
 import torch
 import yaml
-from test_docs import code_blocks
-from test_layout import checkout_copy
 
-from conftest import ROOT
+from helpers import ROOT, checkout_copy
+from helpers.docs import code_blocks
+
+pytestmark = [pytest.mark.docs]
+
 
 VERBATIM = os.environ.get("IGNITE_AMP_VERBATIM") == "1"
 SMALLER = {"data.train_size": "64", "data.val_size": "32"}
@@ -185,6 +187,10 @@ def checkout_state() -> set:
     return {line for line in status.splitlines() if "__pycache__" not in line}
 
 
+@pytest.mark.timeout(3600)
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_the_readme_and_guides_commands_work_in_the_order_written(tmp_path, capsys):
     commands = [c for page in reading_order() for c in documented_commands(page)]
     assert len(commands) > 30 and commands[0].where.startswith("README.md")
@@ -201,6 +207,9 @@ def test_the_readme_and_guides_commands_work_in_the_order_written(tmp_path, caps
     assert not checkout_state() - before  # the checkout is as it was: no file added or changed (build/, runs/)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_a_command_that_cannot_run_here_says_why():
     assert not_run(Command("p", ["pip", "install", "ignite-amp"])).startswith("needs a release")
     assert not_run(Command("p", shlex.split('pip install -e ".[test]"'))).startswith("installs this checkout")

@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
+
+pytestmark = [pytest.mark.docs]
+
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
@@ -19,6 +23,7 @@ def example(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_char_lm_learns_with_token_weighted_micro_batches_and_keeps_the_best(tmp_path):
     lm = example("char_lm")
     result = lm.main(["--tiny", "--output-dir", str(tmp_path)])
@@ -28,23 +33,29 @@ def test_char_lm_learns_with_token_weighted_micro_batches_and_keeps_the_best(tmp
     assert len(best) == 2 and any(f"{min(losses):.4f}" in f for f in best)
 
 
+@pytest.mark.slow
 def test_hf_style_dict_model_trains_without_a_wrapper():
     result = example("hf_style").main(["--tiny"])
     assert result["val_accuracy"][-1] > 0.9
 
 
+@pytest.mark.slow
 def test_segmentation_evaluates_in_float16_with_float32_outputs():
     result = example("segmentation").main(["--tiny"])
     assert result["output_dtype"] == torch.float32
     assert all(math.isfinite(m["loss"]) and 0.0 <= m["miou"] <= 1.0 for m in result["history"])
 
 
+@pytest.mark.slow
 def test_two_inputs_reports_training_accuracy_from_the_trainer():
     result = example("two_inputs").main(["--tiny"])
     (train_first, _), (train_last, val_last) = result["accuracy"][0], result["accuracy"][-1]
     assert train_last > train_first and val_last > 0.8
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_an_example_runs_as_the_readme_says():
     proc = subprocess.run([sys.executable, os.path.join("examples", "hf_style.py"), "--tiny"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

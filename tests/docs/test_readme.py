@@ -4,11 +4,18 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+import pytest
+
+from helpers import ROOT
+
+pytestmark = [pytest.mark.docs]
+
 
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_readme_python_blocks_run(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert blocks

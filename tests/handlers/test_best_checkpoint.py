@@ -5,7 +5,7 @@ import torch
 from ignite.engine import Engine, Events
 
 import ignite_amp.handlers.best_checkpoint
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.cli.main import main
 from ignite_amp.handlers import BestCheckpoint, CheckpointError
 from ignite_amp.run.compose import build_run
@@ -124,6 +124,8 @@ def test_a_save_stopped_between_the_best_and_the_last_file_resumes_the_newer_bes
     assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.9000.pt", "best_checkpoint_3_accuracy=0.7000.pt"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_attach_keeps_the_temp_files_of_saves_in_progress_in_other_live_processes(tmp_path):
     """Issue 39.6: a second script on the same directory removed the first's in-flight temp file as stale, and the
     first died in FileNotFoundError. A temp file is stale when its pid is gone, or this process's (a restart)."""
@@ -233,6 +235,7 @@ def states(run):
     )
 
 
+@pytest.mark.slow
 def test_resume_equivalence(quick_cfg, tmp_path):
     """4 epochs straight == 2 epochs, a fresh process-like rebuild, resume, 2 more (float16, scaler, onecycle)."""
     torch.use_deterministic_algorithms(True)
@@ -263,6 +266,7 @@ def test_resume_equivalence(quick_cfg, tmp_path):
             assert torch.equal(torch.as_tensor(pa[name]), torch.as_tensor(pb[name])), name
 
 
+@pytest.mark.slow
 def test_cli_reports_bad_checkpoint_in_one_line(quick_cfg, tmp_path, capsys):
     import yaml
 

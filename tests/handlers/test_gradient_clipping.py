@@ -4,7 +4,7 @@ import torch
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.gradient_clipping
-from conftest import assert_doctests_pass, id_batches, mlp
+from helpers import assert_doctests_pass, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_trainer
 from ignite_amp.handlers import GradientClipping
 

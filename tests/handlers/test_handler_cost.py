@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 from ignite.engine import Events
-from test_tensorboard import read, values
 from torch.nn.functional import cross_entropy
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from conftest import id_batches, mlp
+from helpers import id_batches, mlp
+from helpers.tensorboard import read, values
 from ignite_amp import AmpEvents, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, NonFiniteGuard, TensorBoardMetrics
 from ignite_amp.handlers.non_finite_guard import loss_code
@@ -91,6 +91,7 @@ def same(a, b) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_logged_number_is_the_one_torchs_norm_and_clipping_give(tmp_path, dtype):
     """The default handlers together, seeded: each logged scalar equals, to the bit, what a hand loop with

@@ -7,7 +7,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 import ignite_amp.handlers.oom_backoff
-from conftest import OOMAbove, assert_doctests_pass, id_batches
+from helpers import OOMAbove, assert_doctests_pass, id_batches
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.config.tree import ConfigError
 from ignite_amp.handlers import BatchSizeFloorError, OOMBackoff
@@ -41,6 +41,7 @@ def make(limit, lr=0.1, backoff=None, seed=0):
     return model, trainer
 
 
+@pytest.mark.slow
 def test_training_completes_every_sample_once_and_weights_match_reference():
     batches = id_batches(40, 8)
     ref, ref_trainer = make(limit=1000)
@@ -57,6 +58,7 @@ def test_training_completes_every_sample_once_and_weights_match_reference():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_floor_stops_the_run_with_one_line():
     model, trainer = make(limit=3, backoff=OOMBackoff(min_batch_size=4))
     with pytest.raises(BatchSizeFloorError) as info:
@@ -74,6 +76,7 @@ def test_other_errors_are_not_swallowed(error):
     assert info.value is error and backoff.events == 0
 
 
+@pytest.mark.slow
 def test_evaluator_backs_off_too():
     model = OOMAbove(limit=3)
     evaluator = create_amp_evaluator(model, {"accuracy": Accuracy()}, device="cpu", dtype="float32")
@@ -85,6 +88,7 @@ def test_evaluator_backs_off_too():
     assert evaluator.amp_step.micro_batches == 4
 
 
+@pytest.mark.slow
 def test_grow_after_tries_larger_again_and_still_loses_nothing():
     backoff = OOMBackoff(grow_after=2)
     model, trainer = make(limit=4, backoff=backoff)
@@ -138,13 +142,14 @@ def test_state_round_trip_and_bad_arguments():
 
 
 def oom_cfg(quick_cfg, **over):
-    cfg = dict(quick_cfg, model={"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 8}},
+    cfg = dict(quick_cfg, model={"name": "helpers:oom_cnn", "num_classes": 10, "kwargs": {"limit": 8}},
                amp={"dtype": "float32"})
     cfg["data"] = dict(cfg["data"], batch_size=32)
     cfg.update(over)
     return cfg
 
 
+@pytest.mark.slow
 def test_config_run_with_backoff_completes_and_resumes_at_the_size_that_worked(quick_cfg):
     run = build_run(oom_cfg(quick_cfg), print_fn=lambda *a: None)
     run.train()
@@ -155,12 +160,14 @@ def test_config_run_with_backoff_completes_and_resumes_at_the_size_that_worked(q
     assert again.to_save["oom_backoff"].events == 2
 
 
+@pytest.mark.slow
 def test_config_without_backoff_fails_on_oom(quick_cfg):
     run = build_run(oom_cfg(quick_cfg, handlers={"oom_backoff": {"enabled": False}}), print_fn=lambda *a: None)
     with pytest.raises(torch.OutOfMemoryError):
         run.train()
 
 
+@pytest.mark.slow
 def test_mode_batch_refuses_fixed_length_schedules(quick_cfg):
     with pytest.raises(ConfigError, match="handlers.oom_backoff.mode: batch changes the steps per epoch"):
         build_run(oom_cfg(quick_cfg, scheduler={"name": "cosine"}, handlers={"oom_backoff": {"mode": "batch"}}))

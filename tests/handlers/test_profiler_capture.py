@@ -13,7 +13,7 @@ from torch.autograd import DeviceType
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.profiler_capture
-from conftest import ROOT, assert_doctests_pass, id_batches, mlp
+from helpers import ROOT, assert_doctests_pass, id_batches, mlp
 from ignite_amp import create_amp_trainer
 from ignite_amp.handlers import ProfilerCapture
 from ignite_amp.handlers.profiler_capture import format_breakdown, step_breakdown
@@ -142,12 +142,14 @@ def test_step_breakdown_counts_iterations_that_ran_a_step():
     assert "| forward | 2.50 | 31% |" in format_breakdown(result)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_no_kineto_error_lines_on_a_cpu_run(tmp_path):
     """A CUDA build of torch on a machine without a GPU driver makes Kineto print
     `gpuGetDeviceCount failed with code 35` (and USDT lines) around a profile; on CPU runs
     ProfilerCapture sets KINETO_LOG_LEVEL=6 before the process's first profile. (Without it, this
     machine prints them: checked by hand, not here, to keep the test to one subprocess.)"""
-    code = ("import os, sys, torch; sys.path.insert(0, 'tests'); from conftest import id_batches, mlp; "
+    code = ("import os, sys, torch; sys.path.insert(0, 'tests'); from helpers import id_batches, mlp; "
             "from ignite_amp import create_amp_trainer; from ignite_amp.handlers import ProfilerCapture; "
             "m = mlp(); t = create_amp_trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "
             "torch.nn.functional.cross_entropy, device='cpu'); "

@@ -5,7 +5,7 @@ from ignite.handlers import CosineAnnealingScheduler, PiecewiseLinear
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.step_schedule
-from conftest import assert_doctests_pass, tiny_config
+from helpers import assert_doctests_pass, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer
 from ignite_amp.handlers import StepSchedule
 
@@ -118,6 +118,7 @@ def test_a_batch_mode_oom_backoff_is_refused_before_the_first_step_in_either_ord
     StepSchedule(torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=len(batches()))).attach(trainer)
     assert trainer.run(batches(), max_epochs=1).iteration == len(batches())
 
+@pytest.mark.slow
 def test_the_config_path_is_exact_too(tmp_path):
     from ignite_amp.run.compose import build_run
 

@@ -8,8 +8,8 @@ import re
 import time
 
 import pytest
-from test_tensorboard_server import serve_tensorboard
 
+from helpers.tensorboard import serve_tensorboard
 from ignite_amp import train_from_config
 from ignite_amp.cli.commands import _dashboard_hint
 from ignite_amp.files.run_directory import dashboard_command
@@ -58,6 +58,7 @@ def cropped(cards) -> list:
             if any(y < -1 or y > line["height"] + 1 for y in line["ys"])]
 
 
+@pytest.mark.slow
 def test_the_printed_dashboard_tells_train_from_val_by_colour_and_legend(three_epochs, browser, tmp_path):
     base, result = three_epochs
     hint = _dashboard_hint(result["tensorboard_dir"])
@@ -118,6 +119,7 @@ def pixels_of(png: bytes, box, ratio: float, colour: tuple) -> int:
     return sum(1 for i in range(0, len(data), 3) if all(abs(data[i + k] - colour[k]) <= 40 for k in range(3)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tag", ["loss", "accuracy"])
 def test_time_series_draws_the_validation_line_in_its_own_colour(three_epochs, browser, tmp_path, tag):
     pytest.importorskip("PIL")

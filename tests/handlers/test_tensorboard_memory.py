@@ -1,9 +1,9 @@
 """The TensorBoard memory handler reads each window's CUDA peak and leaves the process's peak counter as a user
 reads it (issue 48: every variant of a GPU benchmark read ~640 MB because the handler reset it at each log)."""
 import torch
-from caching_allocator import CachingAllocatorStandIn, MiB
 from ignite.engine import Engine, Events
 
+from helpers.caching_allocator import CachingAllocatorStandIn, MiB
 from ignite_amp.handlers.tensorboard.memory import DeviceMemory
 
 

@@ -1,38 +1,15 @@
 """A real TensorBoard over a run made here: what its HTTP data API serves is what the TensorBoard guide's
 "Which tab shows what" (docs/guides/tensorboard.md) promises (the run's name, the dashboard, the run facts,
 the tags)."""
-import contextlib
-import json
 import os
-import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
+from helpers.tensorboard import fetch, serve_tensorboard
 from ignite_amp import train_from_config
 from ignite_amp.files.run_directory import dashboard_command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", 0))
-        except OSError as exc:
-            pytest.skip(f"no port can bind on 127.0.0.1 ({exc})")
-        return s.getsockname()[1]
-
-
-def fetch(base: str, path: str, body=None):
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
 
 
 @pytest.fixture
@@ -51,41 +28,7 @@ def served(quick_cfg, tmp_path):
         yield base, result
 
 
-@contextlib.contextmanager
-def serve_tensorboard(command: str, runs: set):
-    """A TensorBoard started as ``command`` (``tensorboard --logdir ...``; its base URL), once it lists ``runs``;
-    stopped with its data server after."""
-    port = free_port()
-    words = shlex.split(command)
-    assert words[0] == "tensorboard"
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", *words[1:], "--host",
-                             "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline, runs_seen = time.monotonic() + 30, []
-        while time.monotonic() < deadline:  # TensorBoard loads the event files asynchronously
-            if proc.poll() is not None:
-                pytest.fail(f"tensorboard exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                runs_seen = fetch(base, "/data/runs")
-            except OSError:
-                runs_seen = []
-            if runs <= set(runs_seen):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"tensorboard did not show the runs within 30 s (saw {runs_seen})")
-        yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # its data server too
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
+@pytest.mark.slow
 def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served):
     base, result = served
     # The run's own files are ".", one run per split under it (as Keras's), the profiler's text beside;
@@ -153,6 +96,8 @@ def check_hparams(base, result):
     assert values[("train", "throughput/median_samples_per_sec")] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_in_a_real_browser_the_dashboard_renders_without_console_warnings(served, tmp_path):
     """Headless Chromium (from the OS packages; skipped without it) opens the URL the CLI prints and the
     HParams tab: pages render, and the console has no HParams domain warning."""

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan.auto_checkpoint as auto_checkpoint
-from conftest import assert_doctests_pass, tiny_config
+from helpers import assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer, load_config
 from ignite_amp.memory_plan.auto_checkpoint import _ladder, checkpoint_to_fit
 from ignite_amp.memory_plan.choices import OptionPlanner
@@ -108,6 +108,7 @@ def test_the_choices_price_memory_and_recompute(planner):
     assert planner(2, 4).name == "full 2 + selective 4/6" and planner(0, 0).name == "none"
 
 
+@pytest.mark.slow
 def test_auto_takes_the_cheapest_choice_that_fits(planner):
     # Between selective on 2 and on 3 blocks: selective on the first 3, a fraction of a percent of recompute.
     model, choice = fit((planner(0, 2).peak + planner(0, 3).peak) / 2)
@@ -146,6 +147,7 @@ def test_a_model_whose_selective_checkpointing_saves_nothing_gets_full(planner):
     assert _ladder(relu) == [(k, 0) for k in range(7)]
 
 
+@pytest.mark.slow
 def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the_blocks(tmp_path, capsys):
     from ignite_amp.cli.main import main
     from ignite_amp.run.compose import build_run

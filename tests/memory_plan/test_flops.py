@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import ignite_amp.memory_plan.choices as choices
 import ignite_amp.memory_plan.flops as flops
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.memory_plan.flops import count_flops
 
 pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)

@@ -8,29 +8,13 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.memory_plan.plan as memory_plan
-from conftest import assert_doctests_pass
-from ignite_amp import create_amp_trainer
+from helpers import assert_doctests_pass
+from helpers.memory import Transformer, measured_peak, tokens
 from ignite_amp.batch_search import MemoryMeter
-from ignite_amp.memory_plan.fake_step import step_tracker, warm_optimizer
 from ignite_amp.memory_plan.plan import estimate_memory, parse_bytes
 from ignite_amp.models import small_cnn
 
 pytestmark = pytest.mark.fake_trace  # runs after the tests that fork (see conftest)
-
-
-class Transformer(nn.Module):
-    def __init__(self, vocab: int = 50, width: int = 32, layers: int = 3, classes: int = 10):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True)
-                                    for _ in range(layers))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h.mean(1))
 
 
 def cnn() -> nn.Module:
@@ -43,11 +27,6 @@ def mlp() -> nn.Module:
                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def tokens(n):
-    g = torch.Generator().manual_seed(n)
-    return torch.randint(0, 50, (n, 16), generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
 def images(n):
     g = torch.Generator().manual_seed(n)
     return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -56,24 +35,6 @@ def images(n):
 def features(n):
     g = torch.Generator().manual_seed(n)
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
-def measured_peak(model, optimizer, make_batch, n, **kwargs) -> int:
-    """The real step's peak, tracked as the plan tracks the fake one (optimizer state as after a first step; the
-    steady step's: the one-time split check is planned apart, tests/run/test_reliability_6.py)."""
-    trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", **{"check_split": False, **kwargs})
-    warm_optimizer(optimizer)
-    batch = make_batch(n)
-    acc = kwargs.get("accumulation_steps", 1)
-    trainer.state.epoch_length = acc
-    tracker = step_tracker()
-    tracker.track_external(model, optimizer, *batch)
-    with tracker:
-        for iteration in range(max(1, acc - 1), acc + 1):
-            trainer.state.iteration = iteration
-            trainer.amp_step(trainer, batch)
-    return sum(v for per_device in tracker.get_tracker_snapshot("peak").values()
-               for kind, v in per_device.items() if kind != "Total")
 
 
 CASES = {
@@ -123,6 +84,7 @@ def transformer_plans():
                              "micro": {"micro_batches": 4}}.items()}
 
 
+@pytest.mark.slow
 def test_checkpointing_and_micro_batches_lower_the_planned_activations(transformer_plans):
     act = {name: plan.peaks[0].kinds["activations"] for name, plan in transformer_plans.items()}
     assert act["checkpointed"] < act["plain"] / 2 and act["micro"] < act["plain"] / 2
@@ -198,12 +160,13 @@ def test_docstring_examples():
     assert_doctests_pass(memory_plan)
 
 
+@pytest.mark.slow
 def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     import json
 
     import yaml
 
-    from conftest import tiny_config
+    from helpers import tiny_config
     from ignite_amp.cli.main import main
 
     path = tmp_path / "c.yaml"
@@ -310,6 +273,7 @@ class TrackedMeter(MemoryMeter):
         return self.capacity
 
 
+@pytest.mark.slow
 def test_the_batch_size_search_starts_from_the_plan():
     from ignite_amp.batch_search import find_batch_size
 

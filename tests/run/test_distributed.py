@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT, free_port, in_group
 from ignite_amp import load_config, train_from_config
 from ignite_amp.data.datasets import EvenShardSampler
 from ignite_amp.launcher import launch
 
-TESTS = os.path.join(ROOT, "tests")  # where conftest.py is: the children import their models from it
+TESTS = os.path.join(ROOT, "tests")  # where helpers/ is: the children import their models from it
 
 # float32, a model without BatchNorm (per-rank batch statistics would differ from the global
 # batch's), no augmentation: two ranks of 16 must train exactly like one process of 32.
@@ -27,7 +27,7 @@ BASE = {
     "amp": {"dtype": "float32"},
     "data": {"name": "shapes", "batch_size": 32, "num_workers": 0, "train_size": 256, "val_size": 65,
              "image_size": 16},
-    "model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 1000}},
+    "model": {"name": "helpers:oom_cnn", "num_classes": 10, "kwargs": {"limit": 1000}},
     "optimizer": {"name": "AdamW", "lr": 3e-3},
     "scheduler": {"name": "onecycle"},
     "train": {"epochs": 2},
@@ -81,6 +81,9 @@ def epoch_lines(text) -> list:
     return [re.sub(r"\s+[\d.]+s$", "", line) for line in lines if re.match(r"epoch \d+/\d+", line)]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
     cfg = config(tmp_path / "two", handlers={"profiler": {"enabled": True, "wait": 1, "warmup": 1, "active": 2}})
     two = cli(cfg, tmp_path)
@@ -119,6 +122,9 @@ def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
     assert "the largest rank's" in two.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_path):
     """Launched by torchrun. Without OOM backoff DDP overlaps its all-reduce with the last backward
     of each optimizer step, the other chunks under no_sync."""
@@ -131,8 +137,11 @@ def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_pa
     assert_same_weights(weights(tmp_path / "one")["model"], weights(tmp_path / "two")["model"])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
-    cfg = config(tmp_path / "two", model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
+    cfg = config(tmp_path / "two", model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
     two = cli(cfg, tmp_path)
     assert two.returncode == 0, two.stderr
     saved = weights(tmp_path / "two")
@@ -144,16 +153,22 @@ def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
     assert_same_weights(weights(tmp_path / "one")["model"], saved["model"])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_out_of_memory_in_the_first_forward_of_a_batchnorm_model_does_not_hang(tmp_path):
     """DDP would broadcast buffers at the start of a forward: the retrying rank would call it once
     more than the others. The step turns that off and the evaluator sends rank 0's buffers instead."""
-    cfg = config(tmp_path / "bn", model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "norm": True}},
+    cfg = config(tmp_path / "bn", model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "norm": True}},
                  train={"epochs": 1})
     out = cli(cfg, tmp_path)
     assert out.returncode == 0, out.stderr
     assert weights(tmp_path / "bn")["amp_step"]["micro_batches"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_resume_across_process_counts(tmp_path):
     """Two processes then one, and one then two, end where one uninterrupted process does."""
     cfg = config(tmp_path / "ref", scheduler={"name": "none"})
@@ -176,6 +191,9 @@ def test_resume_across_process_counts(tmp_path):
     assert final["trainer"]["iteration"] == reference["trainer"]["iteration"] == 16
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_a_rank_error_is_one_line_in_the_parent(tmp_path):
     cfg = config(tmp_path / "odd", data={"batch_size": 33})
     out = cli(cfg, tmp_path)
@@ -184,6 +202,9 @@ def test_a_rank_error_is_one_line_in_the_parent(tmp_path):
                           "evenly over 2 processes\n")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_nccl_without_cuda_is_refused_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -195,7 +216,7 @@ def test_nccl_without_cuda_is_refused_in_one_line(tmp_path):
 
 
 def _search_on_rank(limits: dict) -> int:
-    from conftest import OOMAbove, mlp  # noqa: F401  (stand-in: a model that runs out of memory above a size)
+    from helpers import OOMAbove, mlp  # noqa: F401  (stand-in: a model that runs out of memory above a size)
     from ignite_amp.batch_search import find_batch_size
 
     model = OOMAbove(limit=limits[dist.get_rank()])
@@ -208,6 +229,8 @@ def _search_on_rank(limits: dict) -> int:
                            dtype="float32", start=8, max_size=256, margin=0.0).batch_size
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_find_batch_size_takes_the_smallest_rank(tmp_path):
     cfg = load_config({"device": "cpu", "distributed": {"nproc_per_node": 2}})
     # Rank 0 holds 200 samples, rank 1 only 50: rank 0 answers with rank 1's size.
@@ -226,7 +249,7 @@ def test_ddp_all_reduces_once_per_optimizer_step(tmp_path, monkeypatch):
     import ignite.distributed as idist
 
     monkeypatch.setenv("LOCAL_RANK", "0")
-    from conftest import mlp
+    from helpers import mlp
     from ignite_amp import create_amp_trainer
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -254,6 +277,9 @@ def test_ddp_all_reduces_once_per_optimizer_step(tmp_path, monkeypatch):
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.gpu
 def test_torchrun_with_one_gpu_process_trains_on_the_gpu_unwrapped(tmp_path):
     """One process under torchrun: no DDP wrapper, the single-GPU path, the same weights as a plain run."""
@@ -266,11 +292,14 @@ def test_torchrun_with_one_gpu_process_trains_on_the_gpu_unwrapped(tmp_path):
     assert_same_weights(weights(tmp_path / "plain")["model"], weights(tmp_path / "tr")["model"], 1e-3, 1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_nccl_on_two_gpus_trains_like_one_and_backs_off_together(tmp_path):
     cfg = config(tmp_path / "two", device="cuda",
-                 model={"name": "conftest:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
+                 model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
     two = cli(cfg, tmp_path)
     assert two.returncode == 0, two.stderr
     assert "training ddp on 2 processes (nccl), cuda" in two.stdout
@@ -280,6 +309,8 @@ def test_nccl_on_two_gpus_trains_like_one_and_backs_off_together(tmp_path):
     assert_same_weights(weights(tmp_path / "one")["model"], saved["model"], 1e-3, 1e-4)  # cuDNN: looser
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_cpu_only_hides_the_gpus_from_cpu_ranks_and_then_restores(monkeypatch):
     """Ignite pins rank N to cuda:N whenever CUDA is visible, gloo included: CPU ranks must not see CUDA."""
     from ignite_amp.launcher import cpu_only
@@ -301,6 +332,9 @@ def test_cpu_only_hides_the_gpus_from_cpu_ranks_and_then_restores(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # a torchrun rank is this process: it stays on the CPU
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_spawned_ranks_die_with_a_killed_launcher(tmp_path):
     """kill -9 of the launching process must not leave its ranks training (holding the lock, writing).
 
@@ -360,11 +394,11 @@ def _choose_non_ascii(rank, out):
     torch.save({"path": path, "epoch": state["trainer"]["epoch"], "texts": texts}, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
     """Case 32.1: rank 0's chosen checkpoint went to the other ranks in a buffer sized in characters, filled with
     UTF-8 bytes ('.../runü/.../last_checkpoint_1.pM')."""
-    from test_fsdp import free_port, in_group
-
     ckpt = tmp_path / "runü" / "checkpoints" / "last_checkpoint_1.pt"
     ckpt.parent.mkdir(parents=True)
     torch.save({"trainer": {"epoch": 1}, "config": {"value": {}}}, ckpt)
@@ -374,6 +408,9 @@ def test_a_non_ascii_path_reaches_every_rank_whole(tmp_path):
         assert result == {"path": str(ckpt), "epoch": 1, "texts": ["😀 €ü", "", "ascii"]}, rank
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
     """Case 32.11: the line ended at "rank 0 of 2 failed:", the cause only in train.log."""
     from ignite_amp.cli.failures import describe
@@ -393,6 +430,9 @@ def test_a_rank_s_internal_error_has_its_cause_in_the_one_line(tmp_path):
 
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_out_of_memory_on_one_rank_is_a_stop_with_what_to_change(tmp_path, monkeypatch):
     """Issue 39: "internal error: RuntimeError: rank 1 of 2 failed: OutOfMemoryError", no advice (an FSDP2
     run cannot retry a batch: no OOMBackoff on several processes)."""
@@ -429,6 +469,8 @@ def _lock_holder(output_dir):
         lock.release()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_busy_output_dir_names_the_command_the_user_started_not_a_rank(tmp_path):
     """Case 32.14: spawned rank 0 wrote its own PID into the lock, which the user never saw."""
     cfg = load_config(config(tmp_path / "busy"))
@@ -448,6 +490,9 @@ def _kill_rank_1(folder):
     time.sleep(60)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_path, monkeypatch):
     """Case 32.9: "the 2 training processes ended without a result (killed?)", and nothing in train.log."""
     import ignite_amp.cli.failures as cli
@@ -468,6 +513,8 @@ def test_a_killed_rank_is_named_with_the_checkpoint_kept_and_how_to_resume(tmp_p
     assert (tmp_path / "train.log").read_text() == line + "\n"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_restart_reads_only_its_own_attempt_s_keys_in_torchrun_s_store(monkeypatch):
     """torchrun serves one store to all its restarts: the rendezvous keeps each attempt's keys apart."""
     from ignite_amp.launcher import _restart_rendezvous
@@ -483,6 +530,9 @@ def test_a_restart_reads_only_its_own_attempt_s_keys_in_torchrun_s_store(monkeyp
     assert (rank, world_size) == (0, 1) and first.check(["rank_0"]) and not second.check(["rank_0"])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_torchrun_max_restarts_resumes_on_the_first_restart_after_a_kill_9(tmp_path):
     """Issue 39: after `kill -9` of rank 0 the first restart died in "Gloo connectFullMesh failed ... Connection
     refused" (the new rank 1 read the killed rank's address from torchrun's store), and only the second resumed."""

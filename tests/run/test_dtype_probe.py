@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ignite_amp.core.device
-from conftest import CLOCK, ClockedCNN, tiny_config
+from helpers import CLOCK, ClockedCNN, tiny_config
 from ignite_amp import probe_cpu_dtype
 from ignite_amp.errors import ConfigError
 from ignite_amp.files.dtype_choice import CACHE_ENV
@@ -56,6 +56,7 @@ def test_load_on_some_steps_does_not_decide_each_dtypes_fastest_step_does():
     assert probe.dtype == BF16 and probe.ratio == pytest.approx(0.8)  # a median would say 2.4x: float32
 
 
+@pytest.mark.slow
 def test_the_two_run_interleaved_after_a_warm_up_each_within_the_budget():
     model = ClockedCNN(10, 0.125, 0.0625)
     probe_cpu_dtype(model, batch(), clock=CLOCK)
@@ -148,12 +149,13 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
         config_dtype(cfg, model, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monkeypatch, tmp_path, kept):
     cpu("avx512")
     monkeypatch.delenv(PROBE_ENV)
     real = dtype_probe.probe_cpu_dtype
     monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda model, xy: real(model, xy, clock=CLOCK))
-    cfg = tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10,
+    cfg = tiny_config(tmp_path, model={"name": "helpers:clocked_cnn", "num_classes": 10,
                                        "kwargs": {"float32": 0.25, "bfloat16": 0.125}},
                       handlers={"tensorboard": {"enabled": True}})
     lines = []

@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.run.fused as fused
-from conftest import assert_doctests_pass, tiny_config
+from helpers import assert_doctests_pass, tiny_config
 from ignite_amp.config.tree import load_config
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import create_amp_trainer
@@ -99,6 +99,7 @@ def _trained(name: str, use_fused: bool, kwargs: dict) -> tuple:
     return [p.detach().clone() for p in model.parameters()], skipped, trainer.amp_step.scaler.get_scale()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kwargs", [("AdamW", {"weight_decay": 0.05}), ("Adam", {}),
                                           ("SGD", {"momentum": 0.9, "nesterov": True})])
 def test_a_fused_step_gives_the_unfused_result_under_a_float16_scaler(name, kwargs):
@@ -169,6 +170,7 @@ def test_auto_channels_last_is_off_under_fsdp_where_true_is_refused():
                                                              "(contiguous shards only)")
 
 
+@pytest.mark.slow
 def test_the_start_line_of_a_cpu_run_says_what_auto_chose(tmp_path):
     from ignite_amp.run.compose import build_run
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, error_lines, id_batches, mlp
+from helpers import ROOT, error_lines, id_batches, mlp
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli.main import main
 from ignite_amp.handlers import NonFiniteError, NonFiniteGuard
@@ -29,6 +29,8 @@ def write(tmp_path, cfg, name="c.yaml"):
     return str(path)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_a_signal_after_the_first_checkpoint_resumes_with_the_same_command(quick_cfg, tmp_path, signum):
     cfg = dict(quick_cfg, train={"epochs": 4}, data=dict(quick_cfg["data"], train_size=512))
@@ -57,6 +59,7 @@ def test_a_signal_after_the_first_checkpoint_resumes_with_the_same_command(quick
     assert f"resumed from {ckpts}/last_checkpoint_{done}.pt" in again.stdout
 
 
+@pytest.mark.slow
 def test_an_unreadable_last_checkpoint_falls_back_and_none_readable_is_one_line(quick_cfg, tmp_path, capsys):
     path = write(tmp_path, dict(quick_cfg, train={"epochs": 1}))
     assert main(["train", path]) == 0
@@ -104,6 +107,7 @@ def test_nan_in_float16_is_skipped_and_the_run_goes_on():
 
 
 # The second command resumes after epoch 1 (8 iterations of 32), so NaN iteration k is 8 + k.
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, after, message", [
     ("float16", 1, "non-finite gradients in 3 float16 steps in a row, the last at iteration 11"),
     ("bfloat16", 3, "non-finite loss at iteration 11 in bfloat16"),
@@ -112,7 +116,7 @@ def test_nan_in_float16_is_skipped_and_the_run_goes_on():
 def test_nan_stops_the_run_with_one_line_and_keeps_the_best_checkpoint(quick_cfg, tmp_path, capsys, monkeypatch,
                                                                        dtype, after, message):
     cfg = dict(quick_cfg, amp={"dtype": dtype}, train={"epochs": 2},
-               model={"name": "conftest:nan_after", "num_classes": 10, "kwargs": {"after": 10**6}},
+               model={"name": "helpers:nan_after", "num_classes": 10, "kwargs": {"after": 10**6}},
                handlers={"non_finite": {"max_consecutive": 3}})
     path = write(tmp_path, cfg)
     assert main(["train", path, "--set", "train.epochs=1"]) == 0  # one good epoch: a best checkpoint
@@ -166,6 +170,7 @@ def test_the_guard_reads_cuda_flags_without_waiting_and_in_order():
     assert len(guard._pending) == guard.RING - 1 and len(guard._free) == 1
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_is_one_line_before_training(quick_cfg, tmp_path, capsys):
     if os.geteuid() == 0:  # root writes anywhere: use a path under a regular file instead
         blocker = tmp_path / "blocker"
@@ -210,6 +215,7 @@ def mutate(cfg: dict, rng: random.Random):
     return cfg
 
 
+@pytest.mark.slow
 def test_config_fuzzing_never_shows_a_traceback(quick_cfg, tmp_path, capsys, monkeypatch):
     """300 mutations of a valid config: each runs (one iteration), exits 2 with one line, or (a huge
     learning rate, say) stops with one line and exit 1."""

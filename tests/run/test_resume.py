@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_config
+from helpers import tiny_config
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import load_config
 from ignite_amp.errors import CheckpointError
@@ -77,6 +77,7 @@ def test_a_changed_config_over_a_finished_run_is_a_new_run_unless_it_trains_long
     assert rerun_of_a_finished_run(stored, None, new)[0] == "resume"  # a checkpoint that does not say: as before
 
 
+@pytest.mark.slow
 def test_a_finished_run_rerun_with_fewer_epochs_starts_anew_and_moves_it_aside(tmp_path, capsys):
     path, cfg = base(tmp_path, train={"epochs": 2})
     assert main(["train", path]) == 0
@@ -109,6 +110,7 @@ def last(cfg, epoch):
     return torch.load(os.path.join(cfg["output_dir"], "checkpoints", f"last_checkpoint_{epoch}.pt"), weights_only=True)
 
 
+@pytest.mark.slow
 def test_changed_settings_take_effect_and_the_epoch_length_follows_the_loader(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0
@@ -146,6 +148,7 @@ def test_a_config_runs_change_of_dtype_is_said_once_in_its_resume_line(tmp_path,
     assert "resumed a checkpoint trained in" not in captured.out + captured.err  # the step's own line: not twice
 
 
+@pytest.mark.slow
 def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0
@@ -162,6 +165,7 @@ def test_a_refused_change_is_one_line_and_changes_nothing(tmp_path, capsys):
     assert open(os.path.join(cfg["output_dir"], "config.yaml")).read() == config_before
 
 
+@pytest.mark.slow
 def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path, capsys):
     path, cfg = base(tmp_path, train={"epochs": 2})
     assert main(["train", path]) == 0
@@ -176,6 +180,7 @@ def test_resume_never_moves_the_old_run_aside_so_auto_never_picks_it_up(tmp_path
     assert f"resumed from {cfg['output_dir']}/checkpoints/last_checkpoint_1.pt at epoch 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_starting_over_moves_the_tensorboard_split_runs_aside_too(tmp_path, capsys):
     """The train and val runs (subdirectories of output_dir) go with the rest: no old curve under a new run."""
     path, cfg = base(tmp_path, handlers={"tensorboard": {"enabled": True}})
@@ -187,6 +192,7 @@ def test_starting_over_moves_the_tensorboard_split_runs_aside_too(tmp_path, caps
             == len(os.listdir(os.path.join(cfg["output_dir"], split)))
 
 
+@pytest.mark.slow
 def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_path, capsys):
     path, cfg = base(tmp_path)
     bad = ["--set", "data.name=cifar10", "--set", f"data.root={tmp_path / 'none'}"]
@@ -198,6 +204,7 @@ def test_a_start_that_failed_its_checks_is_not_a_previous_run_to_move_aside(tmp_
     assert "building the run failed: ConfigError: data.root" in log and "epoch 1/1" in log  # its details, then the run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["none", "cosine"])
 def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys, schedule):
     path, cfg = base(tmp_path, scheduler={"name": schedule})
@@ -216,6 +223,7 @@ def test_the_hint_of_a_finished_run_names_a_command_that_works(tmp_path, capsys,
     assert not os.path.exists(cfg["output_dir"])
 
 
+@pytest.mark.slow
 def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_path, capsys):
     path, cfg = base(tmp_path)
     assert main(["train", path]) == 0
@@ -227,6 +235,8 @@ def test_batch_size_auto_on_resume_reuses_the_stored_size_without_searching(tmp_
     assert last(cfg, 2)["config"]["value"]["data"]["batch_size"] == 32
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
     """Issue 32.8: a stored config whose kwargs repeat a value 2**60 times through shared objects (what YAML
     aliases load as) is compared, and a change in it shown, in time linear in what is written. In a child
@@ -257,6 +267,7 @@ def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
     assert key == "model.kwargs" and int(length) < 400
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_directory(tmp_path, capsys, monkeypatch):
     """Cases 32.2 and 32.3: resuming epoch 1 of a 3-epoch run deleted its newer best checkpoints; stopped at
     epoch 2, ``resume: auto`` then took the abandoned last_checkpoint_3, and the SIGTERM line's "same command"
@@ -295,10 +306,10 @@ def test_a_run_resumed_from_an_older_checkpoint_is_the_one_timeline_of_its_direc
 
 
 # --- a run killed mid-epoch resumes to the uninterrupted run's weights, bit for bit ------------------------------
-OOM = {"model": {"name": "conftest:oom_cnn", "num_classes": 10, "kwargs": {"limit": 16}}}  # batches of 32: 2 chunks
+OOM = {"model": {"name": "helpers:oom_cnn", "num_classes": 10, "kwargs": {"limit": 16}}}  # batches of 32: 2 chunks
 COMBINATIONS = {  # a pass over the loader is 4 batches of 32
     "float8-epoch_length-cosine": {"amp": {"dtype": "float8"}, "scheduler": {"name": "cosine"},
-                                   "model": {"name": "conftest:image_mlp", "num_classes": 10, "kwargs": {}},
+                                   "model": {"name": "helpers:image_mlp", "num_classes": 10, "kwargs": {}},
                                    "train": {"epoch_length": 3}},
     "epoch_length-cosine": {"train": {"epoch_length": 3}, "scheduler": {"name": "cosine"}},
     "epoch_length-longer-than-the-loader-onecycle": {"train": {"epoch_length": 6}, "scheduler": {"name": "onecycle"}},
@@ -335,6 +346,7 @@ def _killed_in_epoch_2(cfg):
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over", COMBINATIONS.values(), ids=COMBINATIONS)
 def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, over):
     """Issue 39.2, 39.3: train.epoch_length shorter than the loader (a resume started a new pass where the run was in

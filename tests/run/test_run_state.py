@@ -157,6 +157,7 @@ def epochs_printed(out):
     return [int(m) for m in re.findall(r"^epoch (\d+)/", out, re.M)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, target", POINTS, ids=[f"{p}-{t.rstrip('_.pt')}" for p, t in POINTS])
 @pytest.mark.parametrize("kind", ["kill", "sigint", "enospc"])
 def test_a_fault_in_the_save_sequence_loses_at_most_one_epoch(tmp_path, reference, point, target, kind):

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT
-from conftest import tiny_config as config
+from helpers import ROOT
+from helpers import tiny_config as config
 from ignite_amp.cli.main import main
 
 
@@ -48,8 +48,8 @@ CASES = [
      "scheduler.kwargs: cosine refused its arguments (unsupported operand"),
     ("image too small for the model", {"data": {"image_size": 8}}, 2,
      "model.name: ignite_amp.models:small_cnn cannot run on 3x8x8 images"),
-    ("wrong head width", {"model": {"name": "conftest:three_outputs", "num_classes": 10, "kwargs": {}}}, 2,
-     "model.name: conftest:three_outputs returns (2, 3) for a batch of 2, not (2, 10) logits"),
+    ("wrong head width", {"model": {"name": "helpers:three_outputs", "num_classes": 10, "kwargs": {}}}, 2,
+     "model.name: helpers:three_outputs returns (2, 3) for a batch of 2, not (2, 10) logits"),
     ("corrupt image", lambda t: (image_folder(t / "imgs", {"train": ["a", "b"], "val": ["a", "b"]},
                                               corrupt="train/a/bad.png"),
                                  {"data": {"name": "imagefolder", "root": str(t / "imgs"), "image_size": 16,
@@ -75,6 +75,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what, change, code, message", CASES, ids=[c[0] for c in CASES])
 def test_each_user_fault_is_one_line(tmp_path, capsys, what, change, code, message):
     change = change(tmp_path) if callable(change) else change
@@ -86,6 +87,7 @@ def test_each_user_fault_is_one_line(tmp_path, capsys, what, change, code, messa
     assert "epoch 1/" not in captured.out  # found before training, not after an epoch
 
 
+@pytest.mark.slow
 def test_an_unwritable_profiler_dir_is_found_before_training_not_after_an_epoch(tmp_path, capsys):
     # TensorBoard's event files sit in output_dir itself (checked first); the profiler writes under it.
     cfg = config(tmp_path)
@@ -100,6 +102,7 @@ def test_an_unwritable_profiler_dir_is_found_before_training_not_after_an_epoch(
     assert "run/profiler (" in captured.err and "epoch 2/2" not in captured.out
 
 
+@pytest.mark.slow
 def test_duplicate_yaml_keys_name_the_key_and_the_lines(tmp_path, capsys):
     text = "optimizer:\n  name: AdamW\n  lr: 0.1\n  lr: 0.2\n"
     assert main(["train", write(tmp_path, text)]) == 2
@@ -107,6 +110,7 @@ def test_duplicate_yaml_keys_name_the_key_and_the_lines(tmp_path, capsys):
     assert err.count("\n") == 1 and "(line 4, column 3): duplicate key 'lr' (first on line 3)" in err
 
 
+@pytest.mark.slow
 def test_cifar_download_without_network_is_one_line(tmp_path, capsys, monkeypatch):
     import urllib.error
 
@@ -123,6 +127,7 @@ def test_cifar_download_without_network_is_one_line(tmp_path, capsys, monkeypatc
     assert "Temporary failure in name resolution" in err and "cifar-10-batches-py folder there yourself" in err
 
 
+@pytest.mark.slow
 def test_compare_into_an_unwritable_dir_is_one_line(tmp_path, capsys):
     cfg = config(tmp_path, output_dir=blocked(tmp_path, "f"))
     assert main(["compare", write(tmp_path, cfg), "--steps", "2"]) == 2
@@ -130,6 +135,7 @@ def test_compare_into_an_unwritable_dir_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "output_dir: cannot write to" in err
 
 
+@pytest.mark.slow
 def test_an_internal_error_is_one_line_pointing_at_the_log_and_debug_shows_it(tmp_path, capsys, monkeypatch):
     import ignite_amp.run.compose as run_module
 
@@ -158,6 +164,7 @@ def _hold(path, ready, done):
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_directory_is_refused_at_once(tmp_path, capsys):
     cfg = config(tmp_path)
     path = write(tmp_path, cfg)
@@ -179,6 +186,7 @@ def test_a_second_run_into_the_same_directory_is_refused_at_once(tmp_path, capsy
     assert main(["train", path]) == 0  # once it ended, the directory is free (and a killed run frees it too)
 
 
+@pytest.mark.slow
 def test_tilde_paths_put_every_file_of_the_run_in_one_place(tmp_path, monkeypatch):
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()
@@ -195,6 +203,8 @@ def test_tilde_paths_put_every_file_of_the_run_in_one_place(tmp_path, monkeypatc
     assert main(["train", write(tmp_path, cfg), "--set", "train.epochs=2"]) == 0  # and resume finds them
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_closed_stdout_does_not_stop_training(tmp_path):
     cfg = config(tmp_path, train={"epochs": 3})
     proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", "train", write(tmp_path, cfg)], cwd=ROOT,
@@ -207,8 +217,9 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     assert os.path.exists(os.path.join(cfg["output_dir"], "checkpoints", "last_checkpoint_3.pt"))
 
 
+@pytest.mark.slow
 def test_warnings_of_a_build_that_fails_go_to_the_log_not_before_the_one_line(tmp_path, capsys):
-    model = {"name": "conftest:warns_when_built", "num_classes": 10, "kwargs": {"heads": 3}}
+    model = {"name": "helpers:warns_when_built", "num_classes": 10, "kwargs": {"heads": 3}}
     cfg = config(tmp_path, model=model)
     assert main(["train", write(tmp_path, cfg)]) == 2
     err = capsys.readouterr().err
@@ -219,6 +230,7 @@ def test_warnings_of_a_build_that_fails_go_to_the_log_not_before_the_one_line(tm
         assert main(["train", write(tmp_path, cfg)]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [".lock", "config.yaml"])
 def test_a_directory_where_the_run_keeps_a_file_is_one_line(tmp_path, capsys, name):
     cfg = config(tmp_path)
@@ -228,6 +240,7 @@ def test_a_directory_where_the_run_keeps_a_file_is_one_line(tmp_path, capsys, na
     assert err.count("\n") == 1 and f"cannot write {os.path.join(cfg['output_dir'], name)}" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, line", [
     ({"model": {"num_classes": 5}}, "model.num_classes: 5 but data set shapes has 10 classes"),
     ({"amp": {"fp32_modules": ["zz"]}}, "amp: fp32_modules: the model has no submodule 'zz'"),
@@ -239,6 +252,8 @@ def test_compare_refuses_what_train_refuses_in_one_line(tmp_path, capsys, change
     assert err.count("\n") == 1 and line in err, err
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_closed_stdout_does_not_fail_compare(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", "compare", write(tmp_path, config(tmp_path)),
                              "--steps", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -253,6 +268,7 @@ def digests(folder):
     return {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest() for f in os.listdir(folder)}
 
 
+@pytest.mark.slow
 def test_weights_ruined_on_an_epochs_last_step_are_never_saved(tmp_path, capsys):
     """SGD at lr 1e38 on the epoch's only iteration: the loss of that iteration is finite, the weights after
     it are not. Nothing is saved; the run stops in one line; last and best of epoch 1 stay."""
@@ -269,9 +285,10 @@ def test_weights_ruined_on_an_epochs_last_step_are_never_saved(tmp_path, capsys)
     assert digests(ckpts) == before
 
 
+@pytest.mark.slow
 def test_a_float16_run_whose_loss_is_never_finite_stops(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NAN_AFTER", "1")
-    cfg = config(tmp_path, amp={"dtype": "float16"}, model={"name": "conftest:nan_after", "num_classes": 10,
+    cfg = config(tmp_path, amp={"dtype": "float16"}, model={"name": "helpers:nan_after", "num_classes": 10,
                                                             "kwargs": {}},
                  data={"train_size": 64}, handlers={"non_finite": {"max_consecutive": 50}})
     assert main(["train", write(tmp_path, cfg)]) == 1
@@ -280,6 +297,7 @@ def test_a_float16_run_whose_loss_is_never_finite_stops(tmp_path, capsys, monkey
     assert not os.listdir(os.path.join(cfg["output_dir"], "checkpoints"))
 
 
+@pytest.mark.slow
 def test_disk_full_while_saving_names_the_file_and_keeps_the_previous(tmp_path, capsys, monkeypatch):
     import ignite_amp.handlers.best_checkpoint as saver
 
@@ -323,6 +341,7 @@ def test_disk_full_outside_a_save_says_whether_a_checkpoint_is_kept(tmp_path):
         cli.state.clear()
 
 
+@pytest.mark.slow
 def test_interrupting_compare_promises_no_resume(quick_cfg, tmp_path, capsys, monkeypatch):
     import ignite_amp.cli.compare as compare_module
     from ignite_amp.cli.main import main

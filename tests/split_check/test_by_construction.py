@@ -84,6 +84,7 @@ def tiny_gpt2(**over):
     return transformers.GPT2LMHeadModel(config)
 
 
+@pytest.mark.slow
 def test_transformers_own_gradient_checkpointing_with_dropout_is_checked():
     model = tiny_gpt2()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -93,6 +94,7 @@ def test_transformers_own_gradient_checkpointing_with_dropout_is_checked():
     assert trainer.amp_step.split_check.batches == 3
 
 
+@pytest.mark.slow
 def test_selective_checkpointing_of_a_gpt2_as_it_comes_turns_its_cache_off_and_trains(caplog):
     model = tiny_gpt2()
     assert model.config.use_cache  # transformers' default

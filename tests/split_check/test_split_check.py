@@ -378,7 +378,7 @@ def test_the_flop_count_leaves_out_the_split_check():
 def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_differently():
     """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off).
     Chunks padded as the batch is ([32, 40] and [32, 40]) are exact."""
-    from test_third_party import detection_prepare, tiny_detector
+    from helpers import detection_prepare, tiny_detector
 
     def run(sizes):
         g = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ from ignite.engine import Events
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.engine
-from conftest import assert_doctests_pass, id_batches, mlp
+from helpers import assert_doctests_pass, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_trainer
 
 

@@ -8,7 +8,7 @@ from ignite.metrics import Accuracy
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import mlp
+from helpers import mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import SplitCheckError
 from ignite_amp.handlers import NonFiniteGuard, OOMBackoff, TensorBoardMetrics
@@ -140,6 +140,8 @@ def _token_mean_grads_on_rank(batches: list) -> list:
     return seen[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_num_items_gives_the_token_mean_over_every_rank():
     from ignite_amp import load_config
 
@@ -377,6 +379,7 @@ def bn_model():
     return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
+@pytest.mark.slow
 def test_micro_batches_on_a_batchnorm_model_say_once_that_the_gradient_is_no_longer_exact(caplog):
     data = [(torch.randn(8, 5), torch.randint(0, 3, (8,))) for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="ignite_amp"):
@@ -490,6 +493,7 @@ def test_a_models_own_loss_in_y_pred_is_the_token_mean_with_num_items():
     assert from_output.item() == pytest.approx(step_loss.item(), rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_x", [True, False])
 def test_the_padding_warning_names_where_the_labels_are(caplog, in_x):
     # Issue 37: a lambda that may be wrong is not given: labels a custom model reads, or a y read by a loss_fn of

@@ -21,7 +21,7 @@ from torch.nn import Linear
 from torch.nn.functional import mse_loss
 from torch.optim import SGD
 
-from conftest import ROOT
+from helpers import ROOT
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 
 X = torch.tensor([[0.1], [0.3], [0.7], [0.9], [1.3], [0.5]])
@@ -316,6 +316,7 @@ def _load(name: str, source: str):
     return module
 
 
+@pytest.mark.slow
 def test_an_ignite_mnist_script_ports_by_one_line_and_resumes(tmp_path):
     import ignite.engine
 

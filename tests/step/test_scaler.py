@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.nn.functional import cross_entropy
 
-from conftest import id_batches, mlp
+from helpers import id_batches, mlp
 from ignite_amp import create_amp_trainer
 
 

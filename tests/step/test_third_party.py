@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import OOMAbove, hand_loop  # noqa: F401  (the stand-in's module: OOM errors below are the same kind)
+# OOMAbove: the stand-in's module; the out-of-memory errors below are the same kind
+from helpers import OOMAbove, detection_prepare, hand_loop, tiny_detector  # noqa: F401
 from ignite_amp import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import BatchError, SplitCheckError
 from ignite_amp.handlers import OOMBackoff
@@ -42,6 +43,7 @@ def quiet(config):
     return config
 
 
+@pytest.mark.slow
 def test_hf_causal_lm_trains_and_evaluates_with_its_default_cache():
     torch.manual_seed(0)
     config = quiet(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16,
@@ -62,6 +64,7 @@ def test_hf_causal_lm_trains_and_evaluates_with_its_default_cache():
     assert isinstance(caches, list) and len(caches) == 2 and type(caches[0]).__name__.endswith("Cache")
 
 
+@pytest.mark.slow
 def test_hf_encoder_classifier_matches_the_hand_written_loop():
     torch.manual_seed(0)
     config = quiet(transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -93,6 +96,7 @@ def t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
+@pytest.mark.slow
 def test_seq2seq_with_num_items_gives_the_token_mean_of_the_hand_written_loop():
     model, batches = t5(), t5_batches()
     reference = copy.deepcopy(model)
@@ -103,6 +107,7 @@ def test_seq2seq_with_num_items_gives_the_token_mean_of_the_hand_written_loop():
     assert trainer.amp_step.items.item() == (batches[-1]["labels"] != -100).sum().item()
 
 
+@pytest.mark.slow
 def test_seq2seq_without_num_items_is_stopped_by_the_split_check_or_told_once(caplog):
     """Issue 37: a token mean weighed by samples is stopped before it trains, naming the num_items that fits;
     accepted knowingly (check_split=False), the padding warning still says it once."""
@@ -115,6 +120,7 @@ def test_seq2seq_without_num_items_is_stopped_by_the_split_check_or_told_once(ca
     assert len(lines) == 1 and "counting the items the loss averages over" in lines[0]  # the check names the lambda
 
 
+@pytest.mark.slow
 def test_timm_vit_matches_the_hand_written_loop():
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
@@ -126,29 +132,11 @@ def test_timm_vit_matches_the_hand_written_loop():
     assert_same_weights(model, reference)
 
 
-def tiny_detector():
-    from torchvision.models.detection import FasterRCNN
-    from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from torchvision.ops import MultiScaleRoIAlign
-
-    torch.manual_seed(0)
-    backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, padding=1), nn.ReLU())
-    backbone.out_channels = 8
-    return FasterRCNN(backbone, num_classes=3, min_size=32, max_size=48, image_mean=[0.5] * 3, image_std=[0.25] * 3,
-                      rpn_anchor_generator=AnchorGenerator(sizes=((8, 16),), aspect_ratios=((1.0,),)),
-                      box_roi_pool=MultiScaleRoIAlign(["0"], 3, 2), representation_size=32)
-
-
 def detection_batch(n, seed):
     g = torch.Generator().manual_seed(seed)
     images = [torch.rand(3, 32 + 8 * (i % 2), 32, generator=g) for i in range(n)]  # uneven sizes
     targets = [{"boxes": torch.tensor([[4.0, 4.0, 20.0, 24.0]]), "labels": torch.tensor([1 + i % 2])} for i in range(n)]
     return tuple(images), tuple(targets)  # what torchvision's detection recipes collate: tuple(zip(*batch))
-
-
-def detection_prepare(batch, device, non_blocking):
-    images, targets = batch
-    return (list(images), list(targets)), None  # the model takes (images, targets) in training
 
 
 class OutOfMemoryAbove(nn.Module):
@@ -164,6 +152,7 @@ class OutOfMemoryAbove(nn.Module):
         return self.model(images, targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 4])
 def test_torchvision_detection_trains_and_evaluates_in_micro_batches_and_after_an_oom_retry(n):
     batches = [detection_batch(n, seed) for seed in range(2)]

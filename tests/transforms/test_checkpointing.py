@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.functional import cross_entropy, gelu
+from torch.nn.functional import cross_entropy
 
 import ignite_amp.transforms.activation_checkpointing
-from conftest import assert_doctests_pass, recording_backend, tiny_config
+from helpers import FakeClock, assert_doctests_pass, free_port, in_group, recording_backend, tiny_config
+from helpers.checkpointing import Net, batches, block_calls, net, relative_difference, train
+from helpers.memory import FakeMeter
 from ignite_amp import create_amp_trainer, find_batch_size
 from ignite_amp.errors import ConfigError
 from ignite_amp.handlers import OOMBackoff
@@ -23,72 +25,11 @@ from ignite_amp.transforms.sharding import shard_model
 GiB = 2**30
 
 
-class Block(nn.Module):
-    """A pre-norm MLP block (a transformer layer without attention) that counts its forwards."""
-
-    def __init__(self, width=16, dropout=0.0):
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-        self.drop = nn.Dropout(dropout)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return x + self.drop(self.fc2(gelu(self.fc1(self.norm(x)))))
-
-
-class Net(nn.Module):
-    """``depth`` repeated blocks between an input layer and a head: the blocks are ``blocks.0`` ... ."""
-
-    def __init__(self, depth=3, width=16, dropout=0.0, limit=None):
-        super().__init__()
-        self.inp, self.head = nn.Linear(8, width), nn.Linear(width, 4)
-        self.blocks = nn.Sequential(*[Block(width, dropout) for _ in range(depth)])
-        self.limit = limit  # an out-of-memory stand-in above this many samples
-
-    def forward(self, x):
-        if self.limit is not None and x.shape[0] > self.limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (stand-in: {x.shape[0]} samples)")
-        return self.head(self.blocks(self.inp(x)))
-
-
-def net(seed=0, **kwargs):
-    torch.manual_seed(seed)
-    return Net(**kwargs)
-
-
-def batches(n=4, size=8, seed=0, padded=False):
-    g, out = torch.Generator().manual_seed(seed), []
-    for _ in range(n):
-        y = torch.randint(0, 4, (size,), generator=g)
-        if padded:  # a padded token mean: num_items counts the targets that are not -100
-            y[torch.rand(size, generator=g) < 0.3] = -100
-        out.append((torch.randn(size, 8, generator=g), y))
-    return out
-
-
-def train(model, checkpointing, data, dtype="float32", **kwargs):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = create_amp_trainer(model, optimizer, cross_entropy, device="cpu", dtype=dtype,
-                                 activation_checkpointing=checkpointing, **kwargs)
-    torch.manual_seed(1)  # the dropout masks
-    trainer.run(data, max_epochs=2)
-    return trainer
-
-
-def relative_difference(a, b):
-    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a.state_dict().values(),
-                                                                          b.state_dict().values(), strict=True))
-
-
-def block_calls(model):
-    return sum(m.calls for m in model.modules() if isinstance(m, Block))
-
-
 def test_docstring_examples():
     assert_doctests_pass(ignite_amp.transforms.activation_checkpointing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, options, dropout", [
     ("float32", {}, 0.0),
     ("float32", {"micro_batches": 2, "accumulation_steps": 2, "num_items": lambda x, y: (y != -100).sum()}, 0.0),
@@ -125,6 +66,7 @@ def test_batch_norm_running_statistics_are_updated_once():
         assert torch.equal(a, b), name  # num_batches_tracked is 2, not 4; the running means and variances agree
 
 
+@pytest.mark.slow
 def test_compile_captures_the_checkpointed_blocks_in_one_graph():
     """Issue 39: the wrapper's recompute flag (a list appended to) was a side effect dynamo refuses inside the
     checkpoint ("HOP: Unsafe side effect"): compile captured nothing and the model ran eager."""
@@ -181,6 +123,7 @@ def test_a_6_block_model_saves_at_least_2x_fewer_activation_bytes():
         torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True))
 
 
+@pytest.mark.slow
 def test_the_run_facts_name_the_blocks_and_a_model_without_blocks_is_one_warning():
     trainer = train(net(depth=12), True, batches(1))
     facts = step_facts(trainer.amp_step)
@@ -208,6 +151,7 @@ def test_blocks_checkpointed_already_stay_as_they_are_and_bad_arguments():
     assert block_names(net()) == ["blocks.0", "blocks.1", "blocks.2"]  # the rule FSDP2 shards by
 
 
+@pytest.mark.slow
 def test_compile_traces_the_checkpointed_blocks():
     data = batches(2)
     plain, checkpointed = net(), net()
@@ -225,6 +169,7 @@ def test_describe_blocks():
     assert describe_blocks([]) == ""
 
 
+@pytest.mark.slow
 def test_out_of_memory_backoff_with_it_on_loses_nothing():
     data = batches(3, size=8)
     reference = net()
@@ -267,9 +212,8 @@ class SavedBytesDevice(nn.Module):
         return out
 
 
+@pytest.mark.slow
 def test_the_batch_size_search_finds_a_larger_batch_with_it_on():
-    from test_batch_size import FakeClock, FakeMeter
-
     found = {}
     for checkpointing in (False, True):
         meter, clock = FakeMeter(16 * GiB), FakeClock()
@@ -284,6 +228,7 @@ def test_the_batch_size_search_finds_a_larger_batch_with_it_on():
 
 
 # -- from a config -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_config_run_checkpoints_the_named_blocks_and_a_resume_may_turn_it_off(tmp_path):
     cfg = tiny_config(tmp_path, amp={"activation_checkpointing": True}, distributed={"blocks": ["Sequential"]})
     run = build_run(cfg, print_fn=lambda line: None)
@@ -306,6 +251,7 @@ def flat_cnn(num_classes: int) -> nn.Module:
                          nn.Linear(8, num_classes))
 
 
+@pytest.mark.slow
 def test_a_config_model_without_blocks_warns_once_and_unknown_blocks_are_one_line(tmp_path):
     cfg = tiny_config(tmp_path, amp={"activation_checkpointing": True},
                       model={"name": "test_checkpointing:flat_cnn", "kwargs": {}})
@@ -344,9 +290,9 @@ def _ranks(rank, out):
                 "calls": (block_calls(ddp[False]), block_calls(ddp[True]))}, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_and_fsdp2_train_the_same_with_it_and_a_sharded_model_is_refused(tmp_path):
-    from test_fsdp import free_port, in_group
-
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _ranks, str(tmp_path)), nprocs=2)
     assert not dist.is_initialized()
     for rank in range(2):

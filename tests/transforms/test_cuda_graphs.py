@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.transforms.cuda_graphs as graphs
-from conftest import OOMAbove, assert_doctests_pass
+from helpers import OOMAbove, assert_doctests_pass
 from ignite_amp.config.tree import load_config
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import ConfigError
@@ -148,6 +148,7 @@ def test_the_config_takes_reduce_overhead():
         load_config({"amp": {"compile": "max"}})
 
 
+@pytest.mark.slow
 def test_reduce_overhead_compiles_for_real_on_cpu_and_passes_its_parity_check():
     torch.manual_seed(0)
     model, reference = nn.Linear(4, 3), nn.Linear(4, 3)

@@ -10,7 +10,7 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import ignite_amp.transforms.float8 as f8
-from conftest import assert_doctests_pass, recording_backend, three_blocks, tiny_config
+from helpers import assert_doctests_pass, free_port, in_group, recording_backend, three_blocks, tiny_config
 from ignite_amp import create_amp_evaluator, create_amp_trainer, train_from_config
 from ignite_amp.step.facts import step_facts, summary_line
 from ignite_amp.transforms.float8 import convert_to_float8, float8_plan
@@ -127,6 +127,7 @@ def _losses(dtype: str, steps: int = 60, **kwargs) -> list:
     return losses
 
 
+@pytest.mark.slow
 def test_emulated_float8_trains_within_5_percent_of_bfloat16():
     # Measured on a 2-core CPU VM: loss 2.288 -> 0.268 (float8) vs 0.259 (bfloat16) after 60 steps, 3.4% apart.
     bf16, fp8 = _losses("bfloat16"), _losses("float8")
@@ -221,6 +222,7 @@ def image_mlp(num_classes: int = 10) -> nn.Module:
     return mlp(num_classes, width=64, in_features=3 * 16 * 16)
 
 
+@pytest.mark.slow
 def test_config_float8_run_states_its_layers(tmp_path):
     printed = []
     cfg = tiny_config(tmp_path, amp={"dtype": "float8", "float8_recipe": "tensorwise"},
@@ -233,6 +235,7 @@ def test_config_float8_run_states_its_layers(tmp_path):
                for line in printed), printed
 
 
+@pytest.mark.slow
 def test_a_model_with_no_converted_layer_does_not_claim_float8_layers_in_its_start_line(tmp_path):
     printed = []
     cfg = tiny_config(tmp_path, amp={"dtype": "float8"})  # small_cnn: one Linear, the head, never converted
@@ -241,6 +244,9 @@ def test_a_model_with_no_converted_layer_does_not_claim_float8_layers_in_its_sta
     assert "with bfloat16 autocast (float8: no Linear layer converted)" in start and "Linear layers in" not in start
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_importing_torchao_prints_no_torch_warning_the_user_cannot_act_on(tmp_path):
     """torch logs torchao's deprecated register_constant() on import (``W1126 ... KernelPreference``): filtered
     where ignite-amp imports torchao. A fresh process: the line is printed on the first import only."""
@@ -287,6 +293,7 @@ def test_mfu_peaks_for_float8_are_labelled_beside_bfloat16(monkeypatch):
     assert peak_tflops(cuda, torch.bfloat16, float8=True) is None  # no float8 tensor cores
 
 
+@pytest.mark.slow
 def test_batch_size_search_trains_the_float8_model_it_will_run():
     from ignite_amp import find_batch_size
 
@@ -300,6 +307,7 @@ def test_batch_size_search_trains_the_float8_model_it_will_run():
         create_amp_evaluator(model, device="cpu", dtype="float8")
 
 
+@pytest.mark.slow
 def test_config_resume_from_float8_in_bfloat16_loads_and_says_so(tmp_path, caplog):
     model = {"name": f"{__name__}:image_mlp", "num_classes": 10, "kwargs": {}}
     train_from_config(tiny_config(tmp_path, amp={"dtype": "float8"}, model=model), print_fn=lambda *_: None)
@@ -338,9 +346,9 @@ def _fsdp_float8(rank, out):
                os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_optimizer_step(tmp_path):
-    from test_fsdp import free_port, in_group
-
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _fsdp_float8, str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for r in results:
@@ -350,10 +358,11 @@ def test_fsdp2_all_gathers_float8_weights_with_scales_precomputed_after_each_opt
     assert all(torch.equal(v, results[1]["full"][k]) for k, v in results[0]["full"].items())
 
 
+@pytest.mark.slow
 def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     import yaml
 
-    from conftest import error_lines
+    from helpers import error_lines
     from ignite_amp.cli.main import main
 
     monkeypatch.setitem(sys.modules, "torchao", None)
@@ -366,6 +375,7 @@ def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch
         '(or pip install "torchao>=0.10"); other dtypes run without it']
 
 
+@pytest.mark.slow
 def test_float8_and_activation_checkpointing_compose_exactly():
     """The model transforms in their order (float8, then activation checkpointing): the same weights with
     checkpointing on as off, under float8 with micro-batches."""
@@ -425,13 +435,15 @@ print(sorted(os.listdir(ckpts)))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported_and_is_never_renamed(tmp_path):
     """Issue 39.1: the shards hold torchao's WeightWithDynamicFloat8CastTensor, which weights_only loading allows
     only once torchao.float8 is imported: a bfloat16 resume renamed every sound checkpoint .unreadable, and
     load_full_model_state was a raw UnpicklingError. Without torchao it is one line, and nothing is renamed."""
     import subprocess
 
-    from conftest import ROOT
+    from helpers import ROOT
     from ignite_amp.handlers import BestCheckpoint
 
     torch.manual_seed(0)
@@ -459,6 +471,7 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
     assert lines[3] == str(["best_checkpoint_1_accuracy=0.5000.dcp", "last_checkpoint_1.dcp"])
 
 
+@pytest.mark.slow
 def test_float8_with_activation_checkpointing_compiles_in_one_graph():
     """Issue 39: on a GPU float8 turns compile on, and the checkpoint wrapper's side effect made dynamo capture
     nothing: float8 + activation checkpointing ran eager. fullgraph=True: a graph break is an error."""
@@ -482,6 +495,7 @@ def image_linear_blocks(num_classes: int = 10) -> nn.Module:
                          nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]), nn.Linear(32, num_classes))
 
 
+@pytest.mark.slow
 def test_a_config_run_converts_to_float8_before_it_checkpoints_the_blocks(tmp_path):
     """Issue 39: the config path checkpointed first, then float8 replaced the Linear blocks by Float8Linear
     layers without the checkpoint (checkpointed_blocks: none); the Python path had the right order."""

@@ -2,11 +2,9 @@
 sharded model as DDP trains the unsharded one, the mixed-precision policy, float16 skips agreed across ranks,
 and sharded checkpoints that survive kill -9 and resume on another number of processes."""
 import errno
-import gc
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from ignite.engine import Engine, Events
 from torch.distributed.fsdp import fully_shard
 from torch.nn.functional import cross_entropy
 
-from conftest import ROOT, error_lines, tiny_config
+from helpers import ROOT, error_lines, free_port, in_group, tiny_config
 from ignite_amp import AmpEvents, create_amp_trainer, load_config
 from ignite_amp.cli.main import main
 from ignite_amp.data.datasets import LockstepBatches
@@ -58,26 +56,6 @@ def train_items(model, rank):
     trainer.run(batches)
 
 
-def in_group(rank, world, port, work, out):
-    """A spawned rank: ``work(rank, out)`` inside a gloo group of ``world``. Its objects are freed (gc: the
-    engines hold the model in reference cycles) while the group exists; freed at exit instead, gloo's
-    teardown aborted now and then ("terminate called without an active exception"), as the launcher's
-    ``_call`` avoids for runs."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        work(rank, out)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _compare(rank, out):
     sharded, syncs = build(), []
     fully_shard(sharded)
@@ -95,6 +73,8 @@ def _compare(rank, out):
     torch.save({"diff": diff, "syncs": syncs, "items": items}, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_trains_like_ddp_with_one_reduce_scatter_per_optimizer_step_and_token_means(tmp_path):
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _compare, str(tmp_path)), nprocs=2)
     for rank in range(2):
@@ -141,6 +121,8 @@ def run_bf16(model, rank):
     trainer.run([(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(8)])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bfloat16_parameters_by_the_policy_train_like_ddp_under_autocast(tmp_path):
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _policy_vs_ddp, str(tmp_path)), nprocs=2)
     for rank in range(2):
@@ -174,6 +156,8 @@ def _float16_skips(rank, out):
                os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_float16_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _float16_skips, str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
@@ -203,6 +187,10 @@ def last(run_dir):
     return os.path.join(ckpts, names[0]) if names else None
 
 
+@pytest.mark.timeout(1800)
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_kill_9_after_a_sharded_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path):
     whole, whole_cfg = fsdp_config(tmp_path, "whole")
     done = subprocess.run(cli("train", whole), cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -241,6 +229,8 @@ def test_kill_9_after_a_sharded_checkpoint_resumes_to_the_uninterrupted_weights(
     assert [r["epoch"] for r in result["history"]] == [5]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_sharded_checkpoint_refuses_a_change_of_strategy_in_one_line(tmp_path, capsys):
     path, cfg = fsdp_config(tmp_path, "strategy", epochs=1, nproc=1)
     assert main(["train", path]) == 0
@@ -262,6 +252,10 @@ def test_lockstep_validation_batches_are_as_many_on_every_rank_and_cover_each_sa
     assert all(0 < len(b) <= batch + 1 for batches in shards for b in batches)
 
 
+@pytest.mark.timeout(1800)
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_fsdp_on_two_gpus_with_nccl_trains_and_resumes(tmp_path):
@@ -305,6 +299,8 @@ def _disk_full_on_rank_0(rank, out):
     torch.save({"message": message, "files": sorted(os.listdir(ckpts))}, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_full_disk_on_one_rank_stops_every_rank_in_one_line_and_keeps_the_sharded_checkpoints(tmp_path):
     torch.multiprocessing.spawn(in_group, args=(2, free_port(), _disk_full_on_rank_0, str(tmp_path)), nprocs=2)
     for rank in range(2):
@@ -340,6 +336,8 @@ def test_float32_modules_and_blocks_are_sharded_innermost_first_with_their_own_p
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_truncated_shard_is_skipped_for_the_previous_checkpoint_and_named_when_asked_for(tmp_path):
     path, cfg = fsdp_config(tmp_path, "cut", epochs=2, nproc=1)
     assert main(["train", path]) == 0
@@ -353,6 +351,8 @@ def test_a_truncated_shard_is_skipped_for_the_previous_checkpoint_and_named_when
     assert os.path.isdir(os.path.join(ckpts, "last_checkpoint_2.dcp.unreadable"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_shard_overwritten_with_same_size_bytes_falls_back_and_is_named_when_asked_for(tmp_path, capsys):
     """Case 32.12: the sizes are right, so only reading the shard tells; every rerun stopped in the same line."""
     path, cfg = fsdp_config(tmp_path, "noise", epochs=2, nproc=1)
@@ -397,6 +397,8 @@ def test_tied_weights_across_blocks_are_refused_naming_the_rule():
         check_shardable(outer)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_blocks_naming_a_missing_class_is_one_line_on_one_process_too(tmp_path, capsys):
     """Case 32.13: caught by shard_model on 2 processes, but one process (which saves sharded checkpoints
     all the same) never sharded, so never checked."""

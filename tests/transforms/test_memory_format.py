@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.transforms.memory_format as memory_format
-from conftest import assert_doctests_pass
+from helpers import assert_doctests_pass
 from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
 from ignite_amp.transforms.memory_format import CONV_SHARE, choose_channels_last, conv_share
 

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from test_checkpointing import batches, block_calls, net, relative_difference, train
 from torch import nn
 
-from conftest import ROOT, recording_backend, three_blocks, tiny_config
+from helpers import ROOT, recording_backend, three_blocks, tiny_config
+from helpers.checkpointing import batches, block_calls, net, relative_difference, train
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.compose import build_run
 from ignite_amp.step.facts import step_facts
@@ -52,6 +52,7 @@ def gradients(model, x, loss):
     return [p.grad for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "resnet", "hugging face gpt2 with dropout"])
 def test_gradients_are_bitwise_those_without_checkpointing(name, gpt):
     make, x, loss = {
@@ -93,6 +94,7 @@ def test_the_recompute_runs_no_matmul_again():
     assert "addmm" in SAVED_OPS and "native_layer_norm" not in SAVED_OPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options, dropout", [
     ({}, 0.0), ({"micro_batches": 2}, 0.3), ({"dtype": "bfloat16"}, 0.0),
     ({"dtype": "float16", "micro_batches": 2, "accumulation_steps": 2}, 0.0),  # with the GradScaler
@@ -117,6 +119,7 @@ def test_training_is_the_same_from_the_factory(options, dropout):
         shard_model(net(), "float32", device="cpu", activation_checkpointing="auto")
 
 
+@pytest.mark.slow
 def test_compile_traces_the_selective_checkpoints():
     data = batches(2)
     plain, selective = net(), net()
@@ -126,6 +129,7 @@ def test_compile_traces_the_selective_checkpoints():
     assert relative_difference(selective, plain) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("float8", [False, True])
 def test_selective_checkpoints_compile_in_one_graph(float8):
     """As full checkpointing (issue 39): dynamo captures the selective checkpoints (torch's own contexts, read by
@@ -146,6 +150,7 @@ def test_selective_checkpoints_compile_in_one_graph(float8):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_float8_and_selective_checkpointing_compose_exactly():
     """float8, then checkpointing (the transforms' order): the blocks' float8 matmuls (_scaled_mm) are kept."""
     pytest.importorskip("torchao")
@@ -158,6 +163,7 @@ def test_float8_and_selective_checkpointing_compose_exactly():
     assert torch.equal(weights["selective"], weights[False])
 
 
+@pytest.mark.slow
 def test_a_config_says_selective(tmp_path):
     cfg = tiny_config(tmp_path, amp={"activation_checkpointing": "selective"}, distributed={"blocks": ["Sequential"]})
     run = build_run(cfg, print_fn=lambda line: None)

@@ -6,26 +6,19 @@ import pytest
 import torch
 from ignite.engine import Events
 from ignite.metrics import Accuracy, Loss
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import api_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch.nn.functional import cross_entropy
 
 import ignite_amp.handlers.tensorboard.metrics
-from conftest import ROOT, assert_doctests_pass, id_batches, mlp
+from helpers import ROOT, assert_doctests_pass, id_batches, mlp
+from helpers.tensorboard import read, values
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
 from ignite_amp.handlers.tensorboard.metrics import FACTS_TAG, HEALTH_TAG, HPARAMS, LAYOUT, TAGS
 
 MAX_NORM = 10.0
-
-
-def read(path, split=""):
-    """The events of the run in ``path`` (its text, HParams and layout) or of one split's run (its scalars)."""
-    acc = EventAccumulator(os.path.join(str(path), split), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
 
 
 def runs(path):
@@ -68,14 +61,11 @@ def logged(tmp_path):
     return runs(tmp_path), record, tb
 
 
-def values(acc, tag):
-    return {e.step: e.value for e in acc.Scalars(tag)}
-
-
 def test_docstring_example_runs():
     assert_doctests_pass(ignite_amp.handlers.tensorboard.metrics)
 
 
+@pytest.mark.slow
 def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(logged):
     split, _, _ = logged
     tags = set(split["train"].Tags()["scalars"])
@@ -92,6 +82,7 @@ def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(log
     assert sorted(values(split["train"], "loss")) == list(range(2, 17, 2))
 
 
+@pytest.mark.slow
 def test_time_series_opens_on_the_metrics(logged):
     """TensorBoard's Time Series sorts the groups (a tag's part before the first '/') by name."""
     split, _, _ = logged
@@ -113,6 +104,7 @@ def test_batch_size_without_facts_is_logged_at_the_first_log_then_on_change(tmp_
     assert values(read(tmp_path, "train"), "step/batch_size") == {2: 8, 6: 4}
 
 
+@pytest.mark.slow
 def test_loss_scale_and_skipped_steps_match_the_scaler(logged):
     acc, record = logged[0]["train"], logged[1]
     for step, value in values(acc, "precision/loss_scale").items():
@@ -123,6 +115,7 @@ def test_loss_scale_and_skipped_steps_match_the_scaler(logged):
     assert record["scale"][2] == 256.0 and record["scale"][3] == 128.0
 
 
+@pytest.mark.slow
 def test_window_means(logged):
     split, record, tb = logged
     acc = split["train"]
@@ -146,6 +139,7 @@ def test_window_means(logged):
     assert "throughput/mfu" not in acc.Tags()["scalars"]  # no known peak on a CPU
 
 
+@pytest.mark.slow
 def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
     split, record, _ = logged
     acc = split["train"]
@@ -160,6 +154,7 @@ def test_clip_fraction_is_the_share_of_steps_above_max_norm(logged):
     assert 0 < sum(expected.values()) < len(expected)  # the run has windows that bound and windows that did not
 
 
+@pytest.mark.slow
 def test_validation_best_values(logged):
     split, _, tb = logged
     val = split["val"]
@@ -176,6 +171,7 @@ def fact_text(acc, last=False):
     return events[-1 if last else 0].tensor_proto.string_val[0].decode()
 
 
+@pytest.mark.slow
 def test_run_facts_text_says_what_ran(logged):
     acc, tb = logged[0][""], logged[2]
     text = fact_text(acc)
@@ -185,6 +181,7 @@ def test_run_facts_text_says_what_ran(logged):
     assert "gflops_per_sample" not in text and "| gflops_per_sample | 6.08e-07 |" in fact_text(acc, last=True)
 
 
+@pytest.mark.slow
 def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
     acc = logged[0][""]
     content = acc.PluginTagToContent("hparams")
@@ -235,6 +232,7 @@ def run_layout(acc):
     return layout
 
 
+@pytest.mark.slow
 def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(logged):
     split, _, _ = logged
     layout = run_layout(split[""])
@@ -419,6 +417,7 @@ def test_trainer_metrics_are_logged_in_the_train_run_beside_val(tmp_path):
     assert sorted(values(read(tmp_path, "val"), "accuracy")) == [4, 8]
 
 
+@pytest.mark.slow
 def test_trainer_metrics_of_a_config_run_are_logged(quick_cfg):
     from ignite_amp.run.compose import build_run
 

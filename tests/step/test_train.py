@@ -6,7 +6,7 @@ from ignite.engine import Events
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from conftest import OOMAbove, id_batches, mlp
+from helpers import OOMAbove, id_batches, mlp
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 
 
@@ -127,6 +127,7 @@ def test_oom_without_handler_reraises_the_original_error():
     assert info.traceback[-1].name == "forward"
 
 
+@pytest.mark.slow
 def test_oom_with_handler_retries_same_batch_and_loses_no_sample():
     batches = id_batches(24, 8)
     model = OOMAbove(limit=3)
@@ -160,6 +161,7 @@ def test_oom_with_handler_retries_same_batch_and_loses_no_sample():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_handler_that_cannot_shrink_chunks_does_not_loop_forever():
     model = OOMAbove(limit=0)  # fails even at one sample
     trainer = create_amp_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
@@ -187,6 +189,7 @@ def test_other_errors_propagate_untouched(error):
     assert info.value is error and fired == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_low_precision_trains_on_cpu(dtype):
     torch.manual_seed(0)

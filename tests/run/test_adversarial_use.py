@@ -11,7 +11,7 @@ import yaml
 from PIL import Image
 from torch.nn.functional import cross_entropy
 
-from conftest import ROOT, error_lines, mlp
+from helpers import ROOT, error_lines, mlp
 from ignite_amp import create_amp_trainer
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import load_config
@@ -40,6 +40,7 @@ def folder_cfg(quick_cfg, root, **data):
                 train={"epochs": 1})
 
 
+@pytest.mark.slow
 def test_a_corrupt_validation_image_is_refused_before_training(quick_cfg, tmp_path, capsys):
     image_tree(tmp_path / "data")
     bad = tmp_path / "data" / "val" / "b" / "1.png"
@@ -51,6 +52,7 @@ def test_a_corrupt_validation_image_is_refused_before_training(quick_cfg, tmp_pa
     assert "epoch 1/" not in out  # found before the first iteration, not after an epoch
 
 
+@pytest.mark.slow
 def test_a_symlink_loop_in_an_image_folder_is_not_followed(quick_cfg, tmp_path):
     from ignite_amp.data.datasets import build_datasets
 
@@ -63,6 +65,7 @@ def test_a_symlink_loop_in_an_image_folder_is_not_followed(quick_cfg, tmp_path):
     assert len(train) == 3 + 3 + 3  # a: its 3 images once; b: its 3 and the 3 behind the link
 
 
+@pytest.mark.slow
 def test_links_into_another_class_are_left_out_with_a_warning(quick_cfg, tmp_path, caplog):
     from ignite_amp.data.datasets import build_datasets
 
@@ -77,6 +80,7 @@ def test_links_into_another_class_are_left_out_with_a_warning(quick_cfg, tmp_pat
     assert any("left out 2 link(s) to another class's folder" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_truncated_jpeg_is_refused_before_training(quick_cfg, tmp_path, capsys):
     image_tree(tmp_path / "data")
     bad = tmp_path / "data" / "train" / "a" / "photo.jpg"
@@ -90,6 +94,7 @@ def test_a_truncated_jpeg_is_refused_before_training(quick_cfg, tmp_path, capsys
                            f"truncated") and "epoch 1/" not in out and "health" not in out
 
 
+@pytest.mark.slow
 def test_one_class_and_train_size_on_an_image_folder_are_one_line(quick_cfg, tmp_path, capsys):
     image_tree(tmp_path / "one", classes=("a",))
     assert main(["train", write(tmp_path, folder_cfg(quick_cfg, tmp_path / "one"))]) == 2
@@ -103,14 +108,15 @@ def test_one_class_and_train_size_on_an_image_folder_are_one_line(quick_cfg, tmp
         "data.val_size too)"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, message", [
     ("optimizer.name=LBFGS", "optimizer.name: LBFGS needs a closure"),
     ("optimizer.kwargs.betas=[0.9]", "optimizer.kwargs: AdamW refused its arguments (IndexError"),
     ("model.name=math:pi", "model.name: math:pi is a float, not a callable that builds a torch.nn.Module"),
     ("model.name=collections:OrderedDict", "model.name: collections:OrderedDict built a OrderedDict, not a "
                                            "torch.nn.Module"),
-    ("model.name=conftest:raises_when_built", "model.name: conftest:raises_when_built raised ValueError: the user's "
-                                              "model code failed"),
+    ("model.name=helpers:raises_when_built", "model.name: helpers:raises_when_built raised ValueError: the user's "
+                                             "model code failed"),
 ])
 def test_user_mistakes_are_user_errors(quick_cfg, tmp_path, capsys, override, message):
     assert main(["train", write(tmp_path, quick_cfg), "--set", override]) == 2
@@ -118,6 +124,7 @@ def test_user_mistakes_are_user_errors(quick_cfg, tmp_path, capsys, override, me
     assert line.startswith(f"ignite-amp: error: {message}"), line
 
 
+@pytest.mark.slow
 def test_a_batch_of_one_with_batchnorm(quick_cfg, tmp_path, capsys):
     # A batch size of 1 can never train BatchNorm: refused before anything runs.
     assert main(["train", write(tmp_path, quick_cfg), "--set", "data.batch_size=1"]) == 2
@@ -131,6 +138,7 @@ def test_a_batch_of_one_with_batchnorm(quick_cfg, tmp_path, capsys):
     assert "the last batch of each epoch would hold 1 sample" in err
 
 
+@pytest.mark.slow
 def test_micro_batches_of_one_sample_with_batchnorm(quick_cfg, tmp_path, capsys):
     """Issue 39: micro-batches of one sample were "internal error: ValueError: Expected more than 1 value per
     channel" (exit 1); a batch whose micro-batches all hold 2 or more samples is refused before anything runs."""
@@ -174,6 +182,7 @@ def test_output_dir_dot_moves_the_old_run_beside_it_not_inside(tmp_path, monkeyp
     assert os.listdir(moved) == ["config.yaml"] and not (run / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_a_hand_written_config_in_output_dir_is_not_replaced(quick_cfg, tmp_path, capsys):
     exp = tmp_path / "myexp"
     exp.mkdir()
@@ -212,6 +221,9 @@ def sigterm_after_first_epoch(cmd):
     return proc.returncode, epochs, err, time.monotonic() - stopped, proc.pid
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_sigterm_to_the_launcher_of_spawned_ranks_stops_every_rank(quick_cfg, tmp_path):
     """A scheduler's SIGTERM goes to the launcher alone: the ranks stop as on Ctrl-C, the launcher exits 143."""
     cfg = dict(quick_cfg, train={"epochs": 8}, data=dict(quick_cfg["data"], train_size=4096, batch_size=32),
@@ -228,6 +240,7 @@ def test_sigterm_to_the_launcher_of_spawned_ranks_stops_every_rank(quick_cfg, tm
     assert not children  # no rank trains on
 
 
+@pytest.mark.slow
 def test_disk_full_in_tensorboard_s_writer_thread_is_one_true_line(quick_cfg, tmp_path, capsys, monkeypatch):
     """TensorBoard writes from a thread: its ENOSPC used to print a raw traceback before the one line."""
     import errno
@@ -249,6 +262,9 @@ def test_disk_full_in_tensorboard_s_writer_thread_is_one_true_line(quick_cfg, tm
     assert "Traceback" not in err and "Logging error" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_a_signal_while_the_ranks_start_is_one_line_too(quick_cfg, tmp_path):
     """SIGTERM while the spawned ranks still import torch or join the process group: no rank traceback."""
     cfg = dict(quick_cfg, train={"epochs": 3}, distributed={"nproc_per_node": 2, "backend": "gloo"}, device="cpu")
@@ -265,6 +281,9 @@ def test_a_signal_while_the_ranks_start_is_one_line_too(quick_cfg, tmp_path):
     assert len(error_lines(err)) == 1 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_sigterm_to_torchrun_stops_its_ranks_with_one_line_of_ours(quick_cfg, tmp_path):
     """torchrun forwards SIGTERM to its workers: they stop as on Ctrl-C, and rank 0 alone says so."""
     cfg = dict(quick_cfg, train={"epochs": 8}, data=dict(quick_cfg["data"], train_size=4096, batch_size=32),
@@ -283,6 +302,8 @@ def test_sigterm_to_torchrun_stops_its_ranks_with_one_line_of_ours(quick_cfg, tm
     assert not subprocess.run(["pgrep", "-f", f"ignite_amp train {tmp_path}"], capture_output=True).stdout
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_torchrun_worker_whose_peer_stopped_first_leaves_the_line_to_rank_0(monkeypatch, capsys, tmp_path):
     """Case 32.10: SIGTERM during a sharded save: rank 0 stopped first, rank 1's collective failed ("Connection
     closed by peer") before its own SIGTERM arrived, and it printed a second, internal-error line."""

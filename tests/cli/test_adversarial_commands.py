@@ -6,7 +6,7 @@ import torch
 import yaml
 from torch.nn.functional import cross_entropy
 
-from conftest import error_lines, tiny_config
+from helpers import error_lines, flat_mlp, tiny_config
 from ignite_amp.cli.main import main
 
 
@@ -46,8 +46,7 @@ def test_the_plan_fits_the_steady_step_and_plans_the_one_time_split_check_apart(
 
 @pytest.mark.fake_trace
 def test_the_planned_split_check_is_the_real_first_steps_peak():
-    from test_memory_plan import Transformer, measured_peak, tokens
-
+    from helpers.memory import Transformer, measured_peak, tokens
     from ignite_amp.memory_plan.plan import estimate_memory
 
     torch.manual_seed(0)
@@ -107,6 +106,7 @@ class _InterruptedFile:
         self.f.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_a_checkpoint_write_is_the_signal_not_a_full_disk(tmp_path, monkeypatch, capsys,
                                                                           signal_name, code):
@@ -130,6 +130,7 @@ def test_a_signal_during_a_checkpoint_write_is_the_signal_not_a_full_disk(tmp_pa
     assert not [n for n in (tmp_path / "run" / "checkpoints").iterdir() if ".tmp-" in n.name]
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_first_save_does_not_promise_previous_checkpoints(tmp_path, monkeypatch, capsys):
     # issue 50 item 7: "the previous checkpoints are kept ... run the same command to resume" when there were none
     import ignite_amp.files.checkpoints as checkpoints
@@ -145,35 +146,24 @@ def test_a_full_disk_at_the_first_save_does_not_promise_previous_checkpoints(tmp
         "again"), line
 
 
-def flat_mlp(num_classes=10, batch_norm=False, reads_values=False):
-    """An MLP of 3x16x16 images; ``batch_norm``: a BatchNorm1d (batch 1 cannot train); ``reads_values``: its
-    constructor reads a value (as a check of its initialisation would), which fake tensors cannot."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 64)]
-    if batch_norm:
-        layers.append(torch.nn.BatchNorm1d(64))
-    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, num_classes))
-    if reads_values and not torch.isfinite(model[1].weight).all():
-        raise ValueError("non-finite initial weights")
-    return model
-
-
 def mlp_config(tmp_path, **kwargs):
-    return tiny_config(tmp_path, model={"name": "test_reliability_6:flat_mlp", "num_classes": 10, "kwargs": kwargs})
+    return tiny_config(tmp_path, model={"name": "helpers:flat_mlp", "num_classes": 10, "kwargs": kwargs})
 
 
+@pytest.mark.slow
 @pytest.mark.fake_trace
 def test_plan_says_in_one_line_that_the_model_cannot_run_at_the_image_size(tmp_path, capsys):
     # issue 50 item 5: torch's fake-tensor traceback (20 lines), then exit 0 with a plan of a step that cannot run
     path = write(tmp_path, mlp_config(tmp_path))
     assert main(["plan", path, "--set", "data.image_size=8"]) == 2
     out, err = capsys.readouterr()
-    assert error_lines(err) == ["ignite-amp: error: model.name: test_reliability_6:flat_mlp cannot run on 3x8x8 "
+    assert error_lines(err) == ["ignite-amp: error: model.name: helpers:flat_mlp cannot run on 3x8x8 "
                                 "images (a and b must have same reduction dim, but got [2, 192] X [768, 64].); check "
                                 "data.image_size and model.kwargs"], err
     assert "Traceback" not in err and "memory plan" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.fake_trace
 def test_plan_of_a_batchnorm_model_searches_from_batch_2(tmp_path, capsys):
     # issue 50 item 8: the fit search tried batch 1: "plan: Expected more than 1 value per channel", exit 2
@@ -195,6 +185,7 @@ def test_plan_of_a_batchnorm_model_searches_from_batch_2(tmp_path, capsys):
         "channel when training, got input size torch.Size([1, 64])); plan batch sizes of 2 or more"]
 
 
+@pytest.mark.slow
 @pytest.mark.fake_trace
 def test_plan_builds_a_model_whose_constructor_reads_values_for_real(tmp_path, capsys):
     # issue 50 item 9: exit 2 "raised DataDependentOutputException", although the plan falls back to a real build
@@ -206,6 +197,7 @@ def test_plan_builds_a_model_whose_constructor_reads_values_for_real(tmp_path, c
     assert capsys.readouterr().out == out  # the same plan as the model built fake
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("number, line", [
     ("EFBIG", "ignite-amp: stopped: file too large for the file-size limit (ulimit -f) (writing TensorBoard's event "
               "files); no checkpoint was written yet: raise the limit and run the same command again"),
@@ -285,6 +277,7 @@ def test_the_steps_a_resume_replays_are_one_point_each_in_tensorboard(tmp_path):
     assert _loss_points(tmp_path) == list(range(1, 9))  # iterations 5 and 6 once, not twice
 
 
+@pytest.mark.slow
 def test_plan_json_never_overwrites_the_config_or_another_file(tmp_path, capsys):
     # issue 50 item 12: plan my.yaml --json my.yaml wrote JSON over the config it read, exit 0
     path = write(tmp_path, tiny_config(tmp_path))
@@ -373,6 +366,7 @@ def test_memory_plan_names_what_0_2_0_s_module_named():
 
 # The second adversarial pass (issue 50's closing note): what it found in plan and init, fixed.
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target, why", [("adir", "is a directory"), ("no/such/x.json", "its folder does not exist")])
 def test_plan_json_that_cannot_be_written_is_refused_before_the_plan(tmp_path, monkeypatch, capsys, target, why):
     monkeypatch.chdir(tmp_path)
@@ -391,6 +385,7 @@ def test_init_into_a_folder_written_with_a_slash_suggests_one_path(tmp_path, mon
         "ignite-amp: error: -o adir/: is a directory; name the file to write, e.g. -o adir/quickstart.yaml"]
 
 
+@pytest.mark.slow
 @pytest.mark.fake_trace
 def test_a_fit_at_the_search_s_cap_says_so(tmp_path, capsys):
     path = write(tmp_path, tiny_config(tmp_path))

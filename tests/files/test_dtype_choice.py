@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import ignite_amp.core.device
-from conftest import CLOCK, ClockedCNN, tiny_config
+from helpers import CLOCK, ClockedCNN, tiny_config
 from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path, keep_choice, kept_choice, shown_path
 from ignite_amp.run import dtype_probe
 from ignite_amp.run import plan as run_plan
@@ -52,7 +52,7 @@ def avx512_without_a_fixed_outcome(monkeypatch, tmp_path):
 def quickstart_like(tmp_path, **over):
     from ignite_amp import load_config
 
-    return load_config(tiny_config(tmp_path, model={"name": "conftest:clocked_cnn", "num_classes": 10, "kwargs": {}},
+    return load_config(tiny_config(tmp_path, model={"name": "helpers:clocked_cnn", "num_classes": 10, "kwargs": {}},
                                    **over))
 
 
@@ -87,6 +87,7 @@ def test_a_clear_win_is_kept_whatever_the_clock_of_the_runs_after(tmp_path, firs
     assert chosen == ("bfloat16" if first is QUIET else "float32")  # a busy first probe could not tell: float32
 
 
+@pytest.mark.slow
 def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_home(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
     config_dtype(cfg, Loaded(0.25, 0.125), CPU)
@@ -107,6 +108,7 @@ def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_
     assert shown_path(choices_path()) == "~/.cache/ignite-amp/dtype-choices.json"
 
 
+@pytest.mark.slow
 def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
     path = tmp_path / "cache" / "dtype-choices.json"
@@ -126,6 +128,7 @@ def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, 
         keep_choice("k", "float32", "why", "what")
 
 
+@pytest.mark.slow
 @pytest.mark.fake_trace
 def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeypatch, capsys):
     """Issue 59.3: ``plan`` with dtype auto where the probe runs built the model for real and ran training steps (over
@@ -154,7 +157,7 @@ def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeyp
     monkeypatch.setattr(run_plan, "build_model", build)
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
     out = capsys.readouterr().out
-    assert "u: conftest:clocked_cnn, dtype auto (float32), batch sizes per process" in out
+    assert "u: helpers:clocked_cnn, dtype auto (float32), batch sizes per process" in out
     assert ("dtype auto: no choice kept for this model on this machine yet: train's probe decides at its start "
             "(float32 or bfloat16, timed on the model's own step); planned in float32") in out
     assert probed == [] and planned == ["float32"] and built == [True]  # no probe, nothing built for real
@@ -164,11 +167,12 @@ def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeyp
     run.close()
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
     out = capsys.readouterr().out
-    assert "u: conftest:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
+    assert "u: helpers:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
     assert "dtype auto: this machine's choice for this model since " in out
     assert planned == ["float32", "bfloat16"] and len(probed) == 1  # the plan traced the step in train's dtype
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_checkpoints_precision_or_names_the_change(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
     cfg["model"]["kwargs"] = {"float32": 0.25, "bfloat16": 0.125}
