@@ -323,6 +323,7 @@ def mask_batch(objects):
     return images, targets
 
 
+@pytest.mark.slow
 def test_mask_rcnn_is_told_it_adds_means_over_different_counts_not_rows_or_sizes():
     """Its mask loss averages over the batch's positive RoIs, its other losses per image: images of one size."""
     def run(objects):

@@ -149,6 +149,7 @@ def lm_batch(vocab=64, lengths=(12, 5, 9, 3, 12, 7), seed=0):
 SHIFTED = 'num_items=lambda x, y: (x["labels"][..., 1:] != -100).sum() fits'
 
 
+@pytest.mark.slow
 def test_a_causal_lm_is_exact_with_the_shifted_count_and_stopped_otherwise(llama):
     batches = [lm_batch(seed=0)]
     stopped(re.escape(SHIFTED), copy.deepcopy(llama), batches, own_loss, model_fn=keywords)  # a sample mean
@@ -160,6 +161,7 @@ def test_a_causal_lm_is_exact_with_the_shifted_count_and_stopped_otherwise(llama
     assert_same_weights(model, reference)
 
 
+@pytest.mark.slow
 def test_the_padding_hint_knows_a_ctc_head_and_the_loss_ignore_index(llama, caplog):
     with caplog.at_level(logging.WARNING, logger="ignite_amp"):
         warn_padding_without_items(lm_batch(), None, own_loss, llama)
@@ -177,6 +179,7 @@ def test_the_padding_hint_knows_a_ctc_head_and_the_loss_ignore_index(llama, capl
     assert "holding -100" in lines[2] and "lambda" not in lines[2]  # the lambda's ignore_index is unknown
 
 
+@pytest.mark.slow
 def test_gpt2_with_its_default_dropout_raises_no_alarm():
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
@@ -209,6 +212,7 @@ def ctc_batch():
     return {"input_values": torch.randn(4, 240, generator=g), "labels": labels}
 
 
+@pytest.mark.slow
 def test_a_ctc_head_sum_is_stopped_and_its_mean_needs_no_num_items(wav2vec2, caplog):
     assert wav2vec2.config.ctc_loss_reduction == "sum" and wav2vec2.config.mask_time_prob > 0
     stopped("the loss is a sum.*ctc_loss_reduction='mean'", copy.deepcopy(wav2vec2), [ctc_batch()], own_loss,
@@ -242,6 +246,7 @@ def clip_batch():
             "pixel_values": torch.randn(6, 3, 16, 16, generator=g)}
 
 
+@pytest.mark.slow
 def test_a_contrastive_loss_is_refused_in_micro_batches_and_by_the_evaluator(clip):
     batch = dict(clip_batch(), return_loss=True)
     stopped("rows interact.*contrastive", copy.deepcopy(clip), [batch], own_loss, model_fn=keywords)
@@ -314,6 +319,7 @@ def test_segmentation_with_ignore_index_is_exact_with_its_count_and_stopped_with
     assert trainer.amp_step._split_check.last < 1e-5
 
 
+@pytest.mark.slow
 def test_retinanet_and_a_timm_efficientnet_raise_no_alarm():
     from torchvision.models.detection import RetinaNet
     from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -375,6 +381,7 @@ def test_the_flop_count_leaves_out_the_split_check():
     assert flops(True) == flops(False) > 0
 
 
+@pytest.mark.slow
 def test_faster_rcnn_passes_on_images_of_one_size_and_is_told_when_chunks_pad_differently():
     """Chunks of images of two sizes are padded to their own largest image: the anchor grid differs (~5% off).
     Chunks padded as the batch is ([32, 40] and [32, 40]) are exact."""
