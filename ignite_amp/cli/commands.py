@@ -72,7 +72,8 @@ def _compare(args: argparse.Namespace) -> int:
     results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
     safe_print(format_table(results))  # `ignite-amp compare ... | head` is not an error
     where = RunLayout(cfg["output_dir"]).compare_dir  # beside the run: its own dashboard stays one run
-    safe_print(f"per-mode TensorBoard runs: {where}  (open with: tensorboard --logdir {quote(where)})")
+    safe_print(f"per-mode TensorBoard runs: {where}")
+    safe_print(f"  open with: tensorboard --logdir {quote(where)}")
     return 0
 
 

@@ -11,7 +11,7 @@ import shlex
 
 from ignite_amp.config.builtin import builtin_names, builtin_path, builtin_summary, find_config, init_config
 from ignite_amp.errors import ConfigError
-from ignite_amp.run.console import safe_print
+from ignite_amp.run.console import fitted, safe_print
 
 __all__ = ["add_commands", "COMMANDS", "resolve_config"]
 
@@ -43,9 +43,12 @@ def _init(args: argparse.Namespace) -> int:
             safe_print(f.read(), end="")
         return 0
     output = args.output or f"{args.name}.yaml"
+    if args.output is None and os.path.exists(output) and not args.force:  # the default name: no -o to blame
+        raise ConfigError(f"{output}: exists (init writes NAME.yaml when no -o is given); name another file with "
+                          f"-o FILE, or add --force to replace it")
     written = init_config(args.name, output, force=args.force)
     beside = " and the JSON Schema beside it (for editors)" if len(written) > 1 else ""
-    safe_print(f"wrote {output} (the built-in {args.name}){beside}")
+    safe_print(fitted(f"wrote {output} (the built-in {args.name}){beside}"))
     safe_print(f"train it: ignite-amp train {shlex.quote(output)}")
     return 0
 
@@ -67,4 +70,4 @@ def resolve_config(args: argparse.Namespace) -> None:
                           f"(ignite-amp init {source.builtin} -o FILE) and search with it")
     args.config_as_typed, args.config = typed, source.path
     if source.note and int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 says it
-        safe_print(source.note)
+        safe_print(fitted(source.note))

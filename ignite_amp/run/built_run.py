@@ -12,6 +12,7 @@ from ignite.engine import Engine
 
 from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
+from ignite_amp.run.console import fitted
 from ignite_amp.run.dtype_probe import brief_why
 from ignite_amp.run.fast_path import speed_words, start_speed_words
 from ignite_amp.step.facts import start_words
@@ -122,7 +123,7 @@ class Run:
         if self.health_lines:
             self.print("health of the run:")
             for line in self.health_lines:
-                self.print(f"  {line}")
+                self.print(fitted(f"  {line}", indent="    "))
         for trace in (t for t in self.traces if t.endswith(".json")):
             self.print(f"profiler trace: {trace}: open it in https://ui.perfetto.dev (Open trace file)")
 

@@ -136,7 +136,7 @@ def test_plan_and_train_make_the_same_choice(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run_plan, "estimate_memory",
                         lambda *a, **k: planned.append(k["dtype"]) or real_estimate(*a, **k))
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # (lines wrapped at 80 columns)
     assert "u: conftest:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
     assert f"dtype auto: a bfloat16 step took 0.50x float32's time in a 1.5 s probe on this CPU; kept in " \
            f"{choices_path()}" in out
