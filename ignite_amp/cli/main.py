@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 class _Commands(argparse._SubParsersAction):
     """The subcommands' action: each command's ``--help`` opens with its one line from the commands' list."""
 
-    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:  # type: ignore[override]
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         kwargs.setdefault("description", kwargs.get("help"))
         return super().add_parser(name, **kwargs)
 

@@ -40,9 +40,10 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
     assert not (out / ".lock").exists()  # a finished run leaves no lock file
     # The last line names the dashboard; before it, the health summary, with no warning on the quickstart.
-    assert lines[-3:] == [f"dashboard: tensorboard --logdir {out}",
+    assert lines[-4:] == [f"dashboard: tensorboard --logdir {out}",
                           "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0",
-                          "  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point"]
+                          "  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point",
+                          "  (Time Series has its own: untick it in its Settings pane, right, too)"]
     health = lines[lines.index("health of the run:") + 1:lines.index(next(x for x in lines if x.startswith("done: ")))]
     assert health[0].startswith("  verdict: healthy (") and health[1].startswith("  precision: ")
     assert any(x.startswith("  speed: ") and "(medians of " in x for x in health)

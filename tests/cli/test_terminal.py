@@ -113,9 +113,10 @@ def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hi
     assert code == 0, "\n".join(screen)
     check_epochs_and_bars(screen)
     # The hint names the run alone, quoted for a shell, and the page on a line of its own.
-    assert screen[-3:-1] == [f"dashboard: tensorboard --logdir '{out}'",
+    assert screen[-4:-2] == [f"dashboard: tensorboard --logdir '{out}'",
                              "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0"], screen
-    assert screen[-1].startswith("  and untick \"Ignore outliers in chart scaling\""), screen
+    assert screen[-2].startswith("  and untick \"Ignore outliers in chart scaling\""), screen
+    assert screen[-1].startswith("  (Time Series has its own: untick it"), screen
 
 
 def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_parent_holds_other_things(tmp_path):
@@ -127,7 +128,7 @@ def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_p
     check_epochs_and_bars(screen, epochs=1)
     bar = screen[[i for i, line in enumerate(screen) if line.startswith("epoch 1/1")][0] - 1]
     assert bar.startswith("Epoch: ") and "Iteration" not in raw, bar  # as the runs of several epochs label it
-    assert screen[-3] == f"dashboard: tensorboard --logdir {out}", screen
+    assert screen[-4] == f"dashboard: tensorboard --logdir {out}", screen
 
 
 def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_line(tmp_path):
@@ -149,7 +150,7 @@ def test_with_two_processes_the_bars_and_epoch_lines_do_not_share_lines(tmp_path
     screen = render(raw)
     assert code == 0, "\n".join(screen)
     check_epochs_and_bars(screen)
-    assert screen[-3] == f"dashboard: tensorboard --logdir {out}", screen
+    assert screen[-4] == f"dashboard: tensorboard --logdir {out}", screen
 
 
 def test_at_80_columns_each_line_fits_and_the_start_line_takes_two_rows_and_says_the_batch(tmp_path):
