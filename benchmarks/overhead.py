@@ -30,6 +30,7 @@ import argparse
 import copy
 import itertools
 import statistics
+import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional
@@ -235,13 +236,19 @@ def _work(fresh, batch, device, dtype, calls: int) -> Dict[str, Callable]:
 
 
 def measure(fns: Dict[str, Callable], repeats: int, clock, device: torch.device, warmup: int = 1) -> Dict[str, list]:
-    """Seconds of each function per repeat, interleaved (a stamped twin: its own figure, seconds per iteration)."""
+    """Seconds of each function per repeat, interleaved (a stamped twin: its own figure, seconds per iteration).
+    A progress line per round on stderr: a run takes minutes."""
+    started = time.perf_counter()
+    print(f"measuring {len(fns)} variants: {warmup} warm-up round{'s' if warmup != 1 else ''}, then {repeats} timed",
+          file=sys.stderr, flush=True)
     for _ in range(warmup):  # allocator, kernels, first-run work (the FLOP count of TensorBoard's first step)
         for fn in fns.values():
             fn()
             sync(device)
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for done in range(repeats):
+        print(f"  round {done + 1}/{repeats} ({time.perf_counter() - started:.0f} s so far)", file=sys.stderr,
+              flush=True)
         for name, fn in fns.items():
             sync(device)
             start = clock()

@@ -88,6 +88,8 @@ class BestCheckpoint:
     never replaces a better one, and a best file that is gone is simply not in the table.
     Checkpoints saved after the one resumed (an older checkpoint resumed on purpose) belong to a
     run this one does not continue: they are moved to ``<dirname>.replaced-<time>``, never deleted.
+    A finished run resumed and run again to the same ``max_epochs`` trains nothing and says so in a warning
+    (as ``ignite-amp train`` does), so one script serves the first run, a repeated one and a longer one.
 
     Args:
         dirname: where checkpoints go (created if missing).
@@ -152,6 +154,7 @@ class BestCheckpoint:
         self.best: Optional[Checkpoint] = None
         self.last: Optional[Checkpoint] = None
         self.n_saved = n_saved
+        self._finished: Optional[Tuple[int, int, str]] = None  # (epoch, iteration, path) of a finished run resumed
 
     def attach(self, trainer: Engine, evaluator: Engine) -> None:
         """On each evaluator completion: refuse non-finite state, then save the best table, then ``last``.
@@ -170,9 +173,26 @@ class BestCheckpoint:
         if self.sharded:  # a directory per checkpoint
             self.best.ext = self.last.ext = "dcp"
         self._trainer = trainer
+        trainer.add_event_handler(Events.STARTED, self._nothing_to_train)
         evaluator.add_event_handler(Events.COMPLETED, self._refuse_non_finite)
         evaluator.add_event_handler(Events.COMPLETED, self.best)
         evaluator.add_event_handler(Events.COMPLETED, self.last)
+
+    def _nothing_to_train(self, trainer: Engine) -> None:
+        """A finished run resumed, then ``run(data, max_epochs=<its epochs>)``: Ignite would start it over from
+        epoch 0 (its rule for a run that is done), train again and let those scores compete with the best files.
+        As ``ignite-amp train`` does, it says so and trains nothing: the trainer's state is put back and the run
+        ends where it starts (``TERMINATE`` fires, ``COMPLETED`` does not)."""
+        finished, self._finished = self._finished, None
+        state = trainer.state
+        if finished is None or state.epoch or state.iteration:  # not started over: more epochs continue the run
+            return
+        epoch, iteration, path = finished
+        state.epoch, state.iteration = epoch, iteration
+        logger.warning("already trained %d epoch%s (checkpoint %s); nothing to train; to train more: "
+                       "trainer.run(data, max_epochs=%d) (or more)", epoch, "" if epoch == 1 else "s", path,
+                       epoch + 1)
+        trainer.terminate(skip_completed=True)
 
     def _refuse_non_finite(self, evaluator: Engine) -> None:
         require_metric(evaluator.state.metrics, self.metric, "BestCheckpoint")
@@ -312,6 +332,9 @@ class BestCheckpoint:
         if epoch is not None:
             move_newer_aside(self.dirname, epoch, path, (self.LAST_PREFIX, self.BEST_PREFIX))
         _load_table(self.best, self._best_table(epoch, state.get("best_table")))
+        trained = self._trainer.state
+        done = "trainer" in state and trained.max_epochs is not None and trained.epoch >= trained.max_epochs
+        self._finished = (trained.epoch, trained.iteration, path) if done else None
         return path
 
     def _best_table(self, epoch: Optional[int], stored: Any = None) -> List[Tuple[float, str]]:

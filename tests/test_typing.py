@@ -4,6 +4,8 @@ typed (an untyped name would be Any and pass anything)."""
 import ast
 import os
 import subprocess
+import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -79,3 +81,28 @@ def test_the_wheel_ships_py_typed():
     cfg.read(os.path.join(ROOT, "setup.cfg"))
     assert "py.typed" in cfg["options.package_data"]["ignite_amp"]
     assert os.path.isfile(os.path.join(ROOT, "ignite_amp", "py.typed"))
+
+
+def test_the_documented_editable_install_is_seen_by_mypy(tmp_path):
+    """`pip install -e .` installs an import hook (handlers/ becomes ignite_amp.handlers) that mypy cannot follow:
+    import-not-found. The install the guides give developers who type-check, editable_mode=strict, lays out links
+    that it reads. Installed into an empty virtual environment that sees this one's packages."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "outer.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch, Ignite... from this environment
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", "-e",
+                              ROOT, "--config-settings", "editable_mode=strict"], capture_output=True, text=True,
+                             timeout=600)
+    assert install.returncode == 0, install.stderr
+    (tmp_path / "mine.py").write_text("from ignite_amp import create_amp_trainer\n"
+                                      "from ignite_amp.handlers import BestCheckpoint\n"
+                                      "reveal_type(BestCheckpoint)\nx: int = create_amp_trainer\n")
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--python-executable", python,
+                           "mine.py"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert "import-not-found" not in proc.stdout and "ignite_amp.handlers.best_checkpoint.BestCheckpoint" \
+        in proc.stdout, proc.stdout
+    assert 'expression has type "def create_amp_trainer(' in proc.stdout  # typed: a wrong use is caught

@@ -106,7 +106,7 @@ def health_lines(h: Health) -> List[str]:
         if mfu_float8 is not None:
             of_peak += f", {mfu_float8:.1%} of the float8 dense peak"
         each = " per process" if h.processes > 1 else ""
-        lines.append(f"compute: {tflops:.3g} TFLOP/s achieved{each} ({h.flops_per_sample / 1e9:.3g} GFLOP per "
+        lines.append(f"compute: {tflops:.3g} TFLOP/s{each} ({h.flops_per_sample / 1e9:.3g} GFLOP per "
                      f"sample, forward + backward){of_peak}")
     if h.peak_memory_mb:
         largest = f"; the largest rank's {h.max_rank_memory_mb:.0f} MB" if h.max_rank_memory_mb else ""

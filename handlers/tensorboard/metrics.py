@@ -328,11 +328,14 @@ class TensorBoardMetrics:
         logger.writer.flush()
 
     def close(self) -> None:
-        """Write the health summary if the run did not complete (a failure, a stop), then close the logger (a
-        later run of the trainer opens new event files)."""
+        """Write the health summary if the run did not complete (a failure, a stop) after it trained (a finished
+        run resumed, with nothing to train, keeps the health it had), then close the logger (a later run of the
+        trainer opens new event files)."""
+        window = self.window
+        trained = window is not None and bool(window.stepped or window.skipped or window.losses or window.history)
         if self.tb is not None:
             try:
-                if not self._ended and self.trainer is not None:
+                if not self._ended and self.trainer is not None and trained:
                     self._ended = True
                     self._write_health(self.trainer.state.iteration)
             finally:

@@ -73,7 +73,8 @@ def _compare(args: argparse.Namespace) -> int:
     results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
     safe_print(format_table(results))  # `ignite-amp compare ... | head` is not an error
     where = RunLayout(cfg["output_dir"]).compare_dir  # beside the run: its own dashboard stays one run
-    safe_print(f"per-mode TensorBoard runs: {where}  (open with: tensorboard --logdir {quote(where)})")
+    safe_print(f"per-mode TensorBoard runs: {where}")
+    safe_print(f"  open with: tensorboard --logdir {quote(where)}")
     return 0
 
 
@@ -121,12 +122,15 @@ def _train(args: argparse.Namespace) -> int:
 def _dashboard_hint(tensorboard_dir: str) -> str:
     """The last lines of a training run: the command that shows its dashboard (quoted for a shell), then the
     page to open on a line of its own, so that a terminal of 80 columns does not wrap the URL, then the one
-    setting no URL can make: TensorBoard's default outlier scaling cuts the first epochs off the charts."""
+    setting no URL can make: TensorBoard's default outlier scaling cuts the first epochs and the last value off
+    the charts. Custom Scalars and Time Series each keep their own tick (in the browser's storage; Time Series'
+    links take smoothing, tag and run filters, not this)."""
     from ignite_amp.files.run_directory import dashboard_command
 
     return (f"dashboard: {dashboard_command(tensorboard_dir)}\n"
             f"  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0\n"
-            f"  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point")
+            f"  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point\n"
+            f"  (Time Series has its own: untick it in its Settings pane, right, too)")
 
 
 def _refuse_to_replace_the_source(source: str, resolved: str, output_dir: str) -> None:

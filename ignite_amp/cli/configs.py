@@ -12,7 +12,7 @@ import sys
 
 from ignite_amp.config.builtin import builtin_names, builtin_path, builtin_summary, find_config, init_config
 from ignite_amp.errors import ConfigError
-from ignite_amp.run.console import safe_print
+from ignite_amp.run.console import fitted, safe_print
 
 __all__ = ["add_commands", "COMMANDS", "resolve_config"]
 
@@ -44,9 +44,12 @@ def _init(args: argparse.Namespace) -> int:
             safe_print(f.read(), end="")
         return 0
     output = args.output or f"{args.name}.yaml"
+    if args.output is None and os.path.exists(output) and not args.force:  # the default name: no -o to blame
+        raise ConfigError(f"{output}: exists (init writes NAME.yaml when no -o is given); name another file with "
+                          f"-o FILE, or add --force to replace it")
     written = init_config(args.name, output, force=args.force)
     beside = " and the JSON Schema beside it (for editors)" if len(written) > 1 else ""
-    safe_print(f"wrote {output} (the built-in {args.name}){beside}")
+    safe_print(fitted(f"wrote {output} (the built-in {args.name}){beside}"))
     safe_print(f"train it: ignite-amp train {shlex.quote(output)}")
     return 0
 
@@ -71,4 +74,4 @@ def resolve_config(args: argparse.Namespace) -> None:
         from ignite_amp.cli.plan import json_to_stdout
 
         # on stderr where stdout carries the plan's JSON alone (plan --json -)
-        safe_print(source.note, **({"file": sys.stderr} if json_to_stdout(args) else {}))
+        safe_print(fitted(source.note), **({"file": sys.stderr} if json_to_stdout(args) else {}))

@@ -49,13 +49,15 @@ def _rerun() -> str:
 
 
 def describe(exc: BaseException) -> Tuple[int, str]:
-    """(exit code, the one line) for a failure of a command."""
-    from ignite_amp.core.device import is_oom_error
+    """(exit code, the one line) for a failure of a command. A user's error is told without importing torch (a
+    refused ``init`` or config answers at once)."""
     from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, RankDiedError
-    from ignite_amp.files.checkpoints import out_of_room
 
     if isinstance(exc, USER_ERRORS):
         return 2, f"ignite-amp: error: {one_line(exc)}"
+    from ignite_amp.core.device import is_oom_error
+    from ignite_amp.files.checkpoints import out_of_room
+
     if isinstance(exc, RankDiedError):
         then = (f"the last checkpoint is intact: {_rerun()} to resume" if _checkpoint_kept() else
                 "no checkpoint was written yet: run the same command to start again")

@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import List, NoReturn, Optional
+from typing import Any, List, NoReturn, Optional
 
 import ignite_amp.cli.configs as cli_configs
 from ignite_amp.cli import commands
@@ -28,6 +28,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _Commands(argparse._SubParsersAction):
+    """The subcommands' action: each command's ``--help`` opens with its one line from the commands' list."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("description", kwargs.get("help"))
+        return super().add_parser(name, **kwargs)
+
+
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a YAML config file, or a built-in config's name (ignite-amp configs)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -38,7 +46,7 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ignite-amp", description="Mixed-precision training with PyTorch Ignite.")
     parser.add_argument("--version", action="version", version=f"ignite-amp {__version__}")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND", action=_Commands)
     train = sub.add_parser("train", help="train what a config describes")
     _add_config(train)
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

@@ -37,7 +37,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from ignite_amp.errors import ConfigError
     from ignite_amp.files.atomic import write_text
     from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, format_bytes, parse_bytes
-    from ignite_amp.run.console import safe_print
+    from ignite_amp.run.console import fitted, safe_print
     from ignite_amp.run.plan import plan_config, plan_dtype
 
     print_to_stdout = safe_print
@@ -74,11 +74,11 @@ def plan_command(args: argparse.Namespace) -> int:
         from ignite_amp.core.device import dtype_name, resolve_dtype
 
         dtype = f"auto ({decided['amp']['dtype'] if dtype_why else dtype_name(resolve_dtype('auto', plan.device))})"
-    safe_print(f"{cfg['name']}: {cfg['model']['name']}, dtype {dtype}, batch sizes per process")
+    safe_print(fitted(f"{cfg['name']}: {cfg['model']['name']}, dtype {dtype}, batch sizes per process"))
     if dtype_why:
-        safe_print(f"dtype auto: {dtype_why}")
+        safe_print(fitted(f"dtype auto: {dtype_why}"))
     for line in plan.lines():
-        safe_print(line)
+        safe_print(fitted(line))
     if plan.memory is None:
         safe_print("for the largest batch that fits: --memory SIZE (e.g. --memory 80GiB)")
     options = None

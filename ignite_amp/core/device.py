@@ -110,7 +110,7 @@ def auto_dtype_reason(device: Union[str, torch.device]) -> str:
         return " (dtype auto: AMX bfloat16 tiles)"
     if cpu_has_native_bf16():
         return " (dtype auto: float32 without AMX tiles, where bfloat16's speed depends on the torch build)"
-    return " (dtype auto: emulated bfloat16 ran 8x slower)"
+    return " (dtype auto: no bfloat16 instructions on this CPU)"
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu") -> torch.dtype:

@@ -25,7 +25,7 @@ from ignite_amp.errors import ConfigError
 
 __all__ = ["DataConfig", "EpochShuffleSampler", "ShuffleShardSampler", "EvenShardSampler", "ImageReadError",
            "read_image", "TensorImageDataset", "make_shapes", "read_cifar", "build_datasets", "build_loaders",
-           "data_workers", "data_on_device", "SHAPE_CLASSES"]
+           "data_workers", "data_on_device", "SHAPE_CLASSES", "train_samples"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -181,6 +181,16 @@ def _download_cifar(root: str, fine: bool) -> None:
 
 def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     return (images, labels) if size is None else (images[:size], labels[:size])
+
+
+def train_samples(data: dict) -> Optional[int]:
+    """The training set's size for ``cfg["data"]`` without building it, where the config alone tells (the built-in
+    sets, CIFAR); None for an image folder."""
+    full = {"shapes": 8000, "fake": 1024, "cifar10": 50000, "cifar100": 50000}.get(data["name"])
+    if full is None:
+        return None
+    return min(data["train_size"], full) if data["train_size"] and data["name"].startswith("cifar") else \
+        data["train_size"] or full
 
 
 def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset, Dataset, int]:

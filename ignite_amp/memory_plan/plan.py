@@ -66,6 +66,27 @@ def format_bytes(n: Optional[float]) -> str:
     return f"{n / 2 ** 30:.2f} GiB" if abs(n) >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
+#: A kind's column heading in the plan's table (short, so that the table fits 80 columns): ``inputs`` is the
+#: batch's own tensors, apart from the ``batch`` (size) column.
+HEADINGS = {"parameters": "params", "gradients": "grads", "optimizer state": "optimizer", "temporaries": "temps",
+            "batch": "inputs", LIBRARIES: "cuBLAS"}
+
+
+def _table(kinds: List[str], rows: List[Tuple[str, Optional[int], Dict[str, int]]], fixed: int) -> List[str]:
+    """The peaks by kind as aligned columns in one unit (MiB, or GiB from 100 GiB on): a row per batch size; a
+    kind that is 0.0 in every row is left out (the JSON has every kind)."""
+    largest = max([peak or fixed for _, peak, _ in rows] + [fixed])
+    unit, scale = ("GiB", 2 ** 30) if largest >= 100 * 2 ** 30 else ("MiB", 2 ** 20)
+    kinds = [k for k in kinds if any(at.get(k, 0) >= scale / 20 for _, _, at in rows)]  # not all 0.0
+    cells = [["batch", "peak", *(HEADINGS.get(k, k) for k in kinds)]]
+    for size, peak, at in rows:
+        cells.append([size, f"{peak / scale:.1f}" if peak is not None else f">={fixed / scale:.1f}",
+                      *(f"{at.get(k, 0) / scale:.1f}" for k in kinds)])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return [f"{unit} at the step's peak, by kind (inputs: the batch's tensors):"] + [
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in cells]
+
+
 @dataclasses.dataclass
 class StepPeak:
     """The peak of one planned step: its batch size, the peak in bytes, and the bytes of each kind at the peak."""
@@ -93,6 +114,8 @@ class MemoryPlan:
     #: the peak of a cut batch that also runs the split check (the first few cut batches do), ``(batch size,
     #: bytes)`` (None: no check runs); the peaks above are the steady step's
     split_check: Optional[tuple] = None
+    #: the training samples a process has (None: unknown): a larger batch than that is capped by the data set
+    data_samples: Optional[int] = None
 
     @property
     def budget(self) -> Optional[float]:
@@ -122,19 +145,15 @@ class MemoryPlan:
         elif self.checkpointed:
             out.append(f"activation checkpointing: {len(self.checkpointed)} blocks")
         kinds = [k for k in (*KINDS, LIBRARIES) if any(p.kinds.get(k) for p in self.peaks)] or list(self.fixed)
-        out.append("| batch | peak | " + " | ".join(kinds) + " |")
-        out.append("|---" * (len(kinds) + 2) + "|")
         rows: List[Tuple[str, Optional[int], Dict[str, int]]] = [(str(p.batch_size), p.peak, p.kinds)
                                                                  for p in self.peaks]
-        rows = rows or [("any", None, self.fixed)]
-        for size, peak, kinds_at in rows:
-            peak_text = format_bytes(peak) if peak is not None else f">= {format_bytes(sum(self.fixed.values()))}"
-            out.append(f"| {size} | {peak_text} | " + " | ".join(format_bytes(kinds_at.get(k, 0)) for k in kinds)
-                       + " |")
+        out += _table(kinds, rows or [("any", None, self.fixed)], sum(self.fixed.values()))
         if self.memory is not None:
             fit = ("unknown (not traced)" if self.largest_fit is None else "no batch size" if self.largest_fit == 0
                    else f"batch {self.largest_fit} or more (the search stops there)" if self.largest_fit >= _MAX_SIZE
                    else f"batch {self.largest_fit}")
+            if self.largest_fit and self.data_samples and self.largest_fit > self.data_samples:  # capped by the data
+                fit = f"all the data set's {self.data_samples:,} training samples; the memory would fit {fit}"
             out.append(f"largest batch that fits {format_bytes(self.memory)} less {self.margin:.0%}: {fit}")
             if self.device == "cpu":
                 out.append("traced on the CPU: for a GPU, plan where it is (autocast's operator lists and the "

@@ -12,7 +12,9 @@ from ignite.engine import Engine
 
 from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
-from ignite_amp.run.fast_path import speed_words
+from ignite_amp.run.console import fitted
+from ignite_amp.run.dtype_probe import brief_why
+from ignite_amp.run.fast_path import speed_words, start_speed_words
 from ignite_amp.step.facts import start_words
 
 __all__ = ["Run"]
@@ -85,10 +87,16 @@ class Run:
                 step = self.trainer.amp_step
                 if step.float8 is not None:
                     self.print(step.float8.line())
-                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", self.dtype_why)
-                speed = f"; {speed_words(self.facts, cfg['optimizer']['name'])}" if "num_workers" in self.facts else ""
-                self.print(f"training {cfg['name']} on {where} with {precision}; "
-                           f"output in {self.output_dir}{speed}")
+                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", brief_why(self.dtype_why))
+                optimizer, batch = cfg["optimizer"]["name"], self.facts.get("batch_size", cfg["data"]["batch_size"])
+                speed = start_speed_words(self.facts, optimizer, step.device.type == "cuda") \
+                    if "num_workers" in self.facts else ""
+                # At most two rows of 80 columns: the reasons in full go to train.log and the run facts.
+                self.print(f"training {cfg['name']} on {where} with {precision}, batch {batch}; "
+                           f"output in {self.output_dir}{'; ' if speed else ''}{speed}")
+                self.files.log.line("why: " + "; ".join(
+                    ([f"dtype auto: {self.dtype_why}"] if self.dtype_why else [])
+                    + ([speed_words(self.facts, optimizer)] if "num_workers" in self.facts else [])))
                 try:
                     self.trainer.run(self.train_data, max_epochs=cfg["train"]["epochs"],
                                      epoch_length=cfg["train"]["epoch_length"])
@@ -115,7 +123,7 @@ class Run:
         if self.health_lines:
             self.print("health of the run:")
             for line in self.health_lines:
-                self.print(f"  {line}")
+                self.print(fitted(f"  {line}", indent="    "))
         for trace in (t for t in self.traces if t.endswith(".json")):
             self.print(f"profiler trace: {trace}: open it in https://ui.perfetto.dev (Open trace file)")
 

@@ -1,6 +1,7 @@
 """Printing to a terminal that may go away."""
 import os
 import sys
+import textwrap
 from typing import Any
 
 __all__ = ["safe_print", "silent", "drop_unfinished_bar"]
@@ -20,6 +21,14 @@ def safe_print(*args: Any, **kwargs: Any) -> None:
             os.close(devnull)
         except (OSError, ValueError):
             pass
+
+
+def fitted(line: str, width: int = 80, indent: str = "  ") -> str:
+    """``line`` wrapped at word boundaries to ``width`` columns, the rows after the first indented by ``indent``, so
+    that a terminal of 80 columns never cuts a word; a line that fits is returned as it is."""
+    if len(line) <= width:
+        return line
+    return textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def silent(*args: Any, **kwargs: Any) -> None:

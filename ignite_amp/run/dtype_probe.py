@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -27,7 +28,7 @@ from ignite_amp.files.dtype_choice import choices_path, keep_choice, kept_choice
 from ignite_amp.run.builders import input_shape
 from ignite_amp.split_check.randomness import still
 
-__all__ = ["probe_cpu_dtype", "DtypeProbe", "config_dtype", "choice_key", "PROBE_ENV", "FASTER"]
+__all__ = ["probe_cpu_dtype", "DtypeProbe", "config_dtype", "brief_why", "choice_key", "PROBE_ENV", "FASTER"]
 
 #: An environment variable that fixes the probe's outcome of a config run (``float32`` or ``bfloat16``),
 #: where the choice is open: runs whose dtype must not depend on timing (the test suite sets it).
@@ -59,6 +60,21 @@ class DtypeProbe:
         seconds = f"{self.seconds:.1f}" if self.seconds >= 0.1 else f"{self.seconds:.2f}"
         words = f"a bfloat16 step took {self.ratio:.2f}x float32's time in a {seconds} s probe on this CPU"
         return f"{words}: {self.inconclusive}, so float32, the safe choice" if self.inconclusive else words
+
+
+def brief_why(why: str) -> str:
+    """:func:`config_dtype`'s reason, short enough for the start line: without where the choice is kept (the run
+    facts and train.log have the whole of it), and a kept choice without the evidence it was made on."""
+    why = why.split("; kept in ")[0].split("; not kept: ")[0]
+    kept = re.match(r"this machine's choice for this model since (\S+)", why)
+    if kept:
+        return f"chosen on this machine on {kept.group(1)}"
+    probe = re.fullmatch(r"a bfloat16 step took (\S+)x float32's time in a (\S+) s probe on this CPU(: .*)?", why)
+    if probe and probe.group(3):
+        return f"a {probe.group(2)} s probe could not tell, so float32"
+    if probe:
+        return f"bfloat16 took {probe.group(1)}x float32's time in a {probe.group(2)} s probe"
+    return why.split(" (emulated")[0].split("; ")[0]
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, dtype: torch.dtype) -> None:
@@ -148,7 +164,7 @@ def config_dtype(cfg: dict, model: Union[None, nn.Module, Callable[[], nn.Module
     function that builds it, called only when a probe runs) runs only where the choice is open: a CPU with native
     bfloat16 (AVX512-BF16) and no AMX, in one process, and only once per machine and model: its choice is kept
     (``ignite_amp.files.dtype_choice``) and read back by every later run and plan of that model. With AMX it is
-    bfloat16, without bfloat16 instructions float32 (emulated bfloat16 ran 8x slower), across several processes
+    bfloat16, without bfloat16 instructions float32 (emulated bfloat16 is slower), across several processes
     float32 (every rank must run the same). :data:`~ignite_amp.run.dtype_probe.PROBE_ENV` fixes the outcome without
     a probe. ``resumed``: the dtype the resumed checkpoint trained in (float32 or bfloat16): kept, so that a resume
     does not change precision. ``model`` None (``ignite-amp plan``: fake tensors only, no real step): no probe; where
@@ -162,7 +178,7 @@ def config_dtype(cfg: dict, model: Union[None, nn.Module, Callable[[], nn.Module
     if cpu_has_amx():
         return "bfloat16", "AMX bfloat16 tiles, no probe"
     if not cpu_has_native_bf16():
-        return "float32", "emulated bfloat16 ran 8x slower, no probe"
+        return "float32", "no bfloat16 instructions on this CPU (emulated, bfloat16 is slower), no probe"
     world = idist.get_world_size()
     if world > 1:
         return "float32", f"{world} processes, no probe, so that every rank runs the same; name bfloat16 to try it"

@@ -15,7 +15,7 @@ from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.run.fused import fused_choice
 from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_channels_last
 
-__all__ = ["config_channels_last", "speed_facts", "speed_words"]
+__all__ = ["config_channels_last", "speed_facts", "speed_words", "start_speed_words"]
 
 
 def config_channels_last(cfg: dict, model: torch.nn.Module, device: torch.device) -> ChannelsLastChoice:
@@ -58,3 +58,20 @@ def speed_words(facts: Dict[str, Any], optimizer_name: str) -> str:
             f"{optimizer_name} step {'fused' if facts['fused_optimizer'] else 'unfused'}{why('fused_optimizer_why')}, "
             f"{workers} loader worker{'' if workers == 1 else 's'}{why('num_workers_why')}"
             f"{', prefetch to GPU on a side stream' if facts.get('prefetch') else ''}")
+
+
+def start_speed_words(facts: Dict[str, Any], optimizer_name: str, on_gpu: bool) -> str:
+    """The start line's short form of :func:`speed_words`: the values without their reasons (the run facts and
+    train.log hold those), and off a GPU only what is on (loader workers, channels_last, a fused step):
+    ``channels_last on, AdamW step fused, 4 loader workers, prefetch to GPU``, ``2 loader workers`` or ``""``."""
+    words = []
+    if on_gpu or facts["channels_last"]:
+        words.append(f"channels_last {'on' if facts['channels_last'] else 'off'}")
+    if on_gpu or facts["fused_optimizer"]:
+        words.append(f"{optimizer_name} step {'fused' if facts['fused_optimizer'] else 'unfused'}")
+    workers = facts["num_workers"]
+    if on_gpu or workers:
+        words.append(f"{workers} loader worker{'' if workers == 1 else 's'}")
+    if facts.get("prefetch"):
+        words.append("prefetch to GPU")
+    return ", ".join(words)

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import ignite.distributed as idist
 import torch
 
+from ignite_amp.data.datasets import train_samples
 from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
 from ignite_amp.memory_plan.choices import CheckpointOption, checkpoint_options, options_lines
@@ -153,6 +154,8 @@ def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: 
     except ValueError as exc:
         raise ConfigError(f"plan: {exc}") from None
     plan.auto_checkpointing = choice.line() if choice is not None else None
+    samples = train_samples(cfg["data"])
+    plan.data_samples = samples // (cfg["distributed"]["nproc_per_node"] or 1) if samples else None
     return plan
 
 

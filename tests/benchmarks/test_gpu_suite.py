@@ -351,3 +351,15 @@ def test_the_fast_default_sections_are_opt_in_and_not_measured_without_a_gpu(opt
     o = report["sections"]["r_cuda_graphs"]
     assert [r["status"][:8] for r in rows(o)] == ["measured", "skipped:"] and rows(o)[0]["step_ms"] > 0
     assert {t["verdict"] for t in m["targets"] + n["targets"] + o["targets"]} == {"NOT MEASURED"}
+
+
+def test_overhead_measure_says_its_progress_on_stderr(monkeypatch, capsys):
+    """`python benchmarks/overhead.py` ran minutes without a word: a line before the rounds, then one a round."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import overhead
+
+    times = overhead.measure({"a": lambda: None, "b": lambda: None}, 3, time.perf_counter, torch.device("cpu"))
+    err = capsys.readouterr().err.splitlines()
+    assert [len(v) for v in times.values()] == [3, 3]
+    assert err[0] == "measuring 2 variants: 1 warm-up round, then 3 timed"
+    assert [line.split(" (")[0] for line in err[1:]] == ["  round 1/3", "  round 2/3", "  round 3/3"]

@@ -1,5 +1,6 @@
 """Issue 50's cases (reliability round 6): the plan, init, signals and TensorBoard, tried by a hostile user."""
 import os
+import re
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_plan_builds_a_model_whose_constructor_reads_values_for_real(tmp_path, c
     path = write(tmp_path, mlp_config(tmp_path, reads_values=True))
     assert main(["plan", path]) == 0
     out = capsys.readouterr().out
-    assert "| 32 |" in out and "could not be traced" not in out
+    assert re.search(r"^ *32  ", out, re.M) and "could not be traced" not in out
     assert main(["plan", path, "--set", "model.kwargs.reads_values=false"]) == 0
     assert capsys.readouterr().out == out  # the same plan as the model built fake
 
@@ -390,4 +391,5 @@ def test_init_into_a_folder_written_with_a_slash_suggests_one_path(tmp_path, mon
 def test_a_fit_at_the_search_s_cap_says_so(tmp_path, capsys):
     path = write(tmp_path, tiny_config(tmp_path))
     assert main(["plan", path, "--memory", "1e30B"]) == 0
-    assert "less 15%: batch 16777216 or more (the search stops there)" in capsys.readouterr().out
+    assert "the memory would fit batch 16777216 or more (the search stops there)" \
+        in " ".join(capsys.readouterr().out.split())  # (the tiny config's data set caps it first)

@@ -43,9 +43,10 @@ def test_quickstart_end_to_end_through_the_cli(tmp_path):
     assert [f for f in os.listdir(out) if f.startswith("events.out.tfevents")]
     assert not (out / ".lock").exists()  # a finished run leaves no lock file
     # The last line names the dashboard; before it, the health summary, with no warning on the quickstart.
-    assert lines[-3:] == [f"dashboard: tensorboard --logdir {out}",
+    assert lines[-4:] == [f"dashboard: tensorboard --logdir {out}",
                           "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0",
-                          "  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point"]
+                          "  and untick \"Ignore outliers in chart scaling\" (left pane) to see every point",
+                          "  (Time Series has its own: untick it in its Settings pane, right, too)"]
     health = lines[lines.index("health of the run:") + 1:lines.index(next(x for x in lines if x.startswith("done: ")))]
     assert health[0].startswith("  verdict: healthy (") and health[1].startswith("  precision: ")
     assert any(x.startswith("  speed: ") and "(medians of " in x for x in health)
@@ -133,3 +134,33 @@ def test_every_command_s_help_fits_the_cli_page_s_width():
         command.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=100)
         wide = [line for line in command.format_help().splitlines() if len(line) > 100]
         assert not wide, (name, wide)
+
+
+def test_init_refuses_an_existing_file_at_once_without_torch_and_names_the_option_given(tmp_path):
+    """The refusal answers before torch loads (it took 44-52 s through the failure path's imports), and blames -o
+    only when -o named the file; the message it writes fits 80 columns, cut between words."""
+    script = ("import sys; from ignite_amp.cli.main import main; rc = main(sys.argv[1:]); "
+              "print(rc, 'torch' in sys.modules)")
+    (tmp_path / "quickstart.yaml").write_text("name: mine\n")
+    for args, blamed in ((["init"], "quickstart.yaml: exists (init writes NAME.yaml when no -o is given)"),
+                         (["init", "quickstart", "-o", "quickstart.yaml"], "-o quickstart.yaml: exists")):
+        proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=120)
+        assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
+        assert proc.stderr.startswith(f"ignite-amp: error: {blamed}") and "--force" in proc.stderr
+    assert (tmp_path / "quickstart.yaml").read_text() == "name: mine\n"
+    proc = subprocess.run([sys.executable, "-m", "ignite_amp", "init", "-o", "a-longer-name-for-my-config.yaml"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and all(len(line) <= 80 for line in proc.stdout.splitlines()), proc.stdout
+    assert "(for editors)" in proc.stdout
+
+
+@pytest.mark.parametrize("command, says", [("train", "train what a config describes"),
+                                           ("find-batch-size", "(needs CUDA)"), ("init", "write a built-in config"),
+                                           ("plan", "the peak memory of a training step"), ("configs", "list the"),
+                                           ("compare", "float32 against"), ("schema", "JSON Schema")])
+def test_each_commands_help_opens_with_what_it_does(command, says, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    usage, description = capsys.readouterr().out.split("\n\n")[:2]
+    assert usage.startswith(f"usage: ignite-amp {command}") and says in " ".join(description.split())

@@ -121,8 +121,10 @@ def test_compare_cli(quick_cfg, tmp_path, capsys):
     assert main(["compare", str(path), "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "comparing on CPU" in out and "bfloat16" in out and "speedup" in out
-    assert "float16 modes are left out" in out and "float16+scaler " not in out
-    assert f"per-mode TensorBoard runs: {quick_cfg['output_dir']}-compare " in out
+    assert "float16 modes left out" in out and "float16+scaler " not in out
+    assert f"per-mode TensorBoard runs: {quick_cfg['output_dir']}-compare\n" in out
+    shown = out.replace(quick_cfg["output_dir"], "runs/quickstart")  # as the quickstart's would be
+    assert all(len(line) <= 80 for line in shown.splitlines()), shown  # a terminal of 80 columns
     assert main(["compare", str(path), "--steps", "2", "--modes", "float16+scaler"]) == 0
     assert "float16+scaler " in capsys.readouterr().out
     assert main(["compare", str(path), "--steps", "0"]) == 2

@@ -24,12 +24,12 @@ def _own_terminal():
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def run_in_a_terminal(args, cwd, timeout=600, ctrl_c_after=None):
+def run_in_a_terminal(args, cwd, timeout=600, ctrl_c_after=None, columns=COLUMNS):
     """Run ``python -m ignite_amp ARGS`` with stdin, stdout and stderr on one pseudo-terminal; its raw bytes.
     ``ctrl_c_after``: once the output holds these bytes, type Ctrl-C (the terminal echoes ``^C`` and sends SIGINT)."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, COLUMNS, 0, 0))
-    env = dict(os.environ, COLUMNS=str(COLUMNS), TERM="xterm")
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = dict(os.environ, COLUMNS=str(columns), TERM="xterm")
     proc = subprocess.Popen([sys.executable, "-m", "ignite_amp", *args], stdin=slave, stdout=slave, stderr=slave,
                             cwd=cwd, env=env, close_fds=True, preexec_fn=_own_terminal if ctrl_c_after else None)
     os.close(slave)
@@ -116,9 +116,10 @@ def test_in_a_terminal_bars_end_at_100_percent_before_each_epoch_line_and_the_hi
     assert code == 0, "\n".join(screen)
     check_epochs_and_bars(screen)
     # The hint names the run alone, quoted for a shell, and the page on a line of its own.
-    assert screen[-3:-1] == [f"dashboard: tensorboard --logdir '{out}'",
+    assert screen[-4:-2] == [f"dashboard: tensorboard --logdir '{out}'",
                              "  then open http://localhost:6006/#custom_scalars&_smoothingWeight=0"], screen
-    assert screen[-1].startswith("  and untick \"Ignore outliers in chart scaling\""), screen
+    assert screen[-2].startswith("  and untick \"Ignore outliers in chart scaling\""), screen
+    assert screen[-1].startswith("  (Time Series has its own: untick it"), screen
 
 
 @pytest.mark.timeout(1200)
@@ -133,7 +134,7 @@ def test_one_epoch_has_an_epoch_bar_and_the_hint_names_the_output_dir_when_its_p
     check_epochs_and_bars(screen, epochs=1)
     bar = screen[[i for i, line in enumerate(screen) if line.startswith("epoch 1/1")][0] - 1]
     assert bar.startswith("Epoch: ") and "Iteration" not in raw, bar  # as the runs of several epochs label it
-    assert screen[-3] == f"dashboard: tensorboard --logdir {out}", screen
+    assert screen[-4] == f"dashboard: tensorboard --logdir {out}", screen
 
 
 @pytest.mark.timeout(1200)
@@ -162,4 +163,18 @@ def test_with_two_processes_the_bars_and_epoch_lines_do_not_share_lines(tmp_path
     screen = render(raw)
     assert code == 0, "\n".join(screen)
     check_epochs_and_bars(screen)
-    assert screen[-3] == f"dashboard: tensorboard --logdir {out}", screen
+    assert screen[-4] == f"dashboard: tensorboard --logdir {out}", screen
+
+
+def test_at_80_columns_each_line_fits_and_the_start_line_takes_two_rows_and_says_the_batch(tmp_path):
+    """A newcomer's terminal: the start line was 249 characters (4 rows, cut mid-word) and never said the batch
+    size; the health summary's compute line was 81."""
+    out = tmp_path / "x"
+    code, raw = run_in_a_terminal(["train", config(tmp_path, output_dir=str(out), train={"epochs": 1},
+                                                   handlers={"tensorboard": {"log_every": 4}})], ROOT, columns=80)
+    screen = [line.replace(str(out), "runs/quickstart") for line in render(raw)]  # as the quickstart's would be
+    assert code == 0, "\n".join(screen)
+    (start,) = [line for line in screen if line.startswith("training term on cpu")]
+    assert ", batch 32; output in runs/quickstart" in start and len(start) <= 160, start
+    assert any(line.startswith("  compute: ") for line in screen), screen
+    assert [line for line in screen if len(line) > 80 and line != start] == [], screen

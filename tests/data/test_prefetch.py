@@ -253,7 +253,7 @@ def test_a_config_run_trains_the_same_losses_through_the_wrapper(tmp_path, monke
     assert run.facts["prefetch"] is True
     history = run.train()["history"]
     assert streams.log.count("wait") == 2 * (6 + 2)  # two epochs of 6 training and 2 validation batches
-    assert "prefetch to GPU on a side stream" in next(line for line in lines if line.startswith("training "))
+    assert next(line for line in lines if line.startswith("training ")).endswith("; prefetch to GPU")
     keys = ("epoch", "train_loss", "val_loss", "val_accuracy")
     assert [{k: r[k] for k in keys} for r in history] == [{k: r[k] for k in keys} for r in plain_history]
     for a, b in zip(run.model.state_dict().values(), plain.model.state_dict().values(), strict=True):

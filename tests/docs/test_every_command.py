@@ -37,7 +37,8 @@ GPU = "needs a GPU"
 NOT_RUN = [
     (r"^pip install ignite-amp\b", "needs a release on the package index (ignite-amp is not released yet)"),
     (r"^pip install .*(-e|\.\[)", "installs this checkout into the environment the suite runs in (it is installed)"),
-    (r"^pip install torch --index-url", "downloads PyTorch's CPU-only build (the network; torch is installed)"),
+    (r"^pip install torch torchvision --index-url", "downloads PyTorch's CPU-only build (the network; torch is "
+     "installed)"),
     (r"^\.ci/lint\b", "the form checks: .ci/run runs them just before this suite"),
     (r"^pip download ", "downloads wheels from the package index (the network)"),
     (r"^(python3? -m pip install .*--no-index|export PYTHONPATH|PYTHONPATH=)",

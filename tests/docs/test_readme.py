@@ -56,3 +56,15 @@ def test_readme_is_a_landing_page():
 def test_readme_configs_exist():
     for path in re.findall(r"configs/[\w.]+\.yaml", README):
         assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def test_the_cpu_only_install_takes_torch_and_torchvision_from_the_same_index():
+    """Installed alone from the CPU index, torch leaves torchvision to `pip install -e .`, which takes it from the
+    default index with the CUDA torch it requires (and 3 GB of CUDA libraries) in place of the CPU one."""
+    pages = [README] + [open(os.path.join(ROOT, "docs", "guides", name), encoding="utf-8").read()
+                        for name in sorted(os.listdir(os.path.join(ROOT, "docs", "guides"))) if name.endswith(".md")]
+    installs = [line for page in pages for line in page.splitlines() if re.match(r"pip install .*--index-url", line)]
+    assert installs
+    for line in installs:
+        packages = line.split("--index-url")[0].split()[2:]
+        assert "torch" in packages and "torchvision" in packages, line

@@ -156,7 +156,7 @@ def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeyp
 
     monkeypatch.setattr(run_plan, "build_model", build)
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # (lines wrapped at 80 columns)
     assert "u: helpers:clocked_cnn, dtype auto (float32), batch sizes per process" in out
     assert ("dtype auto: no choice kept for this model on this machine yet: train's probe decides at its start "
             "(float32 or bfloat16, timed on the model's own step); planned in float32") in out
@@ -166,7 +166,7 @@ def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeyp
     assert run.trainer.amp_step.dtype == BF16 and len(probed) == 1
     run.close()
     assert main(["plan", str(path), "--batch-sizes", "8"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "u: helpers:clocked_cnn, dtype auto (bfloat16), batch sizes per process" in out
     assert "dtype auto: this machine's choice for this model since " in out
     assert planned == ["float32", "bfloat16"] and len(probed) == 1  # the plan traced the step in train's dtype

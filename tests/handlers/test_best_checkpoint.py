@@ -330,3 +330,37 @@ def test_a_scripts_resume_loads_what_a_checkpoint_holds_and_says_what_it_did_not
     *_, third = run(lambda t: {}, 1, tmp_path / "c")
     with pytest.raises(CheckpointError, match="move them out of the directory, or give BestCheckpoint another one"):
         third.resume()
+
+
+def test_a_script_run_again_after_it_finished_trains_nothing_and_one_run_longer_trains_only_the_new_epochs(
+        tmp_path, caplog):
+    """The same script three times: resume() then run(data, max_epochs=3), again, then max_epochs=5. Ignite starts a
+    finished run over from epoch 0; the second run must train nothing and leave every file as it was."""
+    def script(scores, max_epochs):
+        trainer, ckpt = scripted(tmp_path, scores, n_saved=1)
+        trained = []
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: trained.append(e.state.epoch))
+        resumed = ckpt.resume()
+        trainer.run([0, 1], max_epochs=max_epochs)
+        return trainer, resumed, trained
+
+    def snapshot():
+        return {name: (tmp_path / name).read_bytes() for name in sorted(os.listdir(tmp_path))}
+
+    trainer, resumed, trained = script([0.5, 0.9, 0.7], 3)
+    assert resumed is None and trained == [1, 1, 2, 2, 3, 3]
+    first = snapshot()
+    assert list(first) == ["best_checkpoint_2_accuracy=0.9000.pt", "last_checkpoint_3.pt"]
+    caplog.clear()
+    trainer, resumed, trained = script([0.95, 0.95, 0.95], 3)  # would replace the best, were it trained again
+    assert resumed == str(tmp_path / "last_checkpoint_3.pt") and trained == []
+    assert (trainer.state.epoch, trainer.state.iteration) == (3, 6)
+    assert snapshot() == first
+    said = [r.getMessage() for r in caplog.records if "nothing to train" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("already trained 3 epochs (checkpoint ") \
+        and "trainer.run(data, max_epochs=4)" in said[0]
+    # Longer: only epochs 4 and 5, and a worse score (0.8) never replaces the better best file.
+    trainer, resumed, trained = script([0.8, 0.6], 5)
+    assert trained == [4, 4, 5, 5] and trainer.state.epoch == 5
+    assert files(tmp_path, "best") == ["best_checkpoint_2_accuracy=0.9000.pt"]
+    assert files(tmp_path, "last") == ["last_checkpoint_5.pt"]

@@ -1,6 +1,7 @@
 """The memory plan: a step traced under fake tensors peaks where the real step does (MemTracker on both)."""
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def test_checkpointing_and_micro_batches_lower_the_planned_activations(transform
     assert act["checkpointed"] < act["selective"] < act["plain"]  # selective keeps the matmuls' outputs
     assert transformer_plans["checkpointed"].checkpointed == ["layers.0", "layers.1", "layers.2"]
     lines = "\n".join(transformer_plans["plain"].lines())
-    assert "| 16 |" in lines and "not counted: the CUDA caching allocator" in lines
+    assert re.search(r"^ *16  ", lines, re.M) and "not counted: the CUDA caching allocator" in lines
 
 
 def test_the_largest_fit_is_the_largest_traced_size_under_the_budget():
@@ -174,7 +175,8 @@ def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", str(path), "--memory", "64MiB", "--batch-sizes", "4", "16", "--json", str(out)]) == 0
     printed = capsys.readouterr()
-    assert "| 4 |" in printed.out and "| 16 |" in printed.out and "largest batch that fits 64.0 MiB" in printed.out
+    assert re.search(r"^ *4  ", printed.out, re.M) and re.search(r"^ *16  ", printed.out, re.M)
+    assert "largest batch that fits 64.0 MiB" in printed.out
     assert "planned batch 16: peak" in printed.err
     data = json.loads(out.read_text())
     fit = data["largest_fit"]
@@ -325,5 +327,20 @@ def test_the_plan_counts_cublas_workspaces_through_torchs_one_private_handle(mon
                                    batch_sizes=[4], device="cpu", dtype="float32")
     assert with_libraries.peaks[0].peak == without.peaks[0].peak + 64 * 2 ** 20
     assert with_libraries.peaks[0].kinds[cuda_extras.LIBRARIES] == 64 * 2 ** 20
-    assert "cuBLAS workspaces" in "\n".join(with_libraries.lines())
+    assert "cuBLAS" in with_libraries.lines()[2].split() and "64.0" in with_libraries.lines()[3].split()
     assert cuda_extras.LIBRARIES not in without.peaks[0].kinds
+
+
+def test_the_quickstarts_plan_fits_80_columns_names_each_column_once_and_says_the_data_caps_the_batch(
+        tmp_path, monkeypatch, capsys):
+    """`plan --memory 16GiB` on the quickstart: a batch of 21341 would fit, but the set holds 8,000 samples."""
+    from ignite_amp.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "quickstart", "--memory", "16GiB", "--batch-sizes", "64"]) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    heading = next(line for line in out.splitlines() if line.split()[:2] == ["batch", "peak"])
+    assert len(set(heading.split())) == len(heading.split()), heading
+    assert "largest batch that fits 16.00 GiB less 15%: all the data set's 8,000 training samples; the memory " \
+           "would fit batch " in " ".join(out.split())

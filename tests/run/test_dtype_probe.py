@@ -122,7 +122,8 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
     cpu("amx")
     assert config_dtype(cfg, model, torch.device("cpu")) == ("bfloat16", "AMX bfloat16 tiles, no probe")
     cpu("none")
-    assert config_dtype(cfg, model, torch.device("cpu")) == ("float32", "emulated bfloat16 ran 8x slower, no probe")
+    assert config_dtype(cfg, model, torch.device("cpu")) == \
+        ("float32", "no bfloat16 instructions on this CPU (emulated, bfloat16 is slower), no probe")
     cpu("avx512")
     assert config_dtype(dict(cfg, amp={"dtype": "bfloat16"}), model, torch.device("cpu")) == ("bfloat16", "")
     assert config_dtype(cfg, model, torch.device("meta")) == ("auto", "")  # off a CPU: the engines' rule
@@ -166,7 +167,10 @@ def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monk
     assert run.facts["dtype_auto"] == why
     run.train()
     start = next(line for line in lines if line.startswith("training "))
-    assert f"with bfloat16 autocast (dtype auto: {why}); output in" in start
+    assert "with bfloat16 autocast (dtype auto: bfloat16 took 0.50x float32's time in a 1.5 s probe), " \
+           "batch 32; output in" in start
+    assert len(start.replace(cfg["output_dir"], "runs/quickstart")) <= 160
+    assert f"dtype auto: {why}" in open(tmp_path / "run" / "train.log").read()  # where it is kept, in full
     assert start in open(tmp_path / "run" / "train.log").read()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

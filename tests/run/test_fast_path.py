@@ -1,5 +1,7 @@
 """The speed defaults of a config run (issue 51): fused optimizer steps (the rule, the parity with the unfused step
 under a float16 GradScaler), and what a config run chose and why (the run facts and the start line)."""
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -171,7 +173,9 @@ def test_auto_channels_last_is_off_under_fsdp_where_true_is_refused():
 
 
 @pytest.mark.slow
-def test_the_start_line_of_a_cpu_run_says_what_auto_chose(tmp_path):
+def test_the_start_line_of_a_cpu_run_says_the_batch_and_fits_two_rows_of_80_columns(tmp_path):
+    """The batch size and the choices that matter on a CPU; the GPU-only ones and every reason in full go to
+    train.log and the run facts."""
     from ignite_amp.run.compose import build_run
 
     printed = []
@@ -179,8 +183,13 @@ def test_the_start_line_of_a_cpu_run_says_what_auto_chose(tmp_path):
     run = build_run(cfg, print_fn=printed.append)
     run.train()
     (start,) = [line for line in printed if line.startswith("training u on cpu")]
-    assert start.endswith("; channels_last off (auto: CUDA only), AdamW step unfused (auto: CUDA only), "
-                          "0 loader workers (auto: 0 off a GPU)")
+    assert ", batch 32; output in " in start and start.endswith(f"output in {cfg['output_dir']}")
+    shown = start.replace(cfg["output_dir"], "runs/quickstart")  # as the quickstart's would be
+    assert "channels_last" not in start and "unfused" not in start and len(shown) <= 160, start
+    assert all(len(line) <= 80 for line in printed if line.startswith("  ")), printed  # the health summary
+    log = open(os.path.join(cfg["output_dir"], "train.log")).read()
+    assert "channels_last off (auto: CUDA only), AdamW step unfused (auto: CUDA only), " \
+           "0 loader workers (auto: 0 off a GPU)" in log
     assert run.facts["channels_last"] is False and run.facts["num_workers"] == 0
     assert run.train_loader.num_workers == 0
 
