@@ -65,7 +65,7 @@ def test_aten_local_scalar_dense_is_the_op_item_dispatches_to():
 @pytest.mark.parametrize("name", ["save", "load"])
 def test_distributed_checkpoint_takes_no_dist(name):
     """files/checkpoints.py and transforms/sharding.py save and load DCP checkpoints without a process group by
-    ``no_dist=`` (added to ``save`` in torch 2.7: the reason for the torch floor)."""
+    ``no_dist=`` (added to ``save`` and ``load`` in torch 2.7)."""
     import torch.distributed.checkpoint as dcp
 
     assert "no_dist" in inspect.signature(getattr(dcp, name)).parameters
