@@ -7,7 +7,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ignite_amp.core.exports import lazy_exports, moved_modules
+from ignite_amp.core.versions import check_versions
 from ignite_amp.version import __version__ as __version__
+
+check_versions()  # an older torch or Ignite than the package serves: one line here, not an AttributeError mid-epoch
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: _EXPORTS's names and types (tests/test_typing.py: the same)
     from ignite_amp.batch_search import find_batch_size as find_batch_size

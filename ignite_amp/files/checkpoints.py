@@ -35,7 +35,7 @@ STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: what is not in i
 SHARDED_KEYS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
 # The packages whose tensor classes a checkpoint of ours may hold, with what installs them: importing one registers
 # its classes with weights_only loading (torchao.float8: the float8 weights FSDP2 all-gathers in float8).
-TYPE_PACKAGES = {"torchao.float8": 'torchao to load: pip install -e ".[fp8]" (or pip install "torchao>=0.10")'}
+TYPE_PACKAGES = {"torchao.float8": 'torchao to load: pip install -e ".[fp8]" (or pip install "torchao>=0.17")'}
 T = TypeVar("T")
 
 

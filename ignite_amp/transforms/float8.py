@@ -170,7 +170,7 @@ def _torchao():
         from torchao import float8
     except ImportError:
         raise ValueError('dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" '
-                         '(or pip install "torchao>=0.10"); other dtypes run without it') from None
+                         '(or pip install "torchao>=0.17"); other dtypes run without it') from None
     finally:
         pytree.removeFilter(_QUIET)
     return float8

@@ -1,4 +1,7 @@
 """ignite_amp.engine: the engines, amp_step_of, and which AmpEvents are dispatched."""
+import inspect
+
+import ignite
 import pytest
 import torch
 from ignite.engine import Events
@@ -86,6 +89,43 @@ def test_events_reach_handlers_as_ignites_fire_event_passes_them(caplog):
     with caplog.at_level(logging.DEBUG):  # with debug logging on, Ignite's own (its "Firing handlers" lines)
         assert record(ours) == expected
     assert any("Firing handlers for event" in r.getMessage() for r in caplog.records)
+
+
+# Ignite's Engine._fire_event bodies (docstring and debug line left out, ast-normalised) that AmpEngine's copy was
+# read against: 0.5.0.post2 to 0.5.2 (the engine itself first in a handler's arguments), 0.5.3 to 0.5.5 (a weak
+# reference to it).
+KNOWN_FIRE_EVENT = {"8a28bf35bfe1", "ee28f626dcda"}
+
+
+def test_ignites_fire_event_is_the_one_amp_engine_copies():
+    """The canary of the copy: .ci/versions runs it on every tested Ignite. A new body fails here, by name, until
+    AmpEngine._fire_event is read against it (and the test above passes) and its hash is added."""
+    import ast
+    import hashlib
+    import textwrap
+
+    from ignite.engine import Engine
+
+    (function,) = ast.parse(textwrap.dedent(inspect.getsource(Engine._fire_event))).body
+    body = [node for node in function.body[1:] if "self.logger.debug" not in ast.unparse(node)]
+    digest = hashlib.sha1("\n".join(ast.unparse(node) for node in body).encode()).hexdigest()[:12]
+    assert digest in KNOWN_FIRE_EVENT, f"Ignite {ignite.__version__} changed Engine._fire_event ({digest})"
+
+
+def test_positional_event_arguments_reach_handlers_as_ignites_fire_event_passes_them():
+    """Ignite's own events pass keywords only; a positional argument of _fire_event goes after the engine and before
+    the handler's own arguments, on each Ignite (the engine first as itself before 0.5.3, as a weak reference on)."""
+    from ignite.engine import Engine
+
+    from ignite_amp.engine import AmpEngine
+
+    def record(engine_class):
+        engine, got = engine_class(lambda e, b: None), []
+        engine.add_event_handler(Events.STARTED, lambda e, *xs, k=0: got.append((e is engine, xs, k)), "own", k=1)
+        engine._fire_event(Events.STARTED, "fired", k=2)
+        return got
+
+    assert record(AmpEngine) == record(Engine) == [(True, ("fired", "own"), 2)]
 
 
 def test_docstring_examples_run():

@@ -60,8 +60,11 @@ def test_hf_causal_lm_trains_and_evaluates_with_its_default_cache():
     evaluator.run(batches[:1])
     y_pred, _ = evaluator.state.output
     assert y_pred["logits"].shape == (6, 12, 64) and y_pred["logits"].dtype == torch.float32
-    caches = y_pred["past_key_values"]  # an object per chunk, passed through untouched
-    assert isinstance(caches, list) and len(caches) == 2 and type(caches[0]).__name__.endswith("Cache")
+    caches = y_pred["past_key_values"]
+    if isinstance(caches, tuple):  # transformers' legacy cache (the test extra's floor): tensors, joined as logits
+        assert all(t.shape[0] == 6 and t.dtype == torch.float32 for layer in caches for t in layer), caches
+    else:  # a Cache object per chunk, passed through untouched
+        assert isinstance(caches, list) and len(caches) == 2 and type(caches[0]).__name__.endswith("Cache")
 
 
 @pytest.mark.slow

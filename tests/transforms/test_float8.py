@@ -372,7 +372,7 @@ def test_cli_float8_without_torchao_is_one_line_and_exit_2(tmp_path, monkeypatch
     assert main(["train", str(path)]) == 2
     assert error_lines(capsys.readouterr().err) == [
         'ignite-amp: error: amp: dtype float8 needs torchao, which is not installed: pip install -e ".[fp8]" '
-        '(or pip install "torchao>=0.10"); other dtypes run without it']
+        '(or pip install "torchao>=0.17"); other dtypes run without it']
 
 
 @pytest.mark.slow
@@ -464,7 +464,7 @@ def test_a_float8_sharded_checkpoint_loads_in_a_process_without_torchao_imported
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     needs = ('torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor, which needs torchao to load: pip install '
-             '-e ".[fp8]" (or pip install "torchao>=0.10")')
+             '-e ".[fp8]" (or pip install "torchao>=0.17")')
     assert lines[0] == f"checkpoint {tmp_path}/last_checkpoint_1.dcp: holds {needs}", lines
     assert lines[1] == f"checkpoint {tmp_path}/last_checkpoint_1.dcp: holds {needs}", lines
     assert lines[2] == f"resumed {tmp_path}/last_checkpoint_1.dcp True", lines
