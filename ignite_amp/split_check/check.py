@@ -49,6 +49,7 @@ from ignite_amp.core.nested import join_chunks
 from ignite_amp.errors import SplitCheckError
 from ignite_amp.split_check.diagnosis import SWITCH, Measured, candidates, dots, shares
 from ignite_amp.split_check.randomness import still
+from ignite_amp.step.contracts import ignore_index_of
 from ignite_amp.transforms.activation_checkpointing import suspended
 
 __all__ = ["SplitCheck", "REPEATS", "TRIES", "TINY", "TOLERANCE", "LOW_PRECISION_TOLERANCE", "FLOAT8_TOLERANCE",
@@ -362,13 +363,16 @@ def _coincides(step: Any, batch: tuple, chunks: int, pieces: List[tuple], w: Tup
     if counts is not None and not all(c >= 0 for c in counts):
         return False
     steps = shares(counts if counts is not None else sizes)  # what the step gives its chunks
-    others = {text: c for text, c in candidates(step.loss_fn, firsts)}
+    ignored = ignore_index_of(step.loss_fn)
+    marks = ("!= -100)", "weight[") + ((f"!= {ignored})",) if ignored is not None else ())
+    likely = lambda found: {t: c for t, c in found if any(m in t for m in marks)}  # noqa: E731  (not "any class")
+    others = likely(candidates(step.loss_fn, firsts))
     if step.num_items is not None:
         others["the samples"] = [float(s) for s in sizes]
         piece_counts = {"the samples": [float(step._count_samples(*p)) for p in pieces]}
     else:
         piece_counts = {}
-    piece_counts.update(candidates(step.loss_fn, pieces))
+    piece_counts.update(likely(candidates(step.loss_fn, pieces)))
     for text, on_pieces in piece_counts.items():
         on_chunks = others.get(text)
         if on_chunks is None:
