@@ -59,6 +59,7 @@ ELSEWHERE = {
     "ignite_amp.split_check.diagnosis": "tests/split_check/test_split_check.py",
     "ignite_amp.split_check.randomness": "tests/split_check/test_split_check.py",
     "ignite_amp.split_check.keyed": "tests/split_check/test_by_construction.py",
+    "ignite_amp.split_check.draws": "tests/split_check/test_by_construction.py",
     "ignite_amp.step.base": "tests/step/test_train.py",
     "ignite_amp.step.chunks": "tests/step/test_batching.py",
     "ignite_amp.step.contracts": "tests/step/test_hooks.py",

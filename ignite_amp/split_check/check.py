@@ -47,9 +47,18 @@ from ignite_amp.core.config_keys import BooleanOrFraction
 from ignite_amp.core.device import free_memory, is_oom_error
 from ignite_amp.core.nested import join_chunks
 from ignite_amp.errors import SplitCheckError
-from ignite_amp.split_check.diagnosis import SWITCH, Measured, candidates, dots, shares
+from ignite_amp.split_check.diagnosis import (
+    SWITCH,
+    Measured,
+    candidates,
+    coincides,
+    dots,
+    loss_terms,
+    shares,
+    unkeyed,
+    unsteady,
+)
 from ignite_amp.split_check.randomness import still
-from ignite_amp.step.contracts import ignore_index_of
 from ignite_amp.transforms.activation_checkpointing import suspended
 
 __all__ = ["SplitCheck", "REPEATS", "TRIES", "TINY", "TOLERANCE", "LOW_PRECISION_TOLERANCE", "FLOAT8_TOLERANCE",
@@ -326,11 +335,11 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
             return _INCONCLUSIVE
         tol = _tolerance(step)
         if rel <= tol:
-            if _coincides(step, batch, chunks, pieces, (w1, w2)):
+            if coincides(step, batch, chunks, pieces, (w1, w2)):
                 return _ALIKE  # this part cannot tell the step's weighting from another: another part
             return _Said(rel, tol)
         if unkeyable:
-            return _Said(math.inf, tol, _unkeyed(m, rel, tol, unkeyable))
+            return _Said(math.inf, tol, unkeyed(m, rel, tol, unkeyable))
         drew = held.drew()
         if drew:  # a draw per forward rather than per row: the second piece from the entry state too
             held.reset()
@@ -342,46 +351,14 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
         whole_again = grads(part[0], part[1], m)
         if whole_again is None:  # the part's loss had a gradient the first time: not this time
             return _INCONCLUSIVE
-        unsteady = _difference(whole, whole_again, [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
-        if unsteady > tol:
-            return _Said(math.inf, tol, _unsteady(m, rel, tol, sorted(held.unheld), drew, changed))
+        drift = _difference(whole, whole_again, [torch.zeros_like(g) for g in whole], (1.0, 0.0))[0]
+        if drift > tol:
+            return _Said(math.inf, tol, unsteady(m, rel, tol, sorted(held.unheld), drew, changed))
         dtype = torch.float32 if step.device.type == "mps" else torch.float64
         products = dots(whole, first, second, dtype)
         del whole, first, second
-        terms = _terms(step, module, params, part, pieces, held, dtype)
+        terms = loss_terms(step, module, params, part, pieces, held, dtype)
     return Measured(products, sizes, counts, tol, candidates(step.loss_fn, pieces), terms)
-
-
-def _coincides(step: Any, batch: tuple, chunks: int, pieces: List[tuple], w: Tuple[float, float]) -> bool:
-    """Whether a pass proves nothing: another usual weighting (the samples, where the step weighs by num_items; a
-    count :func:`~ignite_amp.split_check.diagnosis.candidates` names) gives the part's pieces the step's shares by
-    coincidence (two labelled tokens in each), while it gives the step's own chunks other shares than the step
-    does. The step's chunks would then be weighed wrong without the check seeing it."""
-    firsts = step._split_pieces(*batch, step.batch_size, max(chunks, 2))[:2]
-    sizes = [step._count_samples(*c) for c in firsts]
-    counts = None if step.num_items is None else [float(step.num_items(*c)) for c in firsts]
-    if counts is not None and not all(c >= 0 for c in counts):
-        return False
-    steps = shares(counts if counts is not None else sizes)  # what the step gives its chunks
-    ignored = ignore_index_of(step.loss_fn)
-    marks = ("!= -100)", "weight[") + ((f"!= {ignored})",) if ignored is not None else ())
-    likely = lambda found: {t: c for t, c in found if any(m in t for m in marks)}  # noqa: E731  (not "any class")
-    others = likely(candidates(step.loss_fn, firsts))
-    if step.num_items is not None:
-        others["the samples"] = [float(s) for s in sizes]
-        piece_counts = {"the samples": [float(step._count_samples(*p)) for p in pieces]}
-    else:
-        piece_counts = {}
-    piece_counts.update(likely(candidates(step.loss_fn, pieces)))
-    for text, on_pieces in piece_counts.items():
-        on_chunks = others.get(text)
-        if on_chunks is None:
-            continue
-        same_here = abs(shares(on_pieces)[0] - w[0]) < 1e-3
-        differs_there = abs(shares(on_chunks)[0] - steps[0]) > 1e-3
-        if same_here and differs_there:
-            return True
-    return False
 
 
 def _tolerance(step: Any) -> float:
@@ -414,48 +391,3 @@ def _difference(whole: List[torch.Tensor], first: List[torch.Tensor], second: Li
     if not all(map(math.isfinite, (d, g, n1, n2))) or g == 0 or g < TINY * (w[0] * n1 + w[1] * n2):
         return math.inf, False
     return d / g, True
-
-
-def _unkeyed(m: int, rel: float, tol: float, names: List[str]) -> str:
-    return (f"split check: {m} samples of the batch cut in two give a gradient {rel:.1%} off theirs at once "
-            f"(tolerance {tol:g}), but the forward draws with torch.{', torch.'.join(names)} in a way no per-sample "
-            f"key can serve (a draw over the batch's rows together, such as a permutation of its samples, or a call "
-            f"made in some forwards only), so the check cannot tell whether the chunks are exact: such a draw mixes "
-            f"a chunk's samples, not the batch's (use micro_batches=1 and accumulation_steps=1 for it), or pass "
-            f"check_split=False (config: amp.check_split: false) if the loss is a mean over what the step weighs by")
-
-
-def _unsteady(m: int, rel: float, tol: float, unheld: List[str], drew: List[str], changed: List[str]) -> str:
-    if unheld:
-        what = f"draws randomness with torch operators the check cannot hold still ({', '.join(unheld)})"
-    elif drew:
-        what = (f"draws from {' and '.join(drew)} random generator in a way the check cannot hold still (neither "
-                f"per sample nor once per forward)")
-    else:
-        kept = f"; it changes its buffers {', '.join(changed[:3])} too" if changed else ""
-        what = f"gives another gradient on the same samples at each call (state kept outside its buffers{kept})"
-    return (f"split check: {m} samples of the batch cut in two give a gradient {rel:.1%} off theirs at once "
-            f"(tolerance {tol:g}), but the forward {what}, so the check cannot tell whether the chunks are exact: "
-            f"hold that randomness or state still in training, or pass check_split=False (config: "
-            f"amp.check_split: false) if the loss is a mean over what the step weighs by")
-
-
-def _terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held: Any, dtype: torch.dtype
-           ) -> List[Tuple[str, List[float]]]:
-    """The dot products of each loss term, where the model returns its losses as a dict of 0-d tensors
-    (torchvision detection) that the loss adds: for the diagnosis of two means."""
-    outputs = []
-    for i, (x, y) in enumerate([part, *pieces]):
-        held.reset(replay=i < 2)
-        with held.forward(x, y, step._count_samples(x, y)):
-            out = step.model_transform(step.model_fn(module, x))
-        if not (isinstance(out, dict) and len(out) > 1 and
-                all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):
-            return []
-        outputs.append(out)
-    found = []
-    for name in outputs[0]:
-        g = [list(torch.autograd.grad(o[name], params, allow_unused=True, materialize_grads=True, retain_graph=True))
-             if o[name].requires_grad else [torch.zeros_like(p) for p in params] for o in outputs]
-        found.append((repr(name), dots(g[0], g[1], g[2], dtype)))
-    return found

@@ -26,7 +26,7 @@ from ignite_amp.step.contracts import ignore_index_of
 #: A piece's gradient smaller than this fraction of the part's is taken for none (the check's own TINY).
 TINY = 1e-2
 
-__all__ = ["Measured", "candidates", "shares", "dots", "SWITCH"]
+__all__ = ["Measured", "candidates", "shares", "dots", "coincides", "unkeyed", "unsteady", "loss_terms", "SWITCH"]
 
 #: Labels with at most this many distinct values have each tried as the ignored one when naming a num_items.
 MAX_CLASSES = 32
@@ -221,4 +221,81 @@ def candidates(loss_fn: Any, parts: list) -> List[Tuple[str, List[float]]]:
             counts = [float(((labels[..., 1:] if shift else labels) != ignore).sum()) for labels in every]
             if any(counts):  # a piece that counts none weighs as one item (see shares)
                 found.append((f"lambda x, y: ({name}{shift} != {ignore}).sum()", counts))
+    return found
+
+
+def coincides(step: Any, batch: tuple, chunks: int, pieces: List[tuple], w: Tuple[float, float]) -> bool:
+    """Whether a pass proves nothing: another usual weighting (the samples, where the step weighs by num_items; a
+    count :func:`~ignite_amp.split_check.diagnosis.candidates` names) gives the part's pieces the step's shares by
+    coincidence (two labelled tokens in each), while it gives the step's own chunks other shares than the step
+    does. The step's chunks would then be weighed wrong without the check seeing it."""
+    firsts = step._split_pieces(*batch, step.batch_size, max(chunks, 2))[:2]
+    sizes = [step._count_samples(*c) for c in firsts]
+    counts = None if step.num_items is None else [float(step.num_items(*c)) for c in firsts]
+    if counts is not None and not all(c >= 0 for c in counts):
+        return False
+    steps = shares(counts if counts is not None else sizes)  # what the step gives its chunks
+    ignored = ignore_index_of(step.loss_fn)
+    marks = ("!= -100)", "weight[") + ((f"!= {ignored})",) if ignored is not None else ())
+    likely = lambda found: {t: c for t, c in found if any(m in t for m in marks)}  # noqa: E731  (not "any class")
+    others = likely(candidates(step.loss_fn, firsts))
+    if step.num_items is not None:
+        others["the samples"] = [float(s) for s in sizes]
+        piece_counts = {"the samples": [float(step._count_samples(*p)) for p in pieces]}
+    else:
+        piece_counts = {}
+    piece_counts.update(likely(candidates(step.loss_fn, pieces)))
+    for text, on_pieces in piece_counts.items():
+        on_chunks = others.get(text)
+        if on_chunks is None:
+            continue
+        same_here = abs(shares(on_pieces)[0] - w[0]) < 1e-3
+        differs_there = abs(shares(on_chunks)[0] - steps[0]) > 1e-3
+        if same_here and differs_there:
+            return True
+    return False
+
+
+def unkeyed(m: int, rel: float, tol: float, names: List[str]) -> str:
+    return (f"split check: {m} samples of the batch cut in two give a gradient {rel:.1%} off theirs at once "
+            f"(tolerance {tol:g}), but the forward draws with torch.{', torch.'.join(names)} in a way no per-sample "
+            f"key can serve (a draw over the batch's rows together, such as a permutation of its samples, or a call "
+            f"made in some forwards only), so the check cannot tell whether the chunks are exact: such a draw mixes "
+            f"a chunk's samples, not the batch's (use micro_batches=1 and accumulation_steps=1 for it), or pass "
+            f"check_split=False (config: amp.check_split: false) if the loss is a mean over what the step weighs by")
+
+
+def unsteady(m: int, rel: float, tol: float, unheld: List[str], drew: List[str], changed: List[str]) -> str:
+    if unheld:
+        what = f"draws randomness with torch operators the check cannot hold still ({', '.join(unheld)})"
+    elif drew:
+        what = (f"draws from {' and '.join(drew)} random generator in a way the check cannot hold still (neither "
+                f"per sample nor once per forward)")
+    else:
+        kept = f"; it changes its buffers {', '.join(changed[:3])} too" if changed else ""
+        what = f"gives another gradient on the same samples at each call (state kept outside its buffers{kept})"
+    return (f"split check: {m} samples of the batch cut in two give a gradient {rel:.1%} off theirs at once "
+            f"(tolerance {tol:g}), but the forward {what}, so the check cannot tell whether the chunks are exact: "
+            f"hold that randomness or state still in training, or pass check_split=False (config: "
+            f"amp.check_split: false) if the loss is a mean over what the step weighs by")
+
+
+def loss_terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held: Any, dtype: torch.dtype
+               ) -> List[Tuple[str, List[float]]]:
+    """The dot products of each loss term, where the model returns its losses as a dict of 0-d tensors
+    (torchvision detection) that the loss adds: for the diagnosis of two means."""
+    outputs = []
+    for i, (x, y) in enumerate([part, *pieces]):
+        held.reset(replay=i < 2)
+        with held.forward(x, y, step._count_samples(x, y)):
+            out = step.model_transform(step.model_fn(module, x))
+        if not (isinstance(out, dict) and len(out) > 1 and
+                all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):
+            return []
+        outputs.append(out)
+    found = []
+    for name in outputs[0]:
+        g = [list(torch.autograd.grad(o[name], params, allow_unused=True, materialize_grads=True, retain_graph=True))
+             if o[name].requires_grad else [torch.zeros_like(p) for p in params] for o in outputs]
+        found.append((repr(name), dots(g[0], g[1], g[2], dtype)))
     return found
