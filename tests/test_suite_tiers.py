@@ -177,3 +177,11 @@ def test_each_kind_marks_some_test(marker):
                    and f"pytest.mark.{marker}" in open(os.path.join(where, name), encoding="utf-8").read()
                    and name != os.path.basename(__file__)]
     assert marked, marker
+
+
+def test_the_version_sets_test_list_names_paths_that_exist():
+    """.ci/versions runs the tests .ci/versions-tests.txt lists: a renamed file would fail CI's other sets."""
+    with open(os.path.join(ROOT, ".ci", "versions-tests.txt"), encoding="utf-8") as f:
+        paths = [line.split("#")[0].strip() for line in f]
+    paths = [p.split("::")[0] for p in paths if p]
+    assert paths and [p for p in paths if not os.path.exists(os.path.join(ROOT, p))] == []
