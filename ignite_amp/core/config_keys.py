@@ -190,7 +190,7 @@ class BooleanOrFraction(Check):
         raise _Invalid
 
     def schema(self):
-        return {"anyOf": [{"type": "boolean"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]}
+        return {"anyOf": [{"type": "boolean"}, {**_POSITIVE, "maximum": 1}]}  # (_POSITIVE refuses NaN too)
 
 
 class Choice(Check):

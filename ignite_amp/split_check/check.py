@@ -196,7 +196,9 @@ class SplitCheck:
         cost = ended - started
         step = (started - self._ended) / self._since if self._ended is not None and self._since else cost
         self._ended, self._since = ended, 0
-        self.interval = max(1, math.ceil(cost / (self.budget * step))) if step > 0 and cost > 0 else 1
+        interval = max(1, math.ceil(cost / (self.budget * step))) if step > 0 and cost > 0 else 1
+        # every rank checks the same batches (the verdict is a collective): the longest interval of any rank
+        self.interval = int(max_across_ranks(float(interval)))
 
     def _conclude(self, step: Any, found: Any, worst: float, chunks: int) -> None:
         if worst == _INCONCLUSIVE:

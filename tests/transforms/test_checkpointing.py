@@ -43,7 +43,9 @@ def test_training_is_the_same_with_and_without_it(dtype, options, dropout):
     train(plain, False, data, dtype, **options)
     trainer = train(checkpointed, True, data, dtype, **options)
     assert checkpointed_blocks(checkpointed) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert block_calls(checkpointed) == 2 * block_calls(plain) > 0  # every block's forward ran again in the backward
+    calls, once, check = block_calls(checkpointed), block_calls(plain), trainer.amp_step.split_check
+    # every block's forward ran again in the backward, but not the split check's (checkpointing is suspended in it)
+    assert calls == 2 * once > 0 if not (check.batches or check.inconclusive) else once < calls < 2 * once
     assert trainer.amp_step.scaler.is_enabled() == (dtype == "float16")
     # 8 (float32) or 16 SGD steps: the weights agree to float32 rounding
     assert relative_difference(checkpointed, plain) < 1e-6
@@ -298,7 +300,8 @@ def test_ddp_and_fsdp2_train_the_same_with_it_and_a_sharded_model_is_refused(tmp
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["ddp"] < 1e-6 and result["fsdp"] < 1e-6, result
-        assert result["calls"][1] == 2 * result["calls"][0] > 0
+        once, calls = result["calls"]  # the blocks ran again in the backward, but not in the split check's forwards
+        assert once < calls < 2 * once, result
         assert result["refused"] == ("Argument activation_checkpointing: the model is sharded already, and "
                                      "checkpointing must come before sharding; pass activation_checkpointing=True "
                                      "to shard_model instead")

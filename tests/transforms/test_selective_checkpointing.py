@@ -105,7 +105,9 @@ def test_training_is_the_same_from_the_factory(options, dropout):
     train(plain, False, data, **options)
     trainer = train(selective, "selective", data, **options)
     assert checkpoint_policies(selective) == dict.fromkeys(["blocks.0", "blocks.1", "blocks.2"], "selective")
-    assert block_calls(selective) == 2 * block_calls(plain) > 0
+    calls, once, check = block_calls(selective), block_calls(plain), trainer.amp_step.split_check
+    # every block's forward ran again in the backward, but not the split check's (checkpointing is suspended in it)
+    assert calls == 2 * once > 0 if not (check.batches or check.inconclusive) else once < calls < 2 * once
     assert relative_difference(selective, plain) < 1e-6
     facts = step_facts(trainer.amp_step)
     assert facts["activation_checkpointing"] is True and facts["checkpointed_blocks"] == "blocks.0-2 (selective)"
