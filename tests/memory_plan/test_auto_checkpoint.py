@@ -169,10 +169,11 @@ def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the
     assert main(["plan", str(path), "--batch-sizes", "32"]) == 0
     full = capsys.readouterr().out
     peak = float(re.search(r"^ *32 +([0-9.]+)", full, re.M).group(1)) * 2 ** 20  # the table is in MiB
-    assert main(["plan", str(path), "--batch-sizes", "32", "--memory", str(int(peak * 0.9 / 0.85))]) == 0
+    assert main(["plan", str(path), "--batch-sizes", "32", "--memory", f"{int(peak * 0.9 / 0.85)}B"]) == 0
     out = capsys.readouterr().out
-    assert "activation checkpointing auto: selective on 1 of 4 blocks (selective: 0): planned peak" in out, out
-    assert "recompute 0.40% of the step's FLOPs" in out, out
+    said = " ".join(out.split())  # (the lines wrap at 80 columns)
+    assert "activation checkpointing auto: selective on 1 of 4 blocks (selective: 0): planned peak" in said, out
+    assert "recompute 0.40% of the step's FLOPs" in said, out
     # and the table of the choices, which --checkpointing shows for any config (and --json writes)
     assert "activation checkpointing choices at batch 32" in out, out
     table = out[out.index("activation checkpointing choices at batch 32"):].splitlines()
