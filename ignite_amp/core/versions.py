@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 __all__ = ["FLOORS", "check_versions", "release"]
 
 #: distribution name -> the oldest release (major, minor[, micro]) the package runs on
-FLOORS: Dict[str, Tuple[int, ...]] = {"torch": (2, 11), "pytorch-ignite": (0, 5)}
+FLOORS: Dict[str, Tuple[int, ...]] = {"torch": (2, 11), "pytorch-ignite": (0, 5, 2)}
 
 
 def release(version: str) -> Tuple[int, ...]:
