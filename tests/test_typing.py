@@ -48,7 +48,8 @@ MISTAKES = {  # the line a user writes -> what the checker must say about it
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_users_script_type_checks_clean_and_each_mistake_is_told(tmp_path):
-    clean, wrong = tmp_path / "user_script.py", tmp_path / "user_mistakes.py"
+    # names of this run's own (mypy's cache shared with .ci/lint maps a module name to the file it saw last)
+    clean, wrong = tmp_path / f"user_script_{os.getpid()}.py", tmp_path / f"user_mistakes_{os.getpid()}.py"
     clean.write_text(SCRIPT)
     wrong.write_text(SCRIPT + "\n".join(MISTAKES) + "\n")
     done = subprocess.run([os.path.join(ROOT, ".ci", "typecheck"), str(clean), str(wrong)], capture_output=True,
