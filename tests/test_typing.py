@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, checkout_copy
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -95,8 +95,11 @@ def test_the_documented_editable_install_is_seen_by_mypy(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "outer.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch, Ignite... from this environment
+    # from a copy: strict mode lays its link tree in build/ beside the sources, and a build/ in the checkout would
+    # shadow the `build` package that .ci/run's release step runs next
+    source = checkout_copy(tmp_path / "source")
     install = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", "-e",
-                              ROOT, "--config-settings", "editable_mode=strict"], capture_output=True, text=True,
+                              source, "--config-settings", "editable_mode=strict"], capture_output=True, text=True,
                              timeout=600)
     assert install.returncode == 0, install.stderr
     (tmp_path / "mine.py").write_text("from ignite_amp import create_amp_trainer\n"
