@@ -315,9 +315,14 @@ def checkout_copy(dest) -> str:
     nothing in the checkout (setuptools writes ``build/`` and ``*.egg-info`` beside the sources)."""
     import shutil
 
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, listed):
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True)
+    if listing.returncode != 0 or not os.path.exists(os.path.join(ROOT, ".git")):
+        # not a git checkout (.ci/versions runs the suite on an exported copy): the tree, less what builds leave
+        shutil.copytree(ROOT, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "__pycache__", ".mypy_cache", ".pytest_cache", ".coverage*"))
+        return str(dest)
+    for name in filter(None, listing.stdout.split("\0")):
         if os.path.isfile(os.path.join(ROOT, name)):
             os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
