@@ -11,18 +11,16 @@ A python or bash block preceded by ``<!-- not run: why -->`` (one that needs a G
 The site itself is built and checked by tests/docs/test_docs_site.py.
 """
 import configparser
-import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from typing import List, Optional
 
 import pytest
 
 from helpers import ROOT
 from helpers.docs import Block, code_blocks, guide_pages
+from helpers.forks import Forks
 
 pytestmark = [pytest.mark.docs]
 
@@ -49,49 +47,16 @@ def test_every_block_says_its_language():
         assert not indented, f"{page}: an indented code fence is not checked; move it out of the list"
 
 
-# The python blocks' runner: one interpreter imports what every block's start would (torch, Ignite, the package),
-# then forks a process per block, which runs it as a script in its own empty directory (its output goes beside the
-# directory): a fresh interpreter's state but for the imports, which are most of its start. A block past 600 s is
-# stopped.
-RUNNER = """
-import json, os, runpy, signal, sys, traceback
-import torch, ignite, ignite_amp  # nothing runs before the forks but these imports
-codes = {}
-for name, script in json.load(sys.stdin):
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(600)
-        os.chdir(os.path.dirname(script))
-        for fd, suffix in ((1, ".out"), (2, ".err")):
-            os.dup2(os.open(os.path.dirname(script) + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv, sys.path[0], code = [script], os.path.dirname(script), 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    codes[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-print(json.dumps(codes))
-"""
-
-
 def run_python_blocks(blocks: List[Block], tmp_path_factory) -> dict:
-    """Runs ``blocks`` by :data:`RUNNER`: ``{name: (exit code, stdout, stderr)}``."""
-    scripts = []
-    for block in blocks:
-        folder = tmp_path_factory.mktemp("block")
-        (folder / "block.py").write_text(block.text)
-        scripts.append((block.name, str(folder / "block.py")))
-    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(scripts), capture_output=True, text=True,
-                          cwd=tmp_path_factory.getbasetemp(), timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    codes = json.loads(proc.stdout)
-    return {name: (codes[name], *(open(os.path.dirname(script) + s).read() for s in (".out", ".err")))
-            for name, script in scripts}
+    """Runs each of ``blocks`` as a script in its own empty directory, in a process of its own forked from one that
+    imported what every block's start would (``helpers.forks``): ``{name: (exit code, stdout, stderr)}``."""
+    ran = {}
+    with Forks(tmp_path_factory.mktemp("forks")) as forks:
+        for block in blocks:
+            folder = tmp_path_factory.mktemp("block")
+            (folder / "block.py").write_text(block.text)
+            ran[block.name] = tuple(forks.run([str(folder / "block.py")], cwd=folder))
+    return ran
 
 
 @pytest.fixture(scope="module")
