@@ -6,7 +6,7 @@ small CPU); a log writes ten and more. TensorBoard reads every value of an event
 as ``add_scalar``'s own events: the same tags, steps and float32 values (``tests/handlers/test_handler_cost.py``).
 """
 import time
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from ignite.engine import Engine
@@ -35,6 +35,11 @@ class ScalarEvent:
 
     def add_scalar(self, tag: str, value: float, global_step: int) -> None:
         self.values.append(self._summary.Value(tag=tag, simple_value=float(value)))  # add_scalar's float32 too
+
+    def get(self, tag: str) -> Optional[float]:
+        """The value gathered for ``tag`` (the last), or None."""
+        found = [v.simple_value for v in self.values if v.tag == tag]
+        return found[-1] if found else None
 
     def write(self, writer: Any, step: int) -> None:
         """The gathered scalars as one event of ``writer`` (a ``SummaryWriter``) at ``step``."""

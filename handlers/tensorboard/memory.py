@@ -49,6 +49,7 @@ class DeviceMemory:
         self.device, self.ranks = device, ranks
         self.window = PeakWindow(device, allocator) if device.type == "cuda" else None
         self.peak_mb = 0.0
+        self.first_rss_mb: Optional[float] = None  # the first read's RSS: memory/rss_growth_mb is the rise over it
 
     def attach(self, trainer: Engine, close: bool = True) -> None:
         """Windows from each run's start; ``close``: also leave CUDA's counter as found at the run's end (a caller
@@ -78,8 +79,13 @@ class DeviceMemory:
                 window.start()
                 self.peak_mb = max(self.peak_mb, values["memory/peak_mb"])
         else:
-            values = {"memory/rss_mb": rss_mb()}
-            self.peak_mb = max(self.peak_mb, values["memory/rss_mb"])
+            rss = rss_mb()
+            if self.first_rss_mb is None:
+                self.first_rss_mb = rss
+            # the growth too: the dashboard's RSS chart shades the band down to it, so its axis starts near 0 and
+            # its ticks differ (TensorBoard labels them with 3 significant digits: 975.4 to 976.0 MB read "976")
+            values = {"memory/rss_mb": rss, "memory/rss_growth_mb": rss - self.first_rss_mb}
+            self.peak_mb = max(self.peak_mb, rss)
         return values
 
     def __call__(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:

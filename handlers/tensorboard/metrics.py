@@ -3,16 +3,17 @@
 One TensorBoard run per split, as Keras writes them: ``<logdir>/train`` and ``<logdir>/val`` hold the
 same tag names (``loss``, ``accuracy``...), so one chart overlays a metric's train and val lines, told
 apart by colour and legend (the best so far, ``<metric>/best``, has its own); ``<logdir>`` itself holds
-the text (facts, health), the HParams session and the Custom Scalars layout. Time Series (which sorts
-groups by name) opens on the metrics (``accuracy``, ``loss``), then ``memory/``, ``optimizer/`` (grad
-norm, clip share, lr), ``precision/`` (loss scale, skipped steps), ``step/`` (only when a batch or
-micro-batch count changes, or memory ran out) and ``throughput/``, all in the ``train`` run. Each chart
+the text (facts, health), the HParams session (with its metric columns' values, ``run/...``) and the Custom
+Scalars layout. Time Series (which sorts groups by name) opens on the metrics (``accuracy``, ``loss``), then
+``memory/``, ``optimizer/`` (grad norm, clip share, lr), ``precision/`` (loss scale, skipped steps), ``run/``
+(the run's own), ``step/`` (only when a batch or micro-batch count changes, or memory ran out) and
+``throughput/``, the rest in the ``train`` run. Each chart
 of the Custom Scalars "AMP health" dashboard has one scale, one quantity per run, and only what the
 run logs.
 """
 import dataclasses
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ignite.distributed as idist
 import torch
@@ -32,6 +33,7 @@ from ignite_amp.handlers.tensorboard.facts import (
     RunFacts,
     hparams_summaries,
     session_end_summary,
+    write_session_values,
     write_text,
 )
 from ignite_amp.handlers.tensorboard.health import Health, health_lines
@@ -51,8 +53,12 @@ class TensorBoardConfig:
     log_every: int = setting(50, POSITIVE_INT, "iterations per training scalar point (one host sync each)")
 
 
-# Tag -> meaning; "val/..." are tags of the val run, every other tag is the train run's.
+# Tag -> meaning; "val/..." are tags of the val run, "run/..." the run's own (the HParams columns' values), every
+# other tag is the train run's.
 TAGS = {
+    "run/val_<metric>": "the last validation's metric, for its HParams column (final)",
+    "run/val_<metric>_best": "the best validation value so far, for its HParams column (best)",
+    "run/median_samples_per_sec": "throughput/median_samples_per_sec, for its HParams column",
     "val/<metric>": "validation metric after each evaluation, e.g. accuracy, loss (x axis: training iteration)",
     "val/<metric>/best": "best validation value so far (min for a loss or an error, else max; or as modes= says)",
     "loss": "mean training loss over the last log_every iterations",
@@ -62,6 +68,7 @@ TAGS = {
     "memory/peak_mb": "peak memory allocated by tensors during the window (CUDA)",
     "memory/reserved_mb": "memory held by the caching allocator (CUDA)",
     "memory/rss_mb": "resident memory of the process (CPU runs)",
+    "memory/rss_growth_mb": "memory/rss_mb less its value at the process's first log (CPU runs)",
     "memory/max_rank_peak_mb": "the largest rank's peak allocated in the window (CUDA; ranks_memory)",
     "memory/max_rank_rss_mb": "the largest rank's resident memory (CPU runs; ranks_memory)",
     "optimizer/grad_norm": "mean pre-clip total gradient norm (L2) over the optimizer steps of the window",
@@ -83,6 +90,7 @@ TAGS = {
 }
 
 HEALTH_TAG = "run/health"
+MEDIAN_TAG = "run/median_samples_per_sec"  # the HParams column's copy of throughput/median_samples_per_sec
 
 
 LAYOUT = layout()  # every chart a run can have (a CPU run has the RSS chart instead of device memory)
@@ -222,13 +230,15 @@ class TensorBoardMetrics:
         window.attach(trainer, self.log_every, self._log)  # the log's iteration is in its window
         self.memory = memory = DeviceMemory(step.device, self.ranks)
         memory.attach(trainer, close=False)  # closed after _completed's last read (below)
-        metrics: Dict[Tuple[str, str], str] = {}  # (run, tag) -> title
+        # The HParams metric columns (tag of the run's own -> title): TensorBoard reads a column in the session's
+        # run (facts.hparams_summaries), so each value is copied there when its source is written.
+        metrics: Dict[str, str] = {}
         if evaluator is not None:
             for name in self.hparam_metrics:
-                metrics[("val", name)] = f"val {name} (final)"
-                metrics[("val", f"{name}/best")] = f"val {name} (best)"
-        metrics[("train", "throughput/median_samples_per_sec")] = "samples/s (median)"
-        self.run_facts = run_facts = RunFacts(self.facts, self.texts, metrics, step)
+                metrics[f"run/val_{name}"] = f"val {name} (final)"
+                metrics[f"run/val_{name}_best"] = f"val {name} (best)"
+        metrics[MEDIAN_TAG] = "samples/s (median)"
+        self.run_facts = run_facts = RunFacts(self.facts, self.texts, metrics, step, self.logdir)
         tb.attach(trainer, run_facts, Events.STARTED)
         trainer.add_event_handler(Events.STARTED, self._started)
         tb.attach(trainer, self._completed, Events.COMPLETED)
@@ -246,6 +256,7 @@ class TensorBoardMetrics:
         if evaluator is not None:
             self.validation.trainer = trainer
             self.splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
+            tb.attach(evaluator, self._validated, Events.COMPLETED)
             self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
 
     def _started(self, engine: Engine) -> None:
@@ -266,10 +277,23 @@ class TensorBoardMetrics:
         scalars, writer = ScalarEvent(), self.splits["train"].writer
         for handler in self._log_handlers:
             handler(engine, scalars, Events.ITERATION_COMPLETED)
+        median = scalars.get("throughput/median_samples_per_sec")
         scalars.write(writer, engine.state.iteration)
         writer.flush()
         assert self.tb is not None  # attached
+        if median is not None:
+            write_session_values(self.tb, {MEDIAN_TAG: median}, engine.state.iteration)
         self._logged_once(engine, self.tb, Events.ITERATION_COMPLETED)
+
+    def _validated(self, evaluator: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+        """After each validation: the HParams columns' values (final and best) in the run's own run."""
+        validation, values = self.validation, {}
+        for name in self.hparam_metrics:
+            if name in validation.final:
+                values[f"run/val_{name}"] = validation.final[name]
+                values[f"run/val_{name}_best"] = validation.best[name]
+        if validation.trainer is not None:
+            write_session_values(logger, values, validation.trainer.state.iteration)
 
     def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         if not self._layout_written:  # at the first log: the FLOP count and what is logged are known

@@ -27,6 +27,7 @@ __all__ = ["TrainWindow", "BatchShape", "Validation", "TrainerMetrics", "layout"
 
 
 SPLITS = TENSORBOARD_SPLITS  # one TensorBoard run per split, in the run's log directory
+RSS_CHART = "process memory MB: RSS (line), its growth since the first log (the band's lower edge)"
 
 
 def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping: bool = True, cuda: bool = True,
@@ -64,7 +65,10 @@ def layout(metrics: Sequence[str] = ("accuracy",), scaler: bool = True, clipping
         for kind in ("allocated", "reserved", "peak"):
             details[f"device memory MB: {kind}"] = ["Multiline", [rf"^memory/{kind}_mb$"]]
     else:
-        details["process memory MB (RSS)"] = ["Multiline", [r"^memory/rss_mb$"]]
+        # A margin chart: the RSS line over a band down to its growth since the first log (near 0), so the axis
+        # spans from about 0 and its 3-significant-digit ticks differ; a multiline chart of a flat RSS reads "976"
+        # at every tick.
+        details[RSS_CHART] = ["Margin", ["memory/rss_mb", "memory/rss_growth_mb", "memory/rss_mb"]]
     if ranks:
         details["the largest rank's memory MB"] = ["Multiline", [r"^memory/max_rank_(peak|rss)_mb$"]]
     return {"AMP health": health, "AMP details": details}

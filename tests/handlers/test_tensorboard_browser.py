@@ -135,3 +135,31 @@ def test_time_series_draws_the_validation_line_in_its_own_colour(three_epochs, b
     assert "val" in colours and (tag != "loss" or "train" in colours), colours
     for run, colour in colours.items():
         assert pixels_of(png, card["box"], card["ratio"], colour) >= 20, (tag, run)  # the line is drawn
+
+
+HPARAMS_TABLE = DEEP + """
+const grid = all(document, 'vaadin-grid').find(g => g.items && g.items.length);
+if (!grid) return null;
+const cells = all(document, '.table-cell').map(c => c.textContent.trim()).filter(t => t);
+const header = cells.indexOf('Trial ID');
+return header < 0 ? null : cells.slice(header);"""
+
+
+@pytest.mark.slow
+def test_the_hparams_table_names_the_run_and_fills_every_column(three_epochs, browser, tmp_path):
+    """Under the printed command (the run alone, TensorBoard's session "."): the row is named after the run,
+    the batch size reads as written, and the metric columns are filled."""
+    base, result = three_epochs
+    browser.open(f"{base}/#hparams")
+    cells = browser.wait_for(HPARAMS_TABLE, 60)
+    assert cells, "no HParams table"
+    browser.screenshot(os.path.join(shots(tmp_path), "4_hparams_table.png"))
+    titles = ["val accuracy (final)", "val accuracy (best)", "val loss (final)", "val loss (best)",
+              "samples/s (median)"]
+    columns = cells[:cells.index(titles[-1]) + 1]
+    assert columns[:2] == ["Trial ID", "Show Metrics"] and columns[-5:] == titles
+    row = dict(zip([c for c in columns if c != "Show Metrics"], cells[len(columns):], strict=True))
+    assert row["Trial ID"].startswith("quick 20")  # not "."
+    assert row["batch_size"] == "32"  # not "32.000"
+    assert float(row["val accuracy (final)"]) == pytest.approx(result["final"]["val_accuracy"], abs=1e-4)
+    assert float(row["samples/s (median)"]) > 0 and all(row[t] for t in titles)

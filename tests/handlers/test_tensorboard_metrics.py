@@ -1,6 +1,7 @@
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -72,12 +73,15 @@ def test_logs_every_tag_of_a_cpu_run_one_run_per_split_and_no_hparam_scalars(log
     expected = {"loss", "optimizer/lr/group_0",
                 "optimizer/grad_norm", "optimizer/clip_share", "precision/loss_scale", "precision/skipped_steps",
                 "throughput/samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
-                "throughput/tflops", "memory/rss_mb", "step/micro_batches", "throughput/median_samples_per_sec"}
+                "throughput/tflops", "memory/rss_mb", "memory/rss_growth_mb", "step/micro_batches",
+                "throughput/median_samples_per_sec"}
     # Nothing constant or empty: the batch size (8, as the facts say), no OOM, the clip bound (a fact).
     assert expected == tags
     # The same tag names in the train and val runs: one chart overlays train and val, one colour each.
     assert set(split["val"].Tags()["scalars"]) == {"accuracy", "loss", "accuracy/best", "loss/best"}
-    assert split[""].Tags()["scalars"] == []  # the run itself: text, HParams, layout
+    # the run itself: text, HParams (with its metric columns' values), layout
+    assert sorted(split[""].Tags()["scalars"]) == ["run/median_samples_per_sec", "run/val_accuracy",
+                                                   "run/val_accuracy_best", "run/val_loss", "run/val_loss_best"]
     assert not [t for t in tags if t.startswith("hparam")]
     assert sorted(values(split["train"], "loss")) == list(range(2, 17, 2))
 
@@ -193,19 +197,32 @@ def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
     names = [info.name for info in experiment.hparam_infos]
     assert names == sorted(names)  # TensorBoard orders the columns by name
     domains = {i.display_name: [v.string_value for v in i.domain_discrete.values] for i in experiment.hparam_infos
-               if i.type == api_pb2.DATA_TYPE_STRING}
+               if i.type == api_pb2.DATA_TYPE_STRING and i.domain_discrete.values}
     assert domains == {"dtype": ["float32", "float16", "bfloat16"], "device_type": ["cpu", "cuda", "mps", "xpu"],
                        "strategy": ["none", "ddp", "fsdp"]}
     assert "model" not in shown  # an open set of strings: in the text facts, not a column without a domain
-    metrics = [(m.name.group, m.name.tag) for m in experiment.metric_infos]  # a split's run, a tag of it (Keras's way)
-    assert metrics == [("val", "accuracy"), ("val", "accuracy/best"), ("val", "loss"), ("val", "loss/best"),
-                       ("train", "throughput/median_samples_per_sec")]
-    for group, tag in metrics:
-        assert tag in logged[0][group].Tags()["scalars"]
+    # whole numbers as strings (TensorBoard's table writes a number 64 as "64.000"), without a domain
+    whole = {i.display_name for i in experiment.hparam_infos if i.type == api_pb2.DATA_TYPE_STRING
+             and not i.domain_discrete.values}
+    assert {"batch_size", "micro_batches", "accumulation_steps", "world_size"} <= whole
+    # The metric columns read tags of the session's own run (group ""): found under --logdir <the run>, whose
+    # session is ".", as under its parent (a group "val" is read at "./val", which is no run).
+    metrics = [(m.name.group, m.name.tag) for m in experiment.metric_infos]
+    assert metrics == [("", "run/val_accuracy"), ("", "run/val_accuracy_best"), ("", "run/val_loss"),
+                       ("", "run/val_loss_best"), ("", "run/median_samples_per_sec")]
+    run, val, train = logged[0][""], logged[0]["val"], logged[0]["train"]
+    # each is its source, written at the same steps (every validation, every log)
+    assert values(run, "run/val_accuracy") == values(val, "accuracy") and len(values(val, "accuracy")) == 2
+    assert values(run, "run/val_loss_best") == values(val, "loss/best")
+    assert values(run, "run/median_samples_per_sec") == values(train, "throughput/median_samples_per_sec")
     start = hparams_metadata.parse_session_start_info_plugin_data(content[hparams_metadata.SESSION_START_INFO_TAG])
     by_name = {i.display_name: start.hparams[i.name] for i in experiment.hparam_infos}
     assert by_name["grad_scaler"].WhichOneof("kind") == "bool_value" and by_name["grad_scaler"].bool_value
-    assert by_name["dtype"].string_value == "float16" and by_name["batch_size"].number_value == 8
+    assert by_name["dtype"].string_value == "float16" and by_name["batch_size"].string_value == "8"
+    # the row is named after the run's folder and its start, not "." (the session's run under --logdir <run>)
+    name, day, clock = start.group_name.split(" ")
+    assert name == os.path.basename(logged[2].logdir) and re.fullmatch(r"\d{4}-\d\d-\d\d", day)
+    assert abs(time.mktime(time.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S")) - start.start_time_secs) < 1
     end = hparams_metadata.parse_session_end_info_plugin_data(content[hparams_metadata.SESSION_END_INFO_TAG])
     assert end.status == 1  # STATUS_SUCCESS
 
@@ -238,6 +255,11 @@ def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(
     layout = run_layout(split[""])
     assert [c.title for c in layout.category] == ["AMP health", "AMP details"]
     charts = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
+    (rss,) = [c for c in layout.category[1].chart if c.HasField("margin")]  # a CPU run: the RSS over its growth
+    (series,) = rss.margin.series
+    assert (series.value, series.lower, series.upper) == ("memory/rss_mb", "memory/rss_growth_mb", "memory/rss_mb")
+    growth = values(split["train"], "memory/rss_growth_mb")
+    assert growth[2] == 0.0 and set(growth) == set(values(split["train"], "memory/rss_mb"))  # the margin's steps
     assert list(charts) == ["loss: train (window mean), val", "accuracy: train (when measured), val",
                             "best val accuracy so far", "best val loss so far", "loss scale (float16)",
                             "skipped optimizer steps (float16, since the start)",
@@ -246,6 +268,8 @@ def test_dashboard_charts_have_one_scale_one_quantity_per_run_and_no_empty_card(
     assert charts["loss: train (window mean), val"] == ["^loss$"]
     for category in layout.category:
         for chart in category.chart:
+            if chart.HasField("margin"):
+                continue
             (pattern,) = chart.multiline.tag
             matched = {(run, t) for run in ("train", "val") for t in split[run].Tags()["scalars"]
                        if re.search(pattern, t)}
@@ -261,8 +285,8 @@ def test_every_layout_pattern_names_documented_tags():
     documented = [re.escape(t).replace(re.escape("<metric>"), r"\w+").replace(re.escape("<N>"), r"\d+") for t in tags]
     examples = [t.replace("<metric>", "accuracy").replace("<N>", "0") for t in tags]
     for category in LAYOUT.values():
-        for title, (_, patterns) in category.items():
-            for pattern in patterns:
+        for title, (kind, patterns) in category.items():
+            for pattern in patterns if kind == "Multiline" else [f"^{re.escape(tag)}$" for tag in patterns]:
                 found = [t for t in examples if re.search(pattern, t)]
                 assert found, (title, pattern)
                 assert all(any(re.fullmatch(d, t) for d in documented) for t in found), pattern

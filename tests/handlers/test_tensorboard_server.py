@@ -39,7 +39,7 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     assert {"loss", "optimizer/grad_norm",
             "optimizer/clip_share", "optimizer/lr/group_0", "throughput/samples_per_sec",
             "throughput/median_samples_per_sec", "throughput/data_wait_share", "throughput/step_time_ms",
-            "throughput/tflops", "memory/rss_mb"} == set(scalars["train"])
+            "throughput/tflops", "memory/rss_mb", "memory/rss_growth_mb"} == set(scalars["train"])
     assert set(scalars["val"]) == {"loss", "accuracy", "loss/best", "accuracy/best"}
     # bfloat16: no GradScaler, so no precision/ tags; constant batch values live in the facts; no hparam/* dots.
 
@@ -64,36 +64,51 @@ def test_tensorboard_serves_the_run_the_dashboard_the_facts_and_the_tags(served)
     breakdown = fetch(base, "/data/plugin/text/text?run=profiler&tag=profiler/step_breakdown")[0]["text"]
     assert "Iterations 2-3: the trace is" in breakdown and "<td>backward</td>" in breakdown
 
+    # The HParams tab under the printed command: one row, named after the run (not "."), every column filled.
+    (group,) = check_hparams(base, result)
+    assert group["name"].startswith("quick 20") and [s["name"] for s in group["sessions"]] == ["."]
+
     # HParams compares runs: over runs/ (as the TensorBoard guide says), a session per run, each with the
-    # metric columns read from its train and val runs.
+    # metric columns read from its own run. The copy keeps the run's trial name: TensorBoard makes one row of
+    # the two (a run moved aside by a later one started at another time, and so has a row of its own).
     runs = os.path.dirname(result["output_dir"])
     with serve_tensorboard(f"tensorboard --logdir {runs}", {"quick", "quick/val", "quick.replaced-20261126-000000"}) \
             as base:
-        check_hparams(base, result)
+        (copied,) = check_hparams(base, result)
+    assert copied["name"] == group["name"]
+    assert [s["name"] for s in copied["sessions"]] == ["quick", "quick.replaced-20261126-000000"]
 
 
 def check_hparams(base, result):
+    """The HParams experiment and its session groups, each with every metric column's value; the groups."""
     experiment = fetch(base, "/data/plugin/hparams/experiment", {"experimentName": ""})
     types = {h["displayName"]: h["type"] for h in experiment["hparamInfos"]}
-    metrics = [(m["name"]["group"], m["name"]["tag"]) for m in experiment["metricInfos"]]
-    assert metrics == [("val", "accuracy"), ("val", "accuracy/best"), ("val", "loss"), ("val", "loss/best"),
-                       ("train", "throughput/median_samples_per_sec")]
+    metrics = [(m["name"].get("group", ""), m["name"]["tag"]) for m in experiment["metricInfos"]]
+    assert metrics == [("", "run/val_accuracy"), ("", "run/val_accuracy_best"), ("", "run/val_loss"),
+                       ("", "run/val_loss_best"), ("", "run/median_samples_per_sec")]
     assert list(types)[:5] == ["dtype", "device_type", "grad_scaler", "batch_size", "lr"]
     assert types["grad_scaler"] == "DATA_TYPE_BOOL" and types["dtype"] == "DATA_TYPE_STRING"
-    assert types["batch_size"] == "DATA_TYPE_FLOAT64" and "torch" not in types  # open strings: text facts only
-    strings = [h for h in experiment["hparamInfos"] if h["type"] == "DATA_TYPE_STRING"]
-    assert all(h.get("domainDiscrete") for h in strings)  # no "without discrete domain values" warning
+    assert types["lr"] == "DATA_TYPE_FLOAT64" and "torch" not in types  # open strings: text facts only
+    # whole numbers are strings, shown as written (a number 32 is "32.000" in the table), without a domain
+    whole = {h["displayName"] for h in experiment["hparamInfos"] if h["type"] == "DATA_TYPE_STRING"
+             and not h.get("domainDiscrete")}
+    assert {"batch_size", "epochs", "seed", "micro_batches", "accumulation_steps", "world_size"} == whole
     groups = fetch(base, "/data/plugin/hparams/session_groups", {
         "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
                                                   "STATUS_RUNNING"],
         "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
-    assert sorted(g["name"] for g in groups) == ["quick", "quick.replaced-20261126-000000"]
-    (group,) = [g for g in groups if g["name"] == "quick"]
-    assert group["name"] == "quick" and group["sessions"][0]["status"] == "STATUS_SUCCESS"
+    (group,) = groups
+    assert group["sessions"][0]["status"] == "STATUS_SUCCESS"
     assert group["hparams"]["02 grad_scaler"] is False and group["hparams"]["00 dtype"] == "bfloat16"
-    values = {(m["name"]["group"], m["name"]["tag"]): m["value"] for m in group["metricValues"]}
-    assert values[("val", "accuracy")] == pytest.approx(result["final"]["val_accuracy"])  # one session, every split
-    assert values[("train", "throughput/median_samples_per_sec")] > 0
+    assert group["hparams"]["03 batch_size"] == "32"
+    best_loss = min(record["val_loss"] for record in result["history"])
+    for session in group["sessions"]:  # every column filled, in every session
+        values = {m["name"]["tag"]: m["value"] for m in session["metricValues"]}
+        assert set(values) == {tag for _, tag in metrics}, session["name"]
+        assert values["run/val_accuracy"] == pytest.approx(result["final"]["val_accuracy"])
+        assert values["run/val_loss_best"] == pytest.approx(best_loss, rel=1e-6)
+        assert values["run/median_samples_per_sec"] > 0
+    return groups
 
 
 @pytest.mark.slow
@@ -114,4 +129,6 @@ def test_in_a_real_browser_the_dashboard_renders_without_console_warnings(served
                                f"--screenshot={shot}", f"{base}/#{view}"], capture_output=True, text=True, timeout=180)
         console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line]
         assert shot.exists() and shot.stat().st_size > 20_000, (view, proc.stderr[-2000:])  # a page, not a blank
-        assert not [line for line in console if "domain" in line.lower()], console
+        # the whole-number columns (strings without a domain: no filter) warn; nothing else about domains
+        assert not [line for line in console if "domain" in line.lower()
+                    and "without discrete domain values" not in line], console
