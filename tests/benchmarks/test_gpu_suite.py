@@ -3,7 +3,6 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from helpers import ROOT
+from helpers.forks import Forks
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
@@ -20,10 +20,17 @@ HEADER = ("device", "driver", "cuda", "torch", "ignite", "date")
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def forks(tmp_path_factory):
+    """The suite's runs (the default sections, then the opt-in ones) forked from one process that imported torch
+    and the package (``helpers.forks``): the suite's own start is not what these tests test."""
+    with Forks(tmp_path_factory.mktemp("forks"), limit=900) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, forks):
     out = tmp_path_factory.mktemp("gpu_suite")
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--out", str(out)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    proc = forks.run([SUITE, "--smoke", "--out", str(out)], ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "gpu_suite.json", encoding="utf-8") as f:
         report = json.load(f)
@@ -239,12 +246,11 @@ def test_gpu_tests_past_the_budget_stop_with_everything_they_started(suite, tmp_
 
 
 @pytest.fixture(scope="module")
-def opt_in(tmp_path_factory):
+def opt_in(tmp_path_factory, forks):
     """The opt-in sections i, k, p, q and r in one smoke run of the suite (one process start, not five): the
     report and its folder."""
     out = tmp_path_factory.mktemp("opt_in")
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--only", "ikpqr", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    proc = forks.run([SUITE, "--smoke", "--only", "ikpqr", "--out", str(out)], ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_suite.json").read_text(encoding="utf-8"))
     assert list(report["sections"]) == ["i_float8", "k_memory_plan", "p_memory_format_fused", "q_input_path",

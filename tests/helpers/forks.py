@@ -57,16 +57,17 @@ class Ran(NamedTuple):
 
 class Forks:
     """``with Forks(folder) as forks: forks.run(["-m", "ignite_amp", "train", ...], cwd)``: the arguments as
-    ``python`` takes them (``-m module args`` or ``script.py args``); returns a :class:`Ran`. One at a time."""
+    ``python`` takes them (``-m module args`` or ``script.py args``); returns a :class:`Ran`. One at a time.
+    ``env``: the environment of every program (the server's, read at its start: ``PYTHONPATH`` too)."""
 
-    def __init__(self, folder, limit: int = 600):
-        self.folder, self.limit, self.count = str(folder), limit, 0
+    def __init__(self, folder, limit: int = 600, env: Optional[dict] = None):
+        self.folder, self.limit, self.count, self.env = str(folder), limit, 0, env
         self.proc: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> "Forks":
         os.makedirs(self.folder, exist_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=self.folder)
+                                     text=True, cwd=self.folder, env=self.env)
         return self
 
     def __exit__(self, *exc) -> None:

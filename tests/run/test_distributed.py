@@ -13,6 +13,7 @@ import torch.distributed as dist
 import yaml
 
 from helpers import ROOT, free_port, in_group
+from helpers.forks import Forks, Ran
 from ignite_amp import load_config, train_from_config
 from ignite_amp.data.datasets import EvenShardSampler
 from ignite_amp.launcher import launch
@@ -42,17 +43,31 @@ def config(output_dir, **sections) -> dict:
     return cfg
 
 
-def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> subprocess.CompletedProcess:
-    """``ignite-amp train`` in a fresh interpreter: ``nproc`` processes spawned from the config, or by torchrun."""
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
+_forks = []  # the module's fork server (helpers.forks), while its tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forks(tmp_path_factory):
+    with Forks(tmp_path_factory.mktemp("forks"), limit=300, env=ENV) as server:
+        _forks.append(server)
+        yield server
+        _forks.remove(server)
+
+
+def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> Ran:
+    """``ignite-amp train``: ``nproc`` processes spawned from the config, the command in a process forked from one
+    that imported torch and the package (``helpers.forks``; the spawned ranks start afresh), or by torchrun in a
+    fresh interpreter."""
     path = tmp_path / f"{os.path.basename(cfg['output_dir'])}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
     if torchrun:
         command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    "-m", "ignite_amp", "train", str(path)]
-    else:
-        command = ["-m", "ignite_amp", "train", str(path), "--set", f"distributed.nproc_per_node={nproc}"]
-    return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=ENV, timeout=300)
+        return Ran(proc.returncode, proc.stdout, proc.stderr)
+    return _forks[-1].run(["-m", "ignite_amp", "train", str(path), "--set", f"distributed.nproc_per_node={nproc}"],
+                          ROOT)
 
 
 def one_process(cfg: dict) -> dict:
