@@ -30,6 +30,19 @@ def dtype_auto_without_timing(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture(scope="session")
+def forks(tmp_path_factory, dtype_auto_without_timing):
+    """The suite's fork server (``helpers.forks``): one interpreter that imported torch and the package, from which a
+    test that runs the CLI or a script forks it (a fresh process less its start). Its ``sys.path`` has tests/ (the
+    test models a config names, ``helpers:oom_cnn``) and the checkout, as a CLI subprocess of a test had."""
+    from helpers import ROOT
+    from helpers.forks import Forks
+
+    path = os.pathsep.join([os.path.join(ROOT, "tests"), ROOT, os.environ.get("PYTHONPATH", "")])
+    with Forks(tmp_path_factory.mktemp("forks"), env=dict(os.environ, PYTHONPATH=path)) as server:
+        yield server
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
     """A test that starts a process group must end it: Ignite caches the group it saw, and every later

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from helpers import ROOT
-from helpers.forks import Forks
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 SECTIONS = ["a_gpu_tests", "b_overhead", "c_amp_vs_fp32", "d_batch_size", "e_numerics", "f_host_syncs",
@@ -20,17 +19,11 @@ HEADER = ("device", "driver", "cuda", "torch", "ignite", "date")
 
 
 @pytest.fixture(scope="module")
-def forks(tmp_path_factory):
-    """The suite's runs (the default sections, then the opt-in ones) forked from one process that imported torch
-    and the package (``helpers.forks``): the suite's own start is not what these tests test."""
-    with Forks(tmp_path_factory.mktemp("forks"), limit=900) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def smoke(tmp_path_factory, forks):
+    """The default sections' smoke run, forked from the suite's fork server (``helpers.forks``): the suite's own
+    start is not what these tests test."""
     out = tmp_path_factory.mktemp("gpu_suite")
-    proc = forks.run([SUITE, "--smoke", "--out", str(out)], ROOT)
+    proc = forks.run([SUITE, "--smoke", "--out", str(out)], ROOT, limit=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "gpu_suite.json", encoding="utf-8") as f:
         report = json.load(f)
@@ -250,7 +243,7 @@ def opt_in(tmp_path_factory, forks):
     """The opt-in sections i, k, p, q and r in one smoke run of the suite (one process start, not five): the
     report and its folder."""
     out = tmp_path_factory.mktemp("opt_in")
-    proc = forks.run([SUITE, "--smoke", "--only", "ikpqr", "--out", str(out)], ROOT)
+    proc = forks.run([SUITE, "--smoke", "--only", "ikpqr", "--out", str(out)], ROOT, limit=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_suite.json").read_text(encoding="utf-8"))
     assert list(report["sections"]) == ["i_float8", "k_memory_plan", "p_memory_format_fused", "q_input_path",

@@ -145,10 +145,11 @@ def test_ctrl_c_mid_epoch_leaves_no_stale_bar_and_the_next_lines_start_at_their_
     code, raw = run_in_a_terminal(["train", config(tmp_path, data=data)], ROOT, ctrl_c_after=b"[1/512]")
     screen = render(raw)
     assert code == 130, "\n".join(screen)
-    assert "health of the run:" in screen, screen  # on its own line: no "^C" (or its wrapped "C") before it
+    shown = "\n".join(screen)  # whole in a failure's message (pytest cuts a long list in the middle)
+    assert "health of the run:" in screen, shown  # on its own line: no "^C" (or its wrapped "C") before it
     # The stopped bar's line is cleared, the terminal's "^C" with it, and tqdm draws no stale bar at exit.
-    assert not [line for line in screen if "%|" in line or "^C" in line or line.startswith("C")], screen
-    assert screen[-1].startswith("ignite-amp: interrupted"), screen
+    assert not [line for line in screen if "%|" in line or "^C" in line or line.startswith("C")], shown
+    assert screen[-1].startswith("ignite-amp: interrupted"), shown
 
 
 @pytest.mark.timeout(1200)

@@ -47,24 +47,23 @@ def test_every_block_says_its_language():
         assert not indented, f"{page}: an indented code fence is not checked; move it out of the list"
 
 
-def run_python_blocks(blocks: List[Block], tmp_path_factory) -> dict:
+def run_python_blocks(blocks: List[Block], tmp_path_factory, forks: Forks) -> dict:
     """Runs each of ``blocks`` as a script in its own empty directory, in a process of its own forked from one that
     imported what every block's start would (``helpers.forks``): ``{name: (exit code, stdout, stderr)}``."""
     ran = {}
-    with Forks(tmp_path_factory.mktemp("forks")) as forks:
-        for block in blocks:
-            folder = tmp_path_factory.mktemp("block")
-            (folder / "block.py").write_text(block.text)
-            ran[block.name] = tuple(forks.run([str(folder / "block.py")], cwd=folder))
+    for block in blocks:
+        folder = tmp_path_factory.mktemp("block")
+        (folder / "block.py").write_text(block.text)
+        ran[block.name] = tuple(forks.run([str(folder / "block.py")], cwd=folder))
     return ran
 
 
 @pytest.fixture(scope="module")
-def python_blocks_ran(request, tmp_path_factory):
+def python_blocks_ran(request, tmp_path_factory, forks):
     """The python blocks of the selected tests (``-k "guides/architecture"``: that page's), run once for all."""
     selected = {item.callspec.params["block"].name for item in request.session.items
                 if getattr(item, "originalname", "") == "test_python_block_runs"}
-    return run_python_blocks([b for b in BLOCKS if b.name in selected and not b.not_run], tmp_path_factory)
+    return run_python_blocks([b for b in BLOCKS if b.name in selected and not b.not_run], tmp_path_factory, forks)
 
 
 @pytest.mark.slow
@@ -83,7 +82,7 @@ def test_python_block_runs(block, python_blocks_ran):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_a_python_block_runs_as_a_script_of_its_own(tmp_path_factory):
+def test_a_python_block_runs_as_a_script_of_its_own(tmp_path_factory, forks):
     """The runner: each block in its own directory and process, as ``__main__`` with its own imports, and a
     failure (an exception, an exit code) is its block's alone."""
     blocks = [Block("p", 1, "python", "import os\nopen('mine.txt', 'w').write(os.getcwd())\nprint(__name__)", ""),
@@ -91,7 +90,7 @@ def test_a_python_block_runs_as_a_script_of_its_own(tmp_path_factory):
                                       "\nprint(sorted(os.listdir('.')))\nsys.exit(3)", ""),
               Block("p", 3, "python", "print(torch)", ""),  # no import of its own: fails, as it would when pasted
               Block("p", 4, "python", "print('after')", "")]
-    ran = run_python_blocks(blocks, tmp_path_factory)
+    ran = run_python_blocks(blocks, tmp_path_factory, forks)
     assert ran["p:1"][0] == 0 and ran["p:1"][1] == "__main__\n"
     assert ran["p:2"][0] == 3 and ran["p:2"][1] == "['block.py']\n"  # a's file is not in b's directory
     assert ran["p:3"][0] == 1 and "NameError: name 'torch' is not defined" in ran["p:3"][2]

@@ -167,7 +167,7 @@ def run_in_order(commands: List[Command], cwd, wheel_dir=None, forks: Optional[F
         if training and not VERBATIM:
             argv += [a for k, v in SMALLER.items() if k not in _sets(words) for a in ("--set", f"{k}={v}")]
         if forks is not None and words[0] != "torchrun":
-            proc = forks.run(argv[1:], here)
+            proc = forks.run(argv[1:], here, limit=900)
         else:
             proc = subprocess.run(argv, cwd=here, capture_output=True, text=True, timeout=900)
         out = proc.stdout + proc.stderr
@@ -199,14 +199,13 @@ def checkout_state() -> set:
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_the_readme_and_guides_commands_work_in_the_order_written(tmp_path, capsys):
+def test_the_readme_and_guides_commands_work_in_the_order_written(tmp_path, capsys, forks):
     commands = [c for page in reading_order() for c in documented_commands(page)]
     assert len(commands) > 30 and commands[0].where.startswith("README.md")
     before = checkout_state()
     clone = checkout_copy(tmp_path / "clone")  # a fresh clone: the files, nothing run yet
     (tmp_path / "wheel").mkdir()  # a wheel user's directory: nothing in it
-    with Forks(tmp_path / "forks", limit=900) as forks:
-        said = run_in_order(commands, clone, wheel_dir=tmp_path / "wheel", forks=forks)
+    said = run_in_order(commands, clone, wheel_dir=tmp_path / "wheel", forks=forks)
     assert len(said) == len(commands)
     with capsys.disabled():
         print("\n" + "\n".join(said))

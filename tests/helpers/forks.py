@@ -20,10 +20,12 @@ import json, os, runpy, signal, sys, traceback
 import torch, torchvision, ignite, tensorboard, ignite_amp  # nothing runs before the forks but imports
 import ignite_amp.cli.main, ignite_amp.run.compose, ignite_amp.handlers
 for line in sys.stdin:
-    kind, target, argv, cwd, out, err, limit = json.loads(line)
+    kind, target, argv, cwd, out, err, limit, env = json.loads(line)
     pid = os.fork()
     if pid == 0:
         signal.alarm(limit)
+        os.environ.clear()
+        os.environ.update(env)
         os.chdir(cwd)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's stdin holds the requests
         for fd, path in ((1, out), (2, err)):
@@ -58,7 +60,8 @@ class Ran(NamedTuple):
 class Forks:
     """``with Forks(folder) as forks: forks.run(["-m", "ignite_amp", "train", ...], cwd)``: the arguments as
     ``python`` takes them (``-m module args`` or ``script.py args``); returns a :class:`Ran`. One at a time.
-    ``env``: the environment of every program (the server's, read at its start: ``PYTHONPATH`` too)."""
+    ``env``: the server's environment (its ``PYTHONPATH`` makes every program's ``sys.path``); each program's own
+    is :meth:`run`'s. The suite shares one server (``tests/conftest.py``'s ``forks`` fixture)."""
 
     def __init__(self, folder, limit: int = 600, env: Optional[dict] = None):
         self.folder, self.limit, self.count, self.env = str(folder), limit, 0, env
@@ -78,13 +81,17 @@ class Forks:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def run(self, args: List[str], cwd) -> Ran:
+    def run(self, args: List[str], cwd, env: Optional[dict] = None, limit: Optional[int] = None) -> Ran:
+        """``args`` run in ``cwd`` with ``env`` (default: this process's environment now, as ``subprocess``
+        gives; ``sys.path`` is the server's, from its ``PYTHONPATH``) for ``limit`` seconds at most."""
         if self.proc is None:
             raise RuntimeError("Forks.run outside its with block")
         kind, target, argv = ("module", args[1], args[2:]) if args[0] == "-m" else ("script", args[0], args[1:])
         self.count += 1
         out, err = (os.path.join(self.folder, f"{self.count}.{s}") for s in ("out", "err"))
-        self.proc.stdin.write(json.dumps([kind, target, argv, str(cwd), out, err, self.limit]) + "\n")
+        environment = dict(os.environ if env is None else env)
+        request = [kind, target, argv, str(cwd), out, err, limit or self.limit, environment]
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import yaml
 
 from helpers import ROOT, free_port, in_group
-from helpers.forks import Forks, Ran
+from helpers.forks import Ran
 from ignite_amp import load_config, train_from_config
 from ignite_amp.data.datasets import EvenShardSampler
 from ignite_amp.launcher import launch
@@ -48,11 +48,10 @@ _forks = []  # the module's fork server (helpers.forks), while its tests run
 
 
 @pytest.fixture(scope="module", autouse=True)
-def forks(tmp_path_factory):
-    with Forks(tmp_path_factory.mktemp("forks"), limit=300, env=ENV) as server:
-        _forks.append(server)
-        yield server
-        _forks.remove(server)
+def fork_server(forks):
+    _forks.append(forks)
+    yield
+    _forks.remove(forks)
 
 
 def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> Ran:
@@ -67,7 +66,7 @@ def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> Ran:
         proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=ENV, timeout=300)
         return Ran(proc.returncode, proc.stdout, proc.stderr)
     return _forks[-1].run(["-m", "ignite_amp", "train", str(path), "--set", f"distributed.nproc_per_node={nproc}"],
-                          ROOT)
+                          ROOT, env=ENV, limit=300)
 
 
 def one_process(cfg: dict) -> dict:

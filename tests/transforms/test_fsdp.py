@@ -191,9 +191,9 @@ def last(run_dir):
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_kill_9_after_a_sharded_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path):
+def test_kill_9_after_a_sharded_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path, forks):
     whole, whole_cfg = fsdp_config(tmp_path, "whole")
-    done = subprocess.run(cli("train", whole), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = forks.run(cli("train", whole)[1:], ROOT)  # forked (helpers.forks); the run killed below starts afresh
     assert done.returncode == 0, done.stderr
     assert "FSDP2: the model in 2 shards" in done.stdout
 
@@ -208,7 +208,7 @@ def test_kill_9_after_a_sharded_checkpoint_resumes_to_the_uninterrupted_weights(
     first = last(cfg["output_dir"])
     assert first is not None and os.path.isdir(first) and not first.endswith("_4.dcp")
 
-    again = subprocess.run(cli("train", path), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = forks.run(cli("train", path)[1:], ROOT)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {first}" in again.stdout
     expected = load_full_model_state(last(whole_cfg["output_dir"]))
