@@ -37,13 +37,17 @@ FACT_TYPES = (bool, int, float, str, type(None))  # what a fact's value may be
 
 
 def trial_name(logdir: str, when: float) -> str:
-    """The HParams row's name ("Trial ID") of a run in ``logdir`` started at ``when``: its folder's name and the
-    start, ``quickstart 2026-11-26 10:31:02``. Without it the row is named after the session's TensorBoard run,
-    ``.`` under ``tensorboard --logdir <the run>``; TensorBoard makes one row of the sessions that share a name
-    (the first one's facts, the mean of their metrics), so the start time tells a run from the earlier ones moved
-    aside beside it (``quickstart.replaced-<time>``)."""
-    name = os.path.basename(os.path.normpath(os.path.abspath(logdir)))
-    return f"{name} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
+    """The HParams row's name ("Trial ID") of a run in ``logdir`` started at ``when``: its folder's name, the
+    start and 4 hex digits of the folder's absolute path, ``quickstart 2026-11-26 10:31:02 #3f2a``. Without it the
+    row is named after the session's TensorBoard run, ``.`` under ``tensorboard --logdir <the run>``; TensorBoard
+    makes one row of the sessions that share a name (the first one's facts, the mean of their metrics), so the
+    start tells a run from the earlier ones moved aside beside it (``quickstart.replaced-<time>``) and the path
+    tells apart the runs of a sweep that share a folder name (``lr0.01/seed0``, ``lr0.1/seed0``) and a start."""
+    import hashlib
+
+    path = os.path.normpath(os.path.abspath(logdir))
+    digest = hashlib.sha1(path.encode("utf-8", "surrogateescape")).hexdigest()[:4]
+    return f"{os.path.basename(path)} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))} #{digest}"
 
 
 def hparams_summaries(facts: Dict[str, Any], metrics: Dict[str, str], trial_id: str = "",

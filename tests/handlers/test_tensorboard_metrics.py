@@ -17,6 +17,7 @@ from helpers import ROOT, assert_doctests_pass, id_batches, mlp
 from helpers.tensorboard import read, values
 from ignite_amp import AmpEvents, create_amp_evaluator, create_amp_trainer
 from ignite_amp.handlers import GradientClipping, TensorBoardMetrics
+from ignite_amp.handlers.tensorboard.facts import trial_name
 from ignite_amp.handlers.tensorboard.metrics import FACTS_TAG, HEALTH_TAG, HPARAMS, LAYOUT, TAGS
 
 MAX_NORM = 10.0
@@ -220,11 +221,25 @@ def test_hparams_are_the_facts_with_metrics_read_from_scalar_tags(logged):
     assert by_name["grad_scaler"].WhichOneof("kind") == "bool_value" and by_name["grad_scaler"].bool_value
     assert by_name["dtype"].string_value == "float16" and by_name["batch_size"].string_value == "8"
     # the row is named after the run's folder and its start, not "." (the session's run under --logdir <run>)
-    name, day, clock = start.group_name.split(" ")
+    name, day, clock, digest = start.group_name.split(" ")
     assert name == os.path.basename(logged[2].logdir) and re.fullmatch(r"\d{4}-\d\d-\d\d", day)
+    assert digest == trial_name(logged[2].logdir, start.start_time_secs).split(" ")[-1]
     assert abs(time.mktime(time.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S")) - start.start_time_secs) < 1
     end = hparams_metadata.parse_session_end_info_plugin_data(content[hparams_metadata.SESSION_END_INFO_TAG])
     assert end.status == 1  # STATUS_SUCCESS
+
+
+def test_runs_of_a_sweep_that_share_a_folder_name_and_a_start_have_rows_of_their_own(tmp_path):
+    """TensorBoard makes one HParams row of the sessions that share a trial name: two runs started in the same
+    second in sweep/lr0.01/seed0 and sweep/lr0.1/seed0 were one row (one's settings, their metrics' mean)."""
+    when = 1_800_000_000.0
+    a, b = trial_name(str(tmp_path / "lr0.01" / "seed0"), when), trial_name(str(tmp_path / "lr0.1" / "seed0"), when)
+    assert a != b and a.split(" ")[0] == b.split(" ")[0] == "seed0" and a.split(" ")[1:3] == b.split(" ")[1:3]
+    assert re.fullmatch(r"seed0 \d{4}-\d\d-\d\d \d\d:\d\d:\d\d #[0-9a-f]{4}", a)
+    # the same folder: the same name (a resumed run keeps its row), however it is written
+    assert trial_name(str(tmp_path / "lr0.01" / "seed0") + "/", when) == a
+    assert trial_name(str(tmp_path / "lr0.01" / "x" / ".." / "seed0"), when) == a
+    assert trial_name(str(tmp_path / "lr0.01" / "seed0"), when + 1) != a  # a later run moved into its place
 
 
 def test_a_bfloat16_script_run_without_facts_says_no_grad_scaler(tmp_path):
