@@ -141,13 +141,12 @@ def check_dashboard(words: list, cwd, dashboards: list) -> str:
     return f"{shown}: checked (a server): event files under {', '.join(logdirs)}"
 
 
-def run_in_order(commands: List[Command], cwd, wheel_dir=None, forks: Optional[Forks] = None) -> List[str]:
+def run_in_order(commands: List[Command], cwd, forks: Forks, wheel_dir=None) -> List[str]:
     """Run ``commands`` one after another in ``cwd``; returns a line per command saying what it did (or why it was
     not run), and fails at the first one that did not work as written. A block that starts with ``pip install
     ignite-amp`` is a wheel user's: its other commands run in ``wheel_dir``, a directory with nothing in it.
-    With ``forks``, a Python command (``ignite-amp``, ``python``) runs in a process forked from one that has
-    imported torch and the package (``helpers.forks``: a fresh process less its imports); a ``torchrun`` always
-    starts afresh."""
+    A Python command (``ignite-amp``, ``python``) runs in a process forked from ``forks``, which has imported torch
+    and the package (``helpers.forks``: a fresh process less its imports); a ``torchrun`` starts afresh."""
     done, said, dashboards = [], [], []
     wheel_block = None
     for command in commands:
@@ -166,10 +165,10 @@ def run_in_order(commands: List[Command], cwd, wheel_dir=None, forks: Optional[F
         training = words[0] in ("ignite-amp", "torchrun") and "train" in words  # torchrun ... -m ignite_amp train
         if training and not VERBATIM:
             argv += [a for k, v in SMALLER.items() if k not in _sets(words) for a in ("--set", f"{k}={v}")]
-        if forks is not None and words[0] != "torchrun":
-            proc = forks.run(argv[1:], here, limit=900)
-        else:
+        if words[0] == "torchrun":
             proc = subprocess.run(argv, cwd=here, capture_output=True, text=True, timeout=900)
+        else:
+            proc = forks.run(argv[1:], here, limit=900)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, (f"after {done}:\n{command.where}: {shown}\n"
                                       f"exited {proc.returncode}:\n{out[-3000:]}")
@@ -205,7 +204,7 @@ def test_the_readme_and_guides_commands_work_in_the_order_written(tmp_path, caps
     before = checkout_state()
     clone = checkout_copy(tmp_path / "clone")  # a fresh clone: the files, nothing run yet
     (tmp_path / "wheel").mkdir()  # a wheel user's directory: nothing in it
-    said = run_in_order(commands, clone, wheel_dir=tmp_path / "wheel", forks=forks)
+    said = run_in_order(commands, clone, forks, wheel_dir=tmp_path / "wheel")
     assert len(said) == len(commands)
     with capsys.disabled():
         print("\n" + "\n".join(said))

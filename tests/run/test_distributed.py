@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import yaml
 
 from helpers import ROOT, free_port, in_group
-from helpers.forks import Ran
+from helpers.forks import Forks, Ran
 from ignite_amp import load_config, train_from_config
 from ignite_amp.data.datasets import EvenShardSampler
 from ignite_amp.launcher import launch
@@ -44,19 +45,9 @@ def config(output_dir, **sections) -> dict:
 
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
-_forks = []  # the module's fork server (helpers.forks), while its tests run
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fork_server(forks):
-    _forks.append(forks)
-    yield
-    _forks.remove(forks)
-
-
-def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> Ran:
-    """``ignite-amp train``: ``nproc`` processes spawned from the config, the command in a process forked from one
-    that imported torch and the package (``helpers.forks``; the spawned ranks start afresh), or by torchrun in a
+def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False, forks: Optional[Forks] = None) -> Ran:
+    """``ignite-amp train``: ``nproc`` processes spawned from the config, the command in a process forked from
+    ``forks`` (the suite's fork server, ``helpers.forks``; the spawned ranks start afresh), or by torchrun in a
     fresh interpreter."""
     path = tmp_path / f"{os.path.basename(cfg['output_dir'])}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -65,8 +56,10 @@ def cli(cfg: dict, tmp_path, nproc: int = 2, torchrun: bool = False) -> Ran:
                    "-m", "ignite_amp", "train", str(path)]
         proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=ENV, timeout=300)
         return Ran(proc.returncode, proc.stdout, proc.stderr)
-    return _forks[-1].run(["-m", "ignite_amp", "train", str(path), "--set", f"distributed.nproc_per_node={nproc}"],
-                          ROOT, env=ENV, limit=300)
+    if forks is None:
+        raise TypeError("cli: a launch without torchrun forks from the suite's fork server: pass forks=")
+    return forks.run(["-m", "ignite_amp", "train", str(path), "--set", f"distributed.nproc_per_node={nproc}"], ROOT,
+                     env=ENV, limit=300)
 
 
 def one_process(cfg: dict) -> dict:
@@ -98,9 +91,9 @@ def epoch_lines(text) -> list:
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path):
+def test_two_processes_train_like_one_and_only_rank_0_writes(tmp_path, forks):
     cfg = config(tmp_path / "two", handlers={"profiler": {"enabled": True, "wait": 1, "warmup": 1, "active": 2}})
-    two = cli(cfg, tmp_path)
+    two = cli(cfg, tmp_path, forks=forks)
     assert two.returncode == 0, two.stderr
     ref = one_process(dict(cfg, output_dir=str(tmp_path / "one")))
 
@@ -154,9 +147,9 @@ def test_torchrun_with_accumulation_and_micro_batches_matches_one_process(tmp_pa
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
+def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path, forks):
     cfg = config(tmp_path / "two", model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
-    two = cli(cfg, tmp_path)
+    two = cli(cfg, tmp_path, forks=forks)
     assert two.returncode == 0, two.stderr
     saved = weights(tmp_path / "two")
     # Rank 1 ran out of memory at 16 samples; rank 0 (whose state is saved) backed off with it.
@@ -170,12 +163,12 @@ def test_out_of_memory_on_one_rank_backs_off_every_rank(tmp_path):
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_out_of_memory_in_the_first_forward_of_a_batchnorm_model_does_not_hang(tmp_path):
+def test_out_of_memory_in_the_first_forward_of_a_batchnorm_model_does_not_hang(tmp_path, forks):
     """DDP would broadcast buffers at the start of a forward: the retrying rank would call it once
     more than the others. The step turns that off and the evaluator sends rank 0's buffers instead."""
     cfg = config(tmp_path / "bn", model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "norm": True}},
                  train={"epochs": 1})
-    out = cli(cfg, tmp_path)
+    out = cli(cfg, tmp_path, forks=forks)
     assert out.returncode == 0, out.stderr
     assert weights(tmp_path / "bn")["amp_step"]["micro_batches"] == 2
 
@@ -183,21 +176,21 @@ def test_out_of_memory_in_the_first_forward_of_a_batchnorm_model_does_not_hang(t
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_resume_across_process_counts(tmp_path):
+def test_resume_across_process_counts(tmp_path, forks):
     """Two processes then one, and one then two, end where one uninterrupted process does."""
     cfg = config(tmp_path / "ref", scheduler={"name": "none"})
     one_process(cfg)
     reference = weights(tmp_path / "ref")
 
     first = dict(cfg, output_dir=str(tmp_path / "two_then_one"), train={"epochs": 1})
-    assert cli(first, tmp_path).returncode == 0
+    assert cli(first, tmp_path, forks=forks).returncode == 0
     resumed = one_process(dict(first, train={"epochs": 2}))
     assert any("resumed from" in line for line in resumed["lines"])
     assert_same_weights(reference["model"], weights(tmp_path / "two_then_one")["model"])
 
     first = dict(cfg, output_dir=str(tmp_path / "one_then_two"), train={"epochs": 1})
     one_process(first)
-    second = cli(dict(first, train={"epochs": 2}), tmp_path)
+    second = cli(dict(first, train={"epochs": 2}), tmp_path, forks=forks)
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
     final = weights(tmp_path / "one_then_two")
@@ -208,9 +201,9 @@ def test_resume_across_process_counts(tmp_path):
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_a_rank_error_is_one_line_in_the_parent(tmp_path):
+def test_a_rank_error_is_one_line_in_the_parent(tmp_path, forks):
     cfg = config(tmp_path / "odd", data={"batch_size": 33})
-    out = cli(cfg, tmp_path)
+    out = cli(cfg, tmp_path, forks=forks)
     assert out.returncode == 2
     assert out.stderr == ("ignite-amp: error: data.batch_size: 33 is the global batch and should divide "
                           "evenly over 2 processes\n")
@@ -311,10 +304,10 @@ def test_torchrun_with_one_gpu_process_trains_on_the_gpu_unwrapped(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_nccl_on_two_gpus_trains_like_one_and_backs_off_together(tmp_path):
+def test_nccl_on_two_gpus_trains_like_one_and_backs_off_together(tmp_path, forks):
     cfg = config(tmp_path / "two", device="cuda",
                  model={"name": "helpers:oom_on_rank", "kwargs": {"limit": 8, "rank": 1}})
-    two = cli(cfg, tmp_path)
+    two = cli(cfg, tmp_path, forks=forks)
     assert two.returncode == 0, two.stderr
     assert "training ddp on 2 processes (nccl), cuda" in two.stdout
     saved = weights(tmp_path / "two")
