@@ -13,7 +13,7 @@ run logs.
 """
 import dataclasses
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ignite.distributed as idist
 import torch
@@ -91,6 +91,11 @@ TAGS = {
 
 HEALTH_TAG = "run/health"
 MEDIAN_TAG = "run/median_samples_per_sec"  # the HParams column's copy of throughput/median_samples_per_sec
+
+
+def column_tags(metric: str) -> Tuple[str, str]:
+    """The tags of a validation metric's HParams columns in the run's own run: (final, best)."""
+    return f"run/val_{metric}", f"run/val_{metric}_best"
 
 
 LAYOUT = layout()  # every chart a run can have (a CPU run has the RSS chart instead of device memory)
@@ -235,8 +240,8 @@ class TensorBoardMetrics:
         metrics: Dict[str, str] = {}
         if evaluator is not None:
             for name in self.hparam_metrics:
-                metrics[f"run/val_{name}"] = f"val {name} (final)"
-                metrics[f"run/val_{name}_best"] = f"val {name} (best)"
+                final, best = column_tags(name)
+                metrics[final], metrics[best] = f"val {name} (final)", f"val {name} (best)"
         metrics[MEDIAN_TAG] = "samples/s (median)"
         self.run_facts = run_facts = RunFacts(self.facts, self.texts, metrics, step, self.logdir)
         tb.attach(trainer, run_facts, Events.STARTED)
@@ -290,8 +295,8 @@ class TensorBoardMetrics:
         validation, values = self.validation, {}
         for name in self.hparam_metrics:
             if name in validation.final:
-                values[f"run/val_{name}"] = validation.final[name]
-                values[f"run/val_{name}_best"] = validation.best[name]
+                final, best = column_tags(name)
+                values[final], values[best] = validation.final[name], validation.best[name]
         if validation.trainer is not None:
             write_session_values(logger, values, validation.trainer.state.iteration)
 
