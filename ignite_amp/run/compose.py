@@ -43,7 +43,7 @@ from ignite_amp.run.builders import (
     seed_everything,
 )
 from ignite_amp.run.built_run import Run
-from ignite_amp.run.console import drop_unfinished_bar, safe_print, silent
+from ignite_amp.run.console import drop_unfinished_bar, progress_bar, safe_print, silent
 from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.run.epochs import EpochSummary, Validation
 from ignite_amp.run.fast_path import config_channels_last, speed_facts
@@ -139,11 +139,9 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     run.facts.update(speed_facts(cfg, model, optimizer, device, train_loader))  # what the auto values chose, and why
     if progress:
-        from ignite.handlers import ProgressBar
-
         # Before the epoch-end handlers: the bar ends at 100% on its own line before the validation and the
         # epoch's line print. No loss in the bar: showing it would sync the host with the device every iteration.
-        bar = ProgressBar(persist=True, desc="Epoch")  # "Epoch" for one epoch too, not Ignite's "Iteration"
+        bar = progress_bar(persist=True, desc="Epoch")  # "Epoch" for one epoch too, not Ignite's "Iteration"
         bar.attach(trainer)
         run.closers.append(lambda: drop_unfinished_bar(bar))  # stopped mid-epoch: its line cleared
     _attach_handlers(run)
