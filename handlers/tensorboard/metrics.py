@@ -180,24 +180,26 @@ class TensorBoardMetrics:
         self.facts = dict(facts or {})
         self.clipping = clipping
         self.ranks_memory, self.from_config = bool(ranks_memory), bool(from_config)
-        self.ranks: Optional[RanksMemory] = None
         self.hparam_metrics = tuple(hparam_metrics)
-        self.tb: Optional[TensorboardLogger] = None  # the run's own: text, HParams, layout
-        self.splits: Dict[str, TensorboardLogger] = {}  # train, val: the scalars
-        # made by attach (on rank 0): the handlers that run after it read them as set
-        self.step: Optional[AmpStep] = None
-        self.window: Optional[TrainWindow] = None
-        self.memory: Optional[DeviceMemory] = None
-        self.run_facts: Optional[RunFacts] = None
         self.validation = Validation(None, self.modes)
-        self.trainer: Optional[Engine] = None
+        self._attached: Optional[_Attached] = None  # made by attach on rank 0: what the handlers after it read
         self._ended = True  # the trainer's run completed (or never started): close() has nothing to add
         self._layout_written = False
 
     @property
+    def step(self) -> Optional[AmpStep]:
+        """The trainer's step, once attached (None before, and on ranks other than 0)."""
+        return self._attached.step if self._attached is not None else None
+
+    @property
+    def window(self) -> Optional[TrainWindow]:
+        """The training scalars' window (``scalars.TrainWindow``), once attached (None before, and on other ranks)."""
+        return self._attached.window if self._attached is not None else None
+
+    @property
     def facts_written(self) -> Dict[str, Any]:
         """The run facts written at the start (the step's, then ``facts``)."""
-        return self.run_facts.written if self.run_facts is not None else {}
+        return self._attached.run_facts.written if self._attached is not None else {}
 
     @property
     def final(self) -> Dict[str, float]:
@@ -212,29 +214,25 @@ class TensorBoardMetrics:
     @property
     def samples(self) -> int:
         """Training samples in the current window."""
-        return self.window.samples if self.window is not None else 0
+        return self._attached.window.samples if self._attached is not None else 0
 
     def attach(self, trainer: Engine, evaluator: Optional[Engine] = None,
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Log ``trainer`` (and ``evaluator``'s metrics after each of its runs) on rank 0; ``optimizer``
         defaults to the step's. Starts the step's gradient-norm tracking."""
+        ranks = None
         if self.ranks_memory and idist.get_world_size() > 1:  # every rank takes part, before DeviceMemory
-            self.ranks = RanksMemory(amp_step_of(trainer).device, self.log_every)
-            self.ranks.attach(trainer)
+            ranks = RanksMemory(amp_step_of(trainer).device, self.log_every)
+            ranks.attach(trainer)
         if idist.get_rank() != 0:
             return
-        self.step = step = trainer_step_of(trainer, type(self).__name__)
-        self.trainer = trainer
+        step = trainer_step_of(trainer, type(self).__name__)
         step.track_grad_norm()
         optimizer = optimizer if optimizer is not None else step.optimizer
-        self.tb = tb = TensorboardLogger(log_dir=self.logdir)
-        self.splits = {split: TensorboardLogger(log_dir=os.path.join(self.logdir, split))
-                       for split in (SPLITS if evaluator is not None else SPLITS[:1])}
-        train = self.splits["train"]
-        self.window = window = TrainWindow(step, self.clipping)
-        window.attach(trainer, self.log_every, self._log)  # the log's iteration is in its window
-        self.memory = memory = DeviceMemory(step.device, self.ranks)
-        memory.attach(trainer, close=False)  # closed after _completed's last read (below)
+        tb = TensorboardLogger(log_dir=self.logdir)
+        splits = {split: TensorboardLogger(log_dir=os.path.join(self.logdir, split))
+                  for split in (SPLITS if evaluator is not None else SPLITS[:1])}
+        window, memory = TrainWindow(step, self.clipping), DeviceMemory(step.device, ranks)
         # The HParams metric columns (tag of the run's own -> title): TensorBoard reads a column in the session's
         # run (facts.hparams_summaries), so each value is copied there when its source is written.
         metrics: Dict[str, str] = {}
@@ -243,28 +241,28 @@ class TensorBoardMetrics:
                 final, best = column_tags(name)
                 metrics[final], metrics[best] = f"val {name} (final)", f"val {name} (best)"
         metrics[MEDIAN_TAG] = "samples/s (median)"
-        self.run_facts = run_facts = RunFacts(self.facts, self.texts, metrics, step, self.logdir)
+        run_facts = RunFacts(self.facts, self.texts, metrics, step, self.logdir)
+        shape = BatchShape(step, window, lambda: run_facts.written)
+        self._attached = on = _Attached(trainer, step, tb, splits, window, memory, run_facts, ranks,
+                                        (shape, window, LearningRates(optimizer), memory), len(optimizer.param_groups))
+        window.attach(trainer, self.log_every, lambda engine: self._log(engine, on))  # the log's iteration: its window
+        memory.attach(trainer, close=False)  # closed after _completed's last read (below)
         tb.attach(trainer, run_facts, Events.STARTED)
-        trainer.add_event_handler(Events.STARTED, self._started)
-        tb.attach(trainer, self._completed, Events.COMPLETED)
+        trainer.add_event_handler(Events.STARTED, self._started, on)
+        trainer.add_event_handler(Events.COMPLETED, self._completed, on)
         for event in (Events.COMPLETED, Events.TERMINATE):  # after the last window's read and the health summary
             trainer.add_event_handler(event, memory.close)
-        shape = BatchShape(step, window, lambda: self.facts_written)
         shape.attach(trainer)
         # shape reads the window before it starts the next; _log flushes: a crashed run keeps what it logged.
         # (No EXCEPTION_RAISED handler: Ignite does not re-raise when one exists.) close() is safe to call twice.
-        # each called as (engine, logger, event): the logger a ScalarEvent that gathers their scalars
-        self._log_handlers: List[Callable[..., None]] = [shape, window, LearningRates(optimizer), memory]
-        self._lr_groups = len(optimizer.param_groups)
-        self.trainer_metrics = TrainerMetrics(train)
-        self.trainer_metrics.attach(trainer)
+        TrainerMetrics(splits["train"]).attach(trainer)
         if evaluator is not None:
             self.validation.trainer = trainer
-            self.splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
+            splits["val"].attach(evaluator, self.validation, Events.COMPLETED)
             tb.attach(evaluator, self._validated, Events.COMPLETED)
-            self.splits["val"].attach(evaluator, _flush, Events.COMPLETED)
+            splits["val"].attach(evaluator, _flush, Events.COMPLETED)
 
-    def _started(self, engine: Engine) -> None:
+    def _started(self, engine: Engine, on: "_Attached") -> None:
         """At each start: a run resumed at iteration N logs the steps after N again; TensorBoard hides what an
         earlier process logged from N + 1 on (the session restart that ``SummaryWriter(purge_step=)`` writes), so
         each step is one point."""
@@ -273,22 +271,20 @@ class TensorBoardMetrics:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
             restart = Event(step=engine.state.iteration + 1, session_log=SessionLog(status=SessionLog.START))
-            assert self.tb is not None  # attached
-            for logger in (self.tb, *self.splits.values()):
+            for logger in (on.tb, *on.splits.values()):
                 file_writer(logger.writer).add_event(restart)
 
-    def _log(self, engine: Engine) -> None:
+    def _log(self, engine: Engine, on: "_Attached") -> None:
         """Every ``log_every`` iterations and at the end: the log's handlers in order, their scalars one event."""
-        scalars, writer = ScalarEvent(), self.splits["train"].writer
-        for handler in self._log_handlers:
+        scalars, writer = ScalarEvent(), on.splits["train"].writer
+        for handler in on.log_handlers:
             handler(engine, scalars, Events.ITERATION_COMPLETED)
         median = scalars.get("throughput/median_samples_per_sec")
         scalars.write(writer, engine.state.iteration)
         writer.flush()
-        assert self.tb is not None  # attached
         if median is not None:
-            write_session_values(self.tb, {MEDIAN_TAG: median}, engine.state.iteration)
-        self._logged_once(engine, self.tb, Events.ITERATION_COMPLETED)
+            write_session_values(on.tb, {MEDIAN_TAG: median}, engine.state.iteration)
+        self._logged_once(engine, on)
 
     def _validated(self, evaluator: Engine, logger: TensorboardLogger, event_name: Any) -> None:
         """After each validation: the HParams columns' values (final and best) in the run's own run."""
@@ -300,36 +296,34 @@ class TensorBoardMetrics:
         if validation.trainer is not None:
             write_session_values(logger, values, validation.trainer.state.iteration)
 
-    def _logged_once(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+    def _logged_once(self, engine: Engine, on: "_Attached") -> None:
         if not self._layout_written:  # at the first log: the FLOP count and what is logged are known
-            step = self.step
-            assert step is not None and self.window is not None and self.run_facts is not None  # attached
+            step, peak, writer = on.step, on.window.peak, on.tb.writer
             if step.flops_per_sample:
-                peak = self.window.peak
-                self.run_facts.add(logger, engine.state.iteration, gflops_per_sample=step.flops_per_sample / 1e9,
-                                   peak_tflops=peak[0] if peak else None)
-            logger.writer.add_custom_scalars(layout(
+                on.run_facts.add(on.tb, engine.state.iteration, gflops_per_sample=step.flops_per_sample / 1e9,
+                                 peak_tflops=peak[0] if peak else None)
+            writer.add_custom_scalars(layout(
                 [m for m in self.hparam_metrics if self.validation.trainer is not None], step.scaler.is_enabled(),
                 self.clipping is not None and self.clipping.max_norm is not None, step.device.type == "cuda",
-                bool(step.flops_per_sample), bool(step.flops_per_sample) and self.window.peak is not None,
-                self.ranks is not None, self._lr_groups))
+                bool(step.flops_per_sample), bool(step.flops_per_sample) and peak is not None,
+                on.ranks is not None, on.lr_groups))
             self._layout_written = True
-            logger.writer.flush()
+            writer.flush()
 
     def health(self) -> List[str]:
         """The health summary of the run so far (see ``ignite_amp.handlers.tensorboard.health``); [] on other ranks."""
-        step, window = self.step, self.window
-        if step is None:
+        on = self._attached
+        if on is None:
             return []
-        assert window is not None and self.memory is not None  # attached with the step
+        step, window, memory, ranks = on.step, on.window, on.memory, on.ranks
         scaler = step.scaler.is_enabled()
         micro = min(step.micro_batches, step.batch_size) if step.batch_size else None
         return health_lines(Health(
             dtype=dtype_name(step.dtype), scaler=scaler, windows=window.history, optimizer_steps=window.stepped,
             skipped_steps=window.skipped, loss_scale=step.scaler.get_scale() if scaler else None,
             max_norm=self.clipping.max_norm if self.clipping is not None else None,
-            peak_memory_mb=self.memory.peak_mb or None,
-            max_rank_memory_mb=max(self.ranks.peak_mb, self.memory.peak_mb) if self.ranks is not None else None,
+            peak_memory_mb=memory.peak_mb or None,
+            max_rank_memory_mb=max(ranks.peak_mb, memory.peak_mb) if ranks is not None else None,
             planned_memory_mb=self.facts_written.get("planned_peak_mb"),  # a config run's plan (ignite-amp plan)
             memory_kind="allocated" if step.device.type == "cuda" else "RSS",
             oom_retries=step.oom_count, micro_batches=step.micro_batches,
@@ -339,39 +333,54 @@ class TensorBoardMetrics:
             processes=idist.get_world_size(), from_config=self.from_config,
             **_split_check_of(step)))
 
-    def _write_health(self, iteration: int) -> None:
-        assert self.memory is not None and self.tb is not None  # attached
-        self.memory.read()
+    def _write_health(self, iteration: int, on: "_Attached") -> None:
+        on.memory.read()
         lines = self.health()
-        write_text(self.tb, HEALTH_TAG, "\n".join(f"- {line}" for line in lines), iteration)
-        self.tb.writer.flush()
+        write_text(on.tb, HEALTH_TAG, "\n".join(f"- {line}" for line in lines), iteration)
+        on.tb.writer.flush()
 
-    def _completed(self, engine: Engine, logger: TensorboardLogger, event_name: Any) -> None:
+    def _completed(self, engine: Engine, on: "_Attached") -> None:
         # Flush, not close: the same trainer may run again (more epochs). close() ends the logger.
-        assert self.window is not None  # attached
-        if self.window.losses:  # the last iterations since the last log (all of a run shorter than log_every)
-            self._log(engine)
-        self._write_health(engine.state.iteration)
+        if on.window.losses:  # the last iterations since the last log (all of a run shorter than log_every)
+            self._log(engine, on)
+        self._write_health(engine.state.iteration, on)
         self._ended = True
-        file_writer(logger.writer).add_summary(session_end_summary(), engine.state.iteration)
-        logger.writer.flush()
+        file_writer(on.tb.writer).add_summary(session_end_summary(), engine.state.iteration)
+        on.tb.writer.flush()
 
     def close(self) -> None:
         """Write the health summary if the run did not complete (a failure, a stop) after it trained (a finished
         run resumed, with nothing to train, keeps the health it had), then close the logger (a later run of the
         trainer opens new event files)."""
-        window = self.window
-        trained = window is not None and bool(window.stepped or window.skipped or window.losses or window.history)
-        if self.tb is not None:
-            try:
-                if not self._ended and self.trainer is not None and trained:
-                    self._ended = True
-                    self._write_health(self.trainer.state.iteration)
-            finally:
-                if self.memory is not None:  # CUDA's peak counter as if never reset, after a failure too
-                    self.memory.close()
-                for logger in (self.tb, *self.splits.values()):
-                    logger.close()
+        on = self._attached
+        if on is None:  # not attached, or another rank's: nothing written
+            return
+        window = on.window
+        try:
+            if not self._ended and (window.stepped or window.skipped or window.losses or window.history):
+                self._ended = True
+                self._write_health(on.trainer.state.iteration, on)
+        finally:
+            on.memory.close()  # CUDA's peak counter as if never reset, after a failure too
+            for logger in (on.tb, *on.splits.values()):
+                logger.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attached:
+    """What :meth:`TensorBoardMetrics.attach` made on rank 0, given to the handlers it registers: none is None."""
+
+    trainer: Engine
+    step: AmpStep
+    tb: TensorboardLogger  # the run's own: text, HParams, layout
+    splits: Dict[str, TensorboardLogger]  # train, val: the scalars
+    window: TrainWindow
+    memory: DeviceMemory
+    run_facts: RunFacts
+    ranks: Optional[RanksMemory]  # only with ranks_memory in a process group
+    # called at each log, in order, as (engine, logger, event): the logger a ScalarEvent that gathers their scalars
+    log_handlers: Tuple[Callable[..., None], ...]
+    lr_groups: int
 
 
 def _split_check_of(step: Any) -> dict:
