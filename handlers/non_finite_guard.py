@@ -107,7 +107,9 @@ class NonFiniteGuard:
 
     def _check_loss(self, engine: Engine) -> None:
         loss = self.step.loss
-        assert loss is not None  # (after the step's iteration)
+        if loss is None:  # the trainer's process function did not run its step (an AmpEngine built by hand)
+            raise RuntimeError("NonFiniteGuard: the trainer's iteration ended without a loss from its AMP step: its "
+                               "process function should run the step (as create_amp_trainer's does)")
         if self._on_cpu:  # no pipeline to protect: reading it costs no wait
             if not math.isfinite(loss.item()):
                 self._report(engine.state.iteration, EMPTY if float(self.step.items) == 0 else BAD)

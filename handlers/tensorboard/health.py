@@ -83,10 +83,8 @@ def health_lines(h: Health) -> List[str]:
             bound = _setting(h, "handlers.clipping.max_norm", "GradientClipping's max_norm")
             lines.append(f"warning: most steps are clipped, so the bound, not the lr, sets the step size: raise "
                          f"{bound}" + (f" (to about {2 * norm:.2g})" if norm else "") + " or lower the lr")
-    speed = _median(h.windows, "throughput/samples_per_sec")
-    if speed is not None:
-        step_ms = _median(h.windows, "throughput/step_time_ms")
-        assert step_ms is not None  # logged with the speed (scalars.TrainWindow)
+    speed, step_ms = _median(h.windows, "throughput/samples_per_sec"), _median(h.windows, "throughput/step_time_ms")
+    if speed is not None and step_ms is not None:  # (logged together: scalars.TrainWindow)
         wait = _share(h.windows, "throughput/data_wait_share", "iterations") or 0.0
         each = f" per process ({h.processes} processes)" if h.processes > 1 else ""
         windows = sum(1 for w in h.windows if "throughput/samples_per_sec" in w)

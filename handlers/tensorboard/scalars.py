@@ -149,7 +149,9 @@ class TrainWindow:
             if clip_norm is not None and clip_norm is not self._last_clip_norm:
                 self.clip_norms.append(clip_norm)
                 self._last_clip_norm = clip_norm
-        assert step.loss is not None  # the step ran: its loss is set
+        if step.loss is None:  # the trainer's process function did not run its step (an AmpEngine built by hand)
+            raise RuntimeError("TensorBoardMetrics: the trainer's iteration ended without a loss from its AMP step: "
+                               "its process function should run the step (as create_amp_trainer's does)")
         self.losses.append(step.loss)
         self.empty.append(step.items == 0)  # num_items counted nothing (padding only): no loss to average
         n = step.batch_size
@@ -172,9 +174,11 @@ class TrainWindow:
         if self.norms:
             # One stack, then one cast (exact, whatever the norms' dtype): not a cast per step at each log.
             reads["optimizer/grad_norm"] = torch.stack(self.norms).to(device, torch.float32).mean()
-        if self.clip_norms:  # one run's norms share a dtype: stacked as they are, compared in it
-            assert self.clipping is not None and self.clipping.max_norm is not None  # (clip norms come from it)
-            bound = torch.stack(self.clip_norms).to(device) > self.clipping.max_norm
+        # clip norms come from a clipping by norm (one by value keeps none); one run's norms share a dtype: stacked
+        # as they are, compared in it
+        max_norm = self.clipping.max_norm if self.clipping is not None else None
+        if self.clip_norms and max_norm is not None:
+            bound = torch.stack(self.clip_norms).to(device) > max_norm
             reads["optimizer/clip_share"] = bound.float().mean()
         scale = scale_tensor(amp.scaler) if amp.scaler.is_enabled() else None
         if scale is not None:
