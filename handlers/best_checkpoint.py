@@ -151,8 +151,7 @@ class BestCheckpoint:
         self.to_save = dict(to_save, rng=RNGState(), config=self.config)
         self.resumed_config: Optional[dict] = None
         self.resumed_path: Optional[str] = None
-        self.best: Optional[Checkpoint] = None
-        self.last: Optional[Checkpoint] = None
+        self._attached: Optional[_Attached] = None  # made by attach: what resume and the saves read
         self.n_saved = n_saved
         self._finished: Optional[Tuple[int, int, str]] = None  # (epoch, iteration, path) of a finished run resumed
 
@@ -166,17 +165,27 @@ class BestCheckpoint:
         saver = (ShardedDiskSaver if self.sharded else SafeDiskSaver)(self.dirname)
         step = global_step_from_engine(trainer)
         score = Checkpoint.get_default_score_fn(self.metric, 1.0 if self.mode == "max" else -1.0)
-        self.best = Checkpoint(self.to_save, saver, filename_prefix=self.BEST_PREFIX, score_function=score,
-                               score_name=self.score_name, n_saved=self.n_saved, global_step_transform=step)
-        self.last = Checkpoint(dict(self.to_save, best_table=self.best), saver, filename_prefix=self.LAST_PREFIX,
-                               n_saved=1, global_step_transform=step, include_self=True)
+        best = Checkpoint(self.to_save, saver, filename_prefix=self.BEST_PREFIX, score_function=score,
+                          score_name=self.score_name, n_saved=self.n_saved, global_step_transform=step)
+        last = Checkpoint(dict(self.to_save, best_table=best), saver, filename_prefix=self.LAST_PREFIX,
+                          n_saved=1, global_step_transform=step, include_self=True)
         if self.sharded:  # a directory per checkpoint
-            self.best.ext = self.last.ext = "dcp"
-        self._trainer = trainer
+            best.ext = last.ext = "dcp"
+        self._attached = _Attached(trainer, best, last)
         trainer.add_event_handler(Events.STARTED, self._nothing_to_train)
-        evaluator.add_event_handler(Events.COMPLETED, self._refuse_non_finite)
-        evaluator.add_event_handler(Events.COMPLETED, self.best)
-        evaluator.add_event_handler(Events.COMPLETED, self.last)
+        evaluator.add_event_handler(Events.COMPLETED, self._refuse_non_finite, trainer)
+        evaluator.add_event_handler(Events.COMPLETED, best)
+        evaluator.add_event_handler(Events.COMPLETED, last)
+
+    @property
+    def best(self) -> Optional[Checkpoint]:
+        """The Ignite ``Checkpoint`` of the best files, once attached (None before)."""
+        return self._attached.best if self._attached is not None else None
+
+    @property
+    def last(self) -> Optional[Checkpoint]:
+        """The Ignite ``Checkpoint`` of the ``last`` file, once attached (None before)."""
+        return self._attached.last if self._attached is not None else None
 
     def _nothing_to_train(self, trainer: Engine) -> None:
         """A finished run resumed, then ``run(data, max_epochs=<its epochs>)``: Ignite would start it over from
@@ -194,9 +203,9 @@ class BestCheckpoint:
                        epoch + 1)
         trainer.terminate(skip_completed=True)
 
-    def _refuse_non_finite(self, evaluator: Engine) -> None:
+    def _refuse_non_finite(self, evaluator: Engine, trainer: Engine) -> None:
         require_metric(evaluator.state.metrics, self.metric, "BestCheckpoint")
-        epoch = self._trainer.state.epoch
+        epoch = trainer.state.epoch
         bad = sorted(k for k, v in evaluator.state.metrics.items()
                      if isinstance(v, (int, float)) and not math.isfinite(v))
         if bad:
@@ -211,7 +220,8 @@ class BestCheckpoint:
     @property
     def best_path(self) -> Optional[str]:
         """Path of the best checkpoint so far, or None."""
-        return None if self.best is None or self.best.last_checkpoint is None else str(self.best.last_checkpoint)
+        best = self.best
+        return None if best is None or best.last_checkpoint is None else str(best.last_checkpoint)
 
     _files = staticmethod(checkpoint_files)
 
@@ -262,22 +272,21 @@ class BestCheckpoint:
         back (bytes overwritten) is renamed ``*.unreadable``, named in a warning, and the previous
         checkpoint that loads is resumed instead, as :meth:`find_resumable` does for truncated files.
         """
-        if self.best is None:
+        on = self._attached
+        if on is None:
             raise RuntimeError("BestCheckpoint.resume() needs attach() first")
-        if state is not None and path is None:
-            raise ValueError("BestCheckpoint.resume: state= is the file at path=; give both, or neither")
         fall_back = path is None if fall_back is None else fall_back
-        if state is None:
-            if path is None:
-                path, state = self.find_resumable(self.dirname, of_a_config=self.config.value is not None)
-                if path is None:
-                    return None
-            else:
-                state = load_checkpoint(path)
-        assert path is not None and state is not None  # (find_resumable finds both, or neither)
+        if path is None:
+            if state is not None:
+                raise ValueError("BestCheckpoint.resume: state= is the file at path=; give both, or neither")
+            path, state = self.find_resumable(self.dirname, of_a_config=self.config.value is not None)
+            if path is None or state is None:  # nothing to resume (it finds both, or neither)
+                return None
+        elif state is None:
+            state = load_checkpoint(path)
         while True:
             try:
-                return self._load(path, state)
+                return self._load(on, path, state)
             except UnreadableCheckpointError as exc:
                 if not fall_back:
                     raise
@@ -297,8 +306,7 @@ class BestCheckpoint:
                                   f"over, set handlers.checkpoint.resume: never (the old files are moved aside)")
         return path, load_checkpoint(path)
 
-    def _load(self, path: str, state: dict) -> str:
-        assert self.best is not None and self.last is not None  # resume() checked attach()
+    def _load(self, on: "_Attached", path: str, state: dict) -> str:
         self._check_keys(path, state)
         self.resumed_path = path
         # The stored config is kept apart: later checkpoints store the config of this run.
@@ -327,12 +335,12 @@ class BestCheckpoint:
         if match and epoch is not None and in_dir:
             last = match.group(1) == self.LAST_PREFIX
             if last:
-                _load_table(self.last, [(epoch, os.path.basename(path))])
+                _load_table(on.last, [(epoch, os.path.basename(path))])
             remove_replaced_lasts(self.dirname, epoch, self.LAST_PREFIX, "" if last else os.path.basename(path))
         if epoch is not None:
             move_newer_aside(self.dirname, epoch, path, (self.LAST_PREFIX, self.BEST_PREFIX))
-        _load_table(self.best, self._best_table(epoch, state.get("best_table")))
-        trained = self._trainer.state
+        _load_table(on.best, self._best_table(epoch, state.get("best_table")))
+        trained = on.trainer.state
         done = "trainer" in state and trained.max_epochs is not None and trained.epoch >= trained.max_epochs
         self._finished = (trained.epoch, trained.iteration, path) if done else None
         return path
@@ -361,3 +369,12 @@ class BestCheckpoint:
             remove_path(os.path.join(self.dirname, name))
             logger.warning("removed %s: more best checkpoints than n_saved %d", name, self.n_saved)
         return table
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attached:
+    """What :meth:`BestCheckpoint.attach` made, read by resume and the handlers it registers."""
+
+    trainer: Engine
+    best: Checkpoint  # the n_saved best files, by the metric
+    last: Checkpoint  # the file of the last evaluation (holds the best one's table)
