@@ -1,6 +1,6 @@
 """Gradient clipping on unscaled gradients, once per optimizer step."""
 import dataclasses
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 from ignite.engine import Engine
@@ -10,6 +10,7 @@ from ignite_amp.engine import trainer_step_of
 from ignite_amp.errors import ConfigError
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.grad_norm import clip_to_norm_
+from ignite_amp.step.train import AmpStep
 
 __all__ = ["ClippingConfig", "GradientClipping"]
 
@@ -67,16 +68,21 @@ class GradientClipping:
         self.clip_value = argument(ClippingConfig, "clip_value", clip_value)
         self.parameters = list(parameters) if parameters is not None else None
         self.last_norm: Optional[torch.Tensor] = None
+        self._attached: Optional[_Attached] = None  # made by attach: what each clipping reads
 
     def __call__(self, engine: Engine) -> None:
-        params = self._params
+        on = self._attached
+        if on is None:
+            raise RuntimeError("GradientClipping: call clip.attach(trainer) first (it finds the step and the "
+                               "parameters; trainer.add_event_handler(..., clip) alone does not)")
+        params = on.params
         if not params:
             return
         if self.clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.clip_value)
             return
-        if self._shares_norm:  # the step's norm, and its list and grouping of the same gradients
-            step = self.step
+        if on.shares_norm:  # the step's norm, and its list and grouping of the same gradients
+            step = on.step
             norm = step.grad_norm
             if norm is not None:
                 self.last_norm = norm
@@ -90,11 +96,20 @@ class GradientClipping:
     def attach(self, engine: Engine) -> None:
         """Clip at each ``AmpEvents.GRADS_READY`` of ``engine`` (a trainer from
         :func:`~ignite_amp.create_amp_trainer`)."""
-        self.step = trainer_step_of(engine, type(self).__name__)
+        step = trainer_step_of(engine, type(self).__name__)
         # Parameters without a gradient at a step are skipped by the clipping functions themselves.
-        self._params = self.parameters if self.parameters is not None else list(self.step.model.parameters())
+        params = self.parameters if self.parameters is not None else list(step.model.parameters())
         # The step's grad_norm is the L2 norm of every model gradient: the one this clipping needs.
-        self._shares_norm = self.parameters is None and self.norm_type == 2.0
-        if self._shares_norm:
-            self.step.track_grad_norm()
+        self._attached = _Attached(step, params, self.parameters is None and self.norm_type == 2.0)
+        if self._attached.shares_norm:
+            step.track_grad_norm()
         engine.add_event_handler(AmpEvents.GRADS_READY, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attached:
+    """What :meth:`GradientClipping.attach` found, read at each clipping."""
+
+    step: AmpStep
+    params: Sequence[torch.Tensor]  # clipped (the model's by default)
+    shares_norm: bool  # the step's grad_norm is their L2 norm: clipping and logging share it

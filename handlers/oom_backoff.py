@@ -14,6 +14,7 @@ from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, Choice, Integer, 
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import amp_step_of
 from ignite_amp.errors import BatchSizeFloorError
+from ignite_amp.step.base import StepBase
 from ignite_amp.step.events import AmpEvents
 from ignite_amp.step.train import AmpStep
 from ignite_amp.transforms.sharding import is_sharded
@@ -107,24 +108,33 @@ class OOMBackoff(Serializable):
         self.loader_batch_size: Optional[int] = None
         self.history: list = []  # micro_batches before each backoff, for grow_after
         self.clean = 0
+        self._step: Optional[StepBase] = None  # the engine's, found by attach
 
     def attach(self, engine: Engine) -> None:
         """Back off at each ``AmpEvents.OUT_OF_MEMORY`` of ``engine`` and switch on the step's out-of-memory
         agreement (under DDP: on every rank alike). A sharded (FSDP2) model on several processes is refused."""
-        self.step = amp_step_of(engine)
-        if is_sharded(self.step.model) and idist.get_world_size() > 1:
+        self._step = step = amp_step_of(engine)
+        if is_sharded(step.model) and idist.get_world_size() > 1:
             raise ValueError("OOMBackoff cannot retry a sharded (FSDP2) model's batch: an out-of-memory error inside "
                              "a sharded forward leaves the other ranks waiting in a collective")
-        if isinstance(self.step, AmpStep):  # every rank attaches it: every rank agrees on out of memory
-            self.step.oom_agreement = True
+        if isinstance(step, AmpStep):  # every rank attaches it: every rank agrees on out of memory
+            step.oom_agreement = True
         engine.add_event_handler(AmpEvents.OUT_OF_MEMORY, self)
         if self.grow_after is not None:
-            engine.add_event_handler(Events.ITERATION_COMPLETED, self._grow)
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self._grow, step)
         if self.mode == "batch":
-            engine.add_event_handler(Events.EPOCH_STARTED, self._shrink_loader)
+            engine.add_event_handler(Events.EPOCH_STARTED, self._shrink_loader, step)
+
+    @property
+    def step(self) -> Optional[StepBase]:
+        """The engine's step, once attached (None before)."""
+        return self._step
 
     def __call__(self, engine: Engine) -> None:
-        step = self.step
+        step = self._step
+        if step is None:
+            raise RuntimeError("OOMBackoff: call backoff.attach(trainer) first (it finds the step and turns on its "
+                               "out-of-memory agreement; trainer.add_event_handler(..., backoff) alone does not)")
         size = micro_batch_size(step.batch_size, step.micro_batches)
         chunks = backoff_micro_batches(step.batch_size, step.micro_batches)
         if chunks is None or micro_batch_size(step.batch_size, chunks) < self.min_batch_size:
@@ -139,17 +149,17 @@ class OOMBackoff(Serializable):
                        "micro-batches of at most %d", size, where, step.batch_size, chunks,
                        micro_batch_size(step.batch_size, chunks))
 
-    def _grow(self, engine: Engine) -> None:
+    def _grow(self, engine: Engine, step: StepBase) -> None:
         self.clean += 1
         if self.history and self.clean >= self.grow_after:
-            self.step.micro_batches = self.history.pop()
+            step.micro_batches = self.history.pop()
             self.clean = 0
 
-    def _shrink_loader(self, engine: Engine) -> None:
+    def _shrink_loader(self, engine: Engine, step: StepBase) -> None:
         """At each epoch's start (not at the previous one's end: the checkpoint saved there must hold what the
         next epoch starts from, so a resume makes the same choice): after backoffs, the loader yields the
         micro-batch size that worked, in one micro-batch."""
-        step, data = self.step, engine.state.dataloader
+        data = engine.state.dataloader
         loader: Any  # a DataLoader, DeviceBatches, or an iterable without a batch size (then never resized)
         # A loader prefetched to the device: its DataLoader is rebuilt, then wrapped the same way again.
         loader = data.loader if isinstance(data, DevicePrefetcher) else data
