@@ -258,10 +258,12 @@ def _stop_ranks(outbox: str, grace: float = 120.0) -> None:
             signal.signal(number, signal.SIG_IGN)
     children = multiprocessing.active_children()
     for child in children:
-        assert child.pid is not None  # an active child was started
-        started = os.path.exists(os.path.join(outbox, f"started-{child.pid}"))
+        pid = child.pid
+        if pid is None:  # (never: an active child was started)
+            continue
+        started = os.path.exists(os.path.join(outbox, f"started-{pid}"))
         try:
-            os.kill(child.pid, signal.SIGINT if started else signal.SIGKILL)
+            os.kill(pid, signal.SIGINT if started else signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace

@@ -95,13 +95,12 @@ def search_batch_size(trial: Callable[[int, str], Trial], capacity: Optional[flo
     _check(start, max_size, margin, tolerance, strategy, objective, capacity)
     budget = None if capacity is None else (1 - margin) * capacity
     search = Search(trial, capacity, margin, max_size)
-    if strategy == "plan" and planned is None:
-        raise ValueError("Argument planned should be given with strategy 'plan' (a memory plan's peak_at).")
     used = strategy
     note = ""
     if strategy == "plan":
+        if planned is None:
+            raise ValueError("Argument planned should be given with strategy 'plan' (a memory plan's peak_at).")
         try:
-            assert planned is not None  # checked above
             plan_search(search, planned, noise, max_overhead)
         except Untrusted as why:
             used, strategy, note = "plan, then model", "model", f" (plan: {why}; the memory model took over)"

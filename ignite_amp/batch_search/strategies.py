@@ -145,8 +145,8 @@ def model_search(search: Search, start: int, tolerance: float, noise: float, fit
                  max_jumps: int) -> None:
     """The ``"model"`` strategy: two probes, then jumps to the line's prediction, each verified, until the verified
     size is within ``tolerance`` of it (raises :class:`Untrusted` when the peaks are not a line)."""
-    budget, max_size = search.budget, search.max_size
-    if budget is None:
+    capacity, budget, max_size = search.capacity, search.budget, search.max_size
+    if capacity is None or budget is None:  # (both or neither)
         raise Untrusted("no capacity to aim at")
     # 1. A first probe that fits.
     size = _first_fit(search, start, "probe")
@@ -167,11 +167,12 @@ def model_search(search: Search, start: int, tolerance: float, noise: float, fit
     failed = False  # the last trial ran out of memory: no point to learn from, only a bound
     jumps = 0
     while True:
-        if search.lo == 0:  # a verification failed below every other fit: start again below it
-            assert search.hi is not None  # that failure
-            _first_fit(search, search.hi - 1, "jump")
+        failure = search.hi  # (set whenever lo is 0: a size fitted in step 1, so only a failure below it hides it)
+        if search.lo == 0 and failure is not None:  # a verification failed below every other fit: start below it
+            _first_fit(search, failure - 1, "jump")
         lo, hi, points = search.lo, search.hi, search.points
-        ceiling = min(max_size, hi - 1 if hi is not None else max_size, _upper_bound(search, noise))
+        bound = _upper_bound(search, capacity, budget, noise)
+        ceiling = min(max_size, hi - 1 if hi is not None else max_size, bound)
         predicted = math.inf
         if len(points) >= 2:
             a, b, misfit = fit_line(points)
@@ -189,7 +190,7 @@ def model_search(search: Search, start: int, tolerance: float, noise: float, fit
             elif max(points) >= predicted / 2:  # a short extrapolation: trust the line
                 aim = predicted
             else:  # a long one: no further than the readings' noise surely allows
-                aim = min(predicted, _lower_bound(search, noise))
+                aim = min(predicted, _lower_bound(search, budget, noise))
             if hi is not None:  # below a failure by the tolerance: a fit there ends the search
                 aim = min(aim, hi * (1 - tolerance))
             target, stage = max(lo + 1, math.floor(min(aim, ceiling))), "jump"
@@ -212,12 +213,10 @@ def _first_fit(search: Search, size: int, stage: str) -> int:
     return size
 
 
-def _upper_bound(search: Search, noise: float) -> float:
+def _upper_bound(search: Search, capacity: float, budget: float, noise: float) -> float:
     """The largest size that could fit the budget given an out-of-memory failure at ``h``: the
     peak rose from a reading ``m`` at ``p < h`` past the capacity, so the slope is at least
-    ``(capacity - m) / (h - p)``."""
-    capacity, budget = search.capacity, search.budget
-    assert capacity is not None and budget is not None  # the model strategy's, which needs a capacity
+    ``(capacity - m) / (h - p)`` (the model strategy's, which needs a capacity)."""
     bound = math.inf
     for h, ok in search.outcome.items():
         if ok or h in search.points:
@@ -229,11 +228,10 @@ def _upper_bound(search: Search, noise: float) -> float:
     return bound
 
 
-def _lower_bound(search: Search, noise: float) -> float:
+def _lower_bound(search: Search, budget: float, noise: float) -> float:
     """The largest size that surely fits the budget whatever the readings' ``noise``: the steepest
     line through the two outermost readings (each moved by ``noise``), and ``peak = b * batch``."""
-    budget, points = search.budget, search.points
-    assert budget is not None  # the model strategy's, which needs a capacity
+    points = search.points
     bound = max((s * budget * (1 - noise) / m for s, m in points.items() if m <= budget), default=0.0)
     small, large = min(points), max(points)
     if large > small:
@@ -252,9 +250,9 @@ def bisect_search(search: Search, start: int, tolerance: float, batch_margin: fl
         size = min(2 * search.lo if search.lo else start, max_size)  # a fallback doubles from the largest fit
         while search.run(size, "double") and size < max_size:
             size = min(size * 2, max_size)
-    if search.lo == 0:  # even the first size failed: look below it
-        low, high = 0, search.hi
-        assert high is not None  # the doubling's first size failed
+    high = search.hi
+    if search.lo == 0 and high is not None:  # even the first size failed (the doubling ran): look below it
+        low = 0
         while high - low > 1:
             mid = (low + high) // 2
             if search.run(mid, "bisect"):

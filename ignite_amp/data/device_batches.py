@@ -153,19 +153,18 @@ class DeviceBatches:
                              seed=self.seed, _tensors=self._tensors)
 
     def __len__(self) -> int:
-        if self.batch_sampler is not None:
+        size = self.batch_size
+        if size is None:  # then a batch_sampler (one of the two, checked in __init__)
             return len(self.batch_sampler)
-        assert self.batch_size is not None  # (one of the two, checked in __init__)
-        whole, part = divmod(len(self.sampler), self.batch_size)
+        whole, part = divmod(len(self.sampler), size)
         return whole + (1 if part and not self.drop_last else 0)
 
     def _batches(self) -> Iterator[torch.Tensor]:
-        if self.batch_sampler is not None:
+        size = self.batch_size
+        if size is None:  # then a batch_sampler (one of the two, checked in __init__)
             for indices in self.batch_sampler:
                 yield torch.as_tensor(indices, dtype=torch.long).to(self.device, non_blocking=True)
             return
-        size = self.batch_size
-        assert size is not None  # (one of the two, checked in __init__)
         order = torch.as_tensor(list(self.sampler), dtype=torch.long).to(self.device, non_blocking=True)
         end = len(order) - len(order) % size if self.drop_last else len(order)
         for begin in range(0, end, size):

@@ -37,12 +37,12 @@ class PassStream:
         if not hasattr(loader.sampler, "set_epoch") or loader.batch_size is None:
             raise TypeError("PassStream needs a loader with a batch_size and a sampler with set_epoch(epoch, start)")
         self.loader, self.position = loader, position
+        self._batch_size: int = loader.batch_size  # (a DataLoader's is fixed once it is made)
 
     def __iter__(self) -> Iterator:
         passes, batches = divmod(self.position(), len(self.loader))
         sampler: Any = self.loader.sampler  # (its set_epoch and the batch size: checked in __init__)
-        size = self.loader.batch_size
-        assert size is not None
+        size = self._batch_size
         while True:
             sampler.set_epoch(passes + 1, start=batches * size)
             yield from self.loader

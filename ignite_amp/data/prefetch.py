@@ -109,25 +109,26 @@ class DevicePrefetcher:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator:
-        if self.streams is None:
+        streams = self.streams
+        if streams is None:
             yield from self.loader
             return
         batches = iter(self.loader)
-        upcoming = self._copy_next(batches)
+        upcoming = self._copy_next(batches, streams)
         while upcoming is not _END:
             batch = upcoming
-            self.streams.wait()  # before the next copy is queued: wait only for this batch's
-            map_tensors(batch, self.streams.record)
-            upcoming = self._copy_next(batches)  # batch i+1's copy is issued before batch i is handed over
+            streams.wait()  # before the next copy is queued: wait only for this batch's
+            map_tensors(batch, streams.record)
+            upcoming = self._copy_next(batches, streams)  # batch i+1's copy is issued before batch i is handed over
             yield batch
 
-    def _copy_next(self, batches: Iterator) -> Any:
-        """The next batch of ``batches``, its copy to the device issued on the side stream; ``_END`` after the last."""
+    def _copy_next(self, batches: Iterator, streams: Any) -> Any:
+        """The next batch of ``batches``, its copy to the device issued on the side ``streams``; ``_END`` after the
+        last."""
         batch = next(batches, _END)
         if batch is _END:
             return _END
-        assert self.streams is not None  # (only prefetching copies ahead)
-        with self.streams.copying():
+        with streams.copying():
             return self.prepare(batch)
 
 

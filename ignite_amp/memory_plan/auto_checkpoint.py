@@ -144,10 +144,9 @@ def checkpoint_to_fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_f
     if memory is None and resolved.type != "cuda":
         return CheckpointChoice([], n, batch_size, None, None, None)
     none = planner(0, 0)
-    if none.peak is None:
-        return CheckpointChoice([], n, batch_size, planner.budget, None, None, planner.untraced)
-    budget = planner.budget
-    assert budget is not None  # a memory was given, or the trace read the GPU's free memory (checked above)
+    budget = planner.budget  # (known: a memory was given, or the trace read the GPU's free memory)
+    if none.peak is None or budget is None:
+        return CheckpointChoice([], n, batch_size, budget, None, None, planner.untraced)
 
     def fits(rung: Tuple[int, int]) -> bool:
         peak = planner(*rung).peak

@@ -285,13 +285,11 @@ def _largest_fit(trace: Callable[[int], StepPeak], budget: float, sizes: List[in
         hi = min((n for n, p in points.items() if p > budget), default=None)
         if hi is not None and (hi - lo <= max(1, math.floor(lo * tolerance)) or hi <= smallest) or lo >= max_size:
             return lo
-        if lo == 0:
-            if smallest not in points:
-                target = smallest
-            else:
-                assert hi is not None  # nothing fits, so every traced size misses: hi is the smallest of them
-                target = max(smallest, hi // 2)
-        elif hi is None:
+        if lo == 0 and smallest not in points:
+            target = smallest
+        elif lo == 0 and hi is not None:  # nothing fits, so every traced size misses: hi is the smallest of them
+            target = max(smallest, hi // 2)
+        elif hi is None:  # (lo > 0: with lo 0 the smallest batch was traced and missed, so hi is set)
             (n0, p0), (n1, p1) = sorted(points.items())[-2:] if len(points) >= 2 else ((0, 0.0), (lo, points[lo]))
             slope = (p1 - p0) / (n1 - n0)
             target = n1 * 64 if slope <= 0 else math.floor(n1 + (budget - p1) / slope)
