@@ -5,7 +5,7 @@ import logging
 import math
 import os
 import re
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Literal, Mapping, Optional, Tuple, Union
 
 import ignite.distributed as idist
 import torch
@@ -14,6 +14,7 @@ from ignite.handlers import Checkpoint, global_step_from_engine
 
 from ignite_amp.core.collectives import any_rank, broadcast_text, is_distributed
 from ignite_amp.core.config_keys import FIXED, NOT_COMPARED, POSITIVE_INT, Choice, ResumeValue, argument, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.core.metric_modes import metric_mode, require_metric
 from ignite_amp.core.rng import RNGState
 from ignite_amp.errors import CheckpointError, NonFiniteError, UnreadableCheckpointError, first_line
@@ -37,16 +38,17 @@ from ignite_amp.transforms.sharding import is_sharded, sharded_objects
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
 
-@dataclasses.dataclass
-class CheckpointConfig:
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
     """handlers.checkpoint: the best checkpoints by a validation metric, a last one, and resume (BestCheckpoint)."""
 
     metric: str = setting("accuracy", Choice("accuracy", "loss"), "the validation metric that ranks checkpoints",
                           FIXED)
     n_saved: int = setting(2, POSITIVE_INT, "best checkpoints kept")
-    resume: str = setting("auto", ResumeValue(),
-                          "auto: the newest checkpoint in output_dir; never: start over (the old run is moved "
-                          "aside); or a checkpoint path", NOT_COMPARED)
+    resume: Union[str, Literal[False]] = setting(
+        "auto", ResumeValue(),
+        "auto: the newest checkpoint in output_dir; never: start over (the old run is moved "
+        "aside); or a checkpoint path", NOT_COMPARED)
 
 logger = logging.getLogger("ignite_amp")
 

@@ -6,6 +6,7 @@ import torch
 from ignite.engine import Engine
 
 from ignite_amp.core.config_keys import Number, argument, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.engine import trainer_step_of
 from ignite_amp.errors import ConfigError
 from ignite_amp.step.events import AmpEvents
@@ -15,13 +16,14 @@ from ignite_amp.step.train import AmpStep
 __all__ = ["ClippingConfig", "GradientClipping"]
 
 
-@dataclasses.dataclass
-class ClippingConfig:
+@dataclasses.dataclass(frozen=True)
+class ClippingConfig(Section):
     """handlers.clipping: GradientClipping's arguments; both bounds null turns clipping off."""
 
-    max_norm: float = setting(1.0, Number(nullable=True), "clip the gradients' total norm to this (null: no norm clip)")
+    max_norm: Optional[float] = setting(
+        1.0, Number(nullable=True), "clip the gradients' total norm to this (null: no norm clip)")
     norm_type: float = setting(2.0, Number(allow_inf=True), "the norm's order (.inf for the max norm)")
-    clip_value: float = setting(None, Number(nullable=True), "clip each gradient element to [-v, v] instead")
+    clip_value: Optional[float] = setting(None, Number(nullable=True), "clip each gradient element to [-v, v] instead")
 
     @staticmethod
     def check_values(values: dict, path: str) -> None:

@@ -10,6 +10,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.core.device import dtype_name
 from ignite_amp.engine import trainer_step_of
 from ignite_amp.errors import NonFiniteError
@@ -21,8 +22,8 @@ logger = logging.getLogger("ignite_amp")
 BAD, EMPTY = 1, 2  # a loss check's codes: non-finite; no loss at all (a batch of padding only)
 
 
-@dataclasses.dataclass
-class NonFiniteConfig:
+@dataclasses.dataclass(frozen=True)
+class NonFiniteConfig(Section):
     """handlers.non_finite: stop on a NaN/inf loss or weights (NonFiniteGuard)."""
 
     enabled: bool = setting(True, Boolean(), "attach the guard")

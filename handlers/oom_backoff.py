@@ -11,6 +11,7 @@ from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader
 
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, Choice, Integer, argument, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import amp_step_of
 from ignite_amp.errors import BatchSizeFloorError
@@ -22,16 +23,17 @@ from ignite_amp.transforms.sharding import is_sharded
 __all__ = ["OOMBackoffConfig", "OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
 
 
-@dataclasses.dataclass
-class OOMBackoffConfig:
+@dataclasses.dataclass(frozen=True)
+class OOMBackoffConfig(Section):
     """handlers.oom_backoff: on out of memory, retry the same batch in smaller micro-batches (OOMBackoff)."""
 
     enabled: bool = setting(True, Boolean(), "attach the backoff (trainer and evaluator)")
     min_batch_size: int = setting(1, POSITIVE_INT, "smallest micro-batch to try before the run stops")
     mode: str = setting("micro_batch", Choice("micro_batch", "batch"),
                         "micro_batch keeps the loader's batch; batch also makes the loader's batch smaller")
-    grow_after: int = setting(None, Integer(1, nullable=True),
-                              "clean iterations after which the larger micro-batch is tried again; null: never")
+    grow_after: Optional[int] = setting(
+        None, Integer(1, nullable=True),
+        "clean iterations after which the larger micro-batch is tried again; null: never")
 
 logger = logging.getLogger("ignite_amp")
 

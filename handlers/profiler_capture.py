@@ -10,6 +10,7 @@ from ignite.engine import Engine, Events
 from torch.autograd import DeviceType
 
 from ignite_amp.core.config_keys import Boolean, Integer, argument, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.core.phases import PHASES as STEP_PHASES
 
 logger = logging.getLogger("ignite_amp")
@@ -17,8 +18,8 @@ logger = logging.getLogger("ignite_amp")
 __all__ = ["ProfilerConfig", "ProfilerCapture", "step_breakdown", "format_breakdown"]
 
 
-@dataclasses.dataclass
-class ProfilerConfig:
+@dataclasses.dataclass(frozen=True)
+class ProfilerConfig(Section):
     """handlers.profiler: capture torch.profiler windows of training iterations (ProfilerCapture)."""
 
     enabled: bool = setting(False, Boolean(), "attach the profiler")

@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import logging
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, List, Literal, Optional, Union
 
 import torch
 from ignite.engine import Engine, Events, EventsList
@@ -31,6 +31,7 @@ from ignite_amp.core.config_keys import (
     argument,
     setting,
 )
+from ignite_amp.core.config_values import Section
 from ignite_amp.core.device import resolve_device
 from ignite_amp.step.base import StepBase, call_model, identity
 from ignite_amp.step.evaluate import EvalStep
@@ -54,8 +55,8 @@ __all__ = ["AmpConfig", "AmpEngine", "DeterministicAmpEngine", "amp_step_of", "t
 logger = logging.getLogger("ignite_amp")
 
 
-@dataclasses.dataclass
-class AmpConfig:
+@dataclasses.dataclass(frozen=True)
+class AmpConfig(Section):
     """amp: the step's precision and how a batch is cut (create_amp_trainer's arguments)."""
 
     dtype: str = setting("auto", Choice("auto", "float16", "bfloat16", "float32", "float8"),
@@ -65,14 +66,16 @@ class AmpConfig:
     float8_recipe: str = setting(DEFAULT_RECIPE, Choice(*RECIPES), "dtype float8: torchao's scaling recipe")
     accumulation_steps: int = setting(1, POSITIVE_INT, "batches whose gradients add up to one optimizer step", FIXED)
     micro_batches: int = setting(1, POSITIVE_INT, "chunks each batch is split into (same gradient, less memory)")
-    fp32_modules: list = setting([], Names(), "names of submodules kept out of autocast")
-    channels_last: bool = setting("auto", CHANNELS_LAST, "channels-last memory format for model and images; auto: "
-                                  "on CUDA when 2-d convolutions hold at least half of the model's weights")
-    compile: bool = setting(None, COMPILE,
-                            "torch.compile the forward (null: on for float8 on a GPU, else off); reduce-overhead: "
-                            "with CUDA graphs, checked against the eager step first, eager again where shapes change "
-                            "too often or memory runs out")
-    activation_checkpointing: bool = setting(
+    fp32_modules: List[str] = setting([], Names(), "names of submodules kept out of autocast")
+    channels_last: Union[bool, Literal["auto"]] = setting(
+        "auto", CHANNELS_LAST, "channels-last memory format for model and images; auto: "
+        "on CUDA when 2-d convolutions hold at least half of the model's weights")
+    compile: Union[None, bool, Literal["reduce-overhead"]] = setting(
+        None, COMPILE,
+        "torch.compile the forward (null: on for float8 on a GPU, else off); reduce-overhead: "
+        "with CUDA graphs, checked against the eager step first, eager again where shapes change "
+        "too often or memory runs out")
+    activation_checkpointing: Union[bool, Literal["auto", "selective"]] = setting(
         False, Boolean(also=("auto", "selective")), "the model's repeated blocks (distributed.blocks, or the rule "
         "FSDP2 shards by) keep only their inputs and run their forward again in the backward: less activation memory, "
         "same gradients, about one more forward of compute; selective: they keep the outputs of their matmuls, "

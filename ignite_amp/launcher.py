@@ -9,7 +9,6 @@ Ranks of a CPU run stay on the CPU on a machine with GPUs too: Ignite pins rank 
 ``cuda:N`` whenever CUDA is visible, so the launcher hides the GPUs from CPU ranks.
 """
 import contextlib
-import dataclasses
 import gc
 import io
 import logging
@@ -29,35 +28,14 @@ import ignite.distributed as idist
 import torch
 from torch.multiprocessing.spawn import ProcessException
 
+from ignite_amp.config.run_keys import BACKENDS, DistributedConfig  # noqa: F401  (DistributedConfig: its old home)
+from ignite_amp.config.tree import Config
 from ignite_amp.core.collectives import adopt_ignite_loggers
-from ignite_amp.core.config_keys import FIXED, Boolean, Choice, Integer, Names, setting
-from ignite_amp.core.device import is_oom_error
+from ignite_amp.core.device import is_oom_error, run_device
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
 from ignite_amp.files.run_directory import COMMAND_PID, terminal_log_handler
-from ignite_amp.run.builders import config_device
 
 __all__ = ["DistributedConfig", "launch", "under_torchrun", "resolve_backend", "cpu_only"]
-
-BACKENDS = ("auto", "nccl", "gloo")
-
-
-@dataclasses.dataclass
-class DistributedConfig:
-    """distributed: processes of one run (see the guide "More than one GPU")."""
-
-    backend: str = setting("auto", Choice(*BACKENDS), "auto (nccl on GPUs, gloo on CPU), nccl or gloo")
-    nproc_per_node: int = setting(None, Integer(1, 1024, nullable=True),
-                                  "processes to spawn on this machine; null: one, or what torchrun started")
-    strategy: str = setting("ddp", Choice("ddp", "fsdp"),
-                            "ddp: every process holds the whole model; fsdp: the model, its gradients and the "
-                            "optimizer state are sharded over the processes (FSDP2), checkpoints too", FIXED)
-    reshard_after_forward: bool = setting(True, Boolean(),
-                                          "fsdp: free each block's gathered parameters after its forward (least "
-                                          "memory; the backward gathers them again)")
-    blocks: list = setting([], Names(), "class names of the blocks fsdp shards one by one and "
-                                        "amp.activation_checkpointing checkpoints; []: the repeated blocks "
-                                        "(children of a ModuleList or Sequential of one class)")
-
 
 def under_torchrun() -> bool:
     """True when this process was started by ``torchrun`` (or another launcher setting its variables)."""
@@ -274,7 +252,7 @@ def _stop_ranks(outbox: str, grace: float = 120.0) -> None:
             child.join(5)
 
 
-def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
+def launch(cfg: Config, fn: Callable, *args: Any) -> Any:
     """Run ``fn(*args)`` on every rank the config (or ``torchrun``) asks for; return rank 0's result.
 
     - under ``torchrun``: this process is one rank; the process group is set up with
@@ -284,12 +262,12 @@ def launch(cfg: dict, fn: Callable, *args: Any) -> Any:
 
     Errors raised on a rank are raised here (the first rank's), so a user error stays one line.
     """
-    nproc = cfg["distributed"]["nproc_per_node"] or 1
+    nproc = cfg.distributed.nproc_per_node or 1
     if idist.get_world_size() > 1 or (nproc == 1 and not under_torchrun()):
         return fn(*args)  # already inside a process group, or a plain single-process run
-    device = config_device(cfg)
+    device = run_device(cfg.device)
     try:
-        backend = resolve_backend(cfg["distributed"]["backend"], device)
+        backend = resolve_backend(cfg.distributed.backend, device)
     except ValueError as exc:
         raise ConfigError(f"distributed.backend: {exc}") from None
     _quiet_launchers()

@@ -7,26 +7,28 @@ Built-ins, addressed like any callable:
 """
 import dataclasses
 import importlib
+from typing import Any, Dict
 
 from torch import nn
 
 from ignite_amp.core.config_keys import FIXED, Integer, Mapping, Text, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.errors import ConfigError
 
 __all__ = ["ModelConfig", "build_model", "small_cnn", "cifar_resnet18"]
 
 
-@dataclasses.dataclass
-class ModelConfig:
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Section):
     """model: the network, built with no weights (nothing is downloaded)."""
 
-    name: str = setting("resnet18", Text(r"[A-Za-z0-9_.]+(:[A-Za-z0-9_.]+)?",
-                                         'a torchvision model name or "pkg.module:callable"'),
-                        'a torchvision model name, or "pkg.module:callable" (built-ins: ignite_amp.models:small_cnn, '
-                        "ignite_amp.models:cifar_resnet18)", FIXED)
+    name: str = setting(
+        "resnet18", Text(r"[A-Za-z0-9_.]+(:[A-Za-z0-9_.]+)?", 'a torchvision model name or "pkg.module:callable"'),
+        'a torchvision model name, or "pkg.module:callable" (built-ins: ignite_amp.models:small_cnn, '
+        "ignite_amp.models:cifar_resnet18)", FIXED)
     num_classes: int = setting(10, Integer(1), "the head's width; must match the data set (shapes, cifar10: 10)",
                                FIXED)
-    kwargs: dict = setting({}, Mapping(), "more keyword arguments for the model's constructor", FIXED)
+    kwargs: Dict[str, Any] = setting({}, Mapping(), "more keyword arguments for the model's constructor", FIXED)
 
 
 def small_cnn(num_classes: int = 10, width: int = 32) -> nn.Module:

@@ -21,6 +21,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import TensorboardLogger
 
 from ignite_amp.core.config_keys import POSITIVE_INT, Boolean, argument, setting
+from ignite_amp.core.config_values import Section
 from ignite_amp.core.device import dtype_name
 from ignite_amp.core.metric_modes import metric_mode
 from ignite_amp.engine import amp_step_of, trainer_step_of
@@ -45,8 +46,8 @@ __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_T
            "hparams_summaries", "HPARAMS"]
 
 
-@dataclasses.dataclass
-class TensorBoardConfig:
+@dataclasses.dataclass(frozen=True)
+class TensorBoardConfig(Section):
     """handlers.tensorboard: what TensorBoardMetrics logs in output_dir."""
 
     enabled: bool = setting(True, Boolean(), "attach TensorBoardMetrics")

@@ -39,14 +39,14 @@ def _find_batch_size(args: argparse.Namespace) -> int:
     from ignite_amp.run.search import search_config
 
     cfg = load_config(args.config, args.overrides)
-    if cfg["distributed"]["strategy"] == "fsdp":
+    if cfg.distributed.strategy == "fsdp":
         raise ConfigError("find-batch-size: not with distributed.strategy fsdp (a trial that runs out of memory "
                           "inside a sharded forward cannot be retried safely); give data.batch_size a number")
     # Progress: one line per trial on stderr as it finishes; then the table on stdout.
     result, device_name, world = launch(cfg, search_config, cfg, args.objective, True)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun, rank 0 reports
-    print(f"{cfg['model']['name']} on {device_name}, dtype {cfg['amp']['dtype']}")
+    print(f"{cfg.model.name} on {device_name}, dtype {cfg.amp.dtype}")
     print(result.table)
     size = result.batch_size * world
     if world > 1:
@@ -72,7 +72,7 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     results = compare(cfg, steps=args.steps, tolerance=args.tolerance, modes=args.modes, print_fn=safe_print)
     safe_print(format_table(results))  # `ignite-amp compare ... | head` is not an error
-    where = RunLayout(cfg["output_dir"]).compare_dir  # beside the run: its own dashboard stays one run
+    where = RunLayout(cfg.output_dir).compare_dir  # beside the run: its own dashboard stays one run
     safe_print(f"per-mode TensorBoard runs: {where}")
     safe_print(f"  open with: tensorboard --logdir {quote(where)}")
     return 0
@@ -96,10 +96,10 @@ def _train(args: argparse.Namespace) -> int:
     from ignite_amp.run.console import safe_print
 
     cfg = load_config(args.config, args.overrides)
-    _refuse_to_replace_the_source(args.config, RunLayout(cfg["output_dir"]).config_path, cfg["output_dir"])
-    state["log"] = RunLayout(cfg["output_dir"]).log_path
-    state["checkpoints"] = RunLayout(cfg["output_dir"]).checkpoint_dir
-    if cfg["handlers"]["checkpoint"]["resume"] != "auto":  # the same command would resume another checkpoint
+    _refuse_to_replace_the_source(args.config, RunLayout(cfg.output_dir).config_path, cfg.output_dir)
+    state["log"] = RunLayout(cfg.output_dir).log_path
+    state["checkpoints"] = RunLayout(cfg.output_dir).checkpoint_dir
+    if cfg.handlers.checkpoint.resume != "auto":  # the same command would resume another checkpoint
         state["resume"] = f"{_train_command(args)} --set handlers.checkpoint.resume=auto"
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     result = train_from_config(cfg, progress=progress, command=_train_command(args))

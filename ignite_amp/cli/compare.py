@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.config.tree import load_config
+from ignite_amp.config.tree import Config, load_config
 from ignite_amp.data.datasets import build_loaders
 from ignite_amp.engine import create_amp_trainer
 from ignite_amp.errors import ConfigError
@@ -140,14 +140,14 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
     """
     cfg = load_config(cfg)
     device = config_device(cfg)
-    compare_dir = RunLayout(cfg["output_dir"]).compare_dir
+    compare_dir = RunLayout(cfg.output_dir).compare_dir
     moved = move_aside(compare_dir)  # a new comparison draws fresh curves
     if moved:
         print_fn(f"moved the previous comparison's TensorBoard runs to {moved}")
     check_writable(compare_dir)  # before minutes of training, not after
-    seed_everything(cfg["seed"])
-    loader, _, n_classes = build_loaders(dict(cfg["data"], num_workers=0), cfg["model"]["num_classes"], device,
-                                         cfg["seed"])
+    seed_everything(cfg.seed)
+    loader, _, n_classes = build_loaders(cfg.data.replace(num_workers=0), cfg.model.num_classes, device,
+                                         cfg.seed)
     check_classes(cfg, n_classes)
     batches: List[Any] = []
     it = iter(loader)
@@ -156,8 +156,8 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
             batches.append(next(it))
         except StopIteration:
             it = iter(loader)
-    initial = copy.deepcopy(build_model(cfg["model"]["name"], cfg["model"]["num_classes"],
-                                        cfg["model"]["kwargs"]).state_dict())
+    initial = copy.deepcopy(build_model(cfg.model.name, cfg.model.num_classes,
+                                        cfg.model.kwargs).state_dict())
     if modes is None:
         chosen = supported_modes(device)
     else:
@@ -197,21 +197,21 @@ def compare(cfg, steps: int = 50, tolerance: float = 0.1, modes: Optional[List[s
         finished.append(r._replace(max_abs_diff=max_abs, max_rel_diff=max_rel, flag="; ".join(flags)))
     return finished
 
-def _run_mode(cfg: dict, device: torch.device, initial: dict, loader: Any, batches: List[Any], compare_dir: str,
+def _run_mode(cfg: Config, device: torch.device, initial: dict, loader: Any, batches: List[Any], compare_dir: str,
               mode: str, dtype: str, use_scaler: bool) -> ModeResult:
     """Train ``batches`` from the ``initial`` weights in one mode; its losses, step times, skips and peak memory."""
     from torch.utils.tensorboard import SummaryWriter
 
     def make_trainer():
-        seed_everything(cfg["seed"])
-        model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+        seed_everything(cfg.seed)
+        model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.kwargs)
         model.load_state_dict(initial)
-        amp = cfg["amp"]
+        amp = cfg.amp
         try:
-            return create_amp_trainer(model, build_optimizer(cfg["optimizer"], model, device),
+            return create_amp_trainer(model, build_optimizer(cfg.optimizer, model, device),
                                       torch.nn.functional.cross_entropy, device=device, dtype=dtype,
-                                      scaler=use_scaler, channels_last=amp["channels_last"],
-                                      fp32_modules=amp["fp32_modules"], float8_recipe=amp["float8_recipe"])
+                                      scaler=use_scaler, channels_last=amp.channels_last,
+                                      fp32_modules=amp.fp32_modules, float8_recipe=amp.float8_recipe)
         except ValueError as exc:
             raise ConfigError(f"amp: {exc}") from None
 

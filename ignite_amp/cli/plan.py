@@ -69,12 +69,12 @@ def plan_command(args: argparse.Namespace) -> int:
               f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
     plan = plan_config(decided, args.batch_sizes, memory, margin, progress)
-    dtype = cfg["amp"]["dtype"]
+    dtype = cfg.amp.dtype
     if dtype == "auto":
         from ignite_amp.core.device import dtype_name, resolve_dtype
 
         dtype = f"auto ({decided['amp']['dtype'] if dtype_why else dtype_name(resolve_dtype('auto', plan.device))})"
-    safe_print(fitted(f"{cfg['name']}: {cfg['model']['name']}, dtype {dtype}, batch sizes per process"))
+    safe_print(fitted(f"{cfg.name}: {cfg.model.name}, dtype {dtype}, batch sizes per process"))
     if dtype_why:
         safe_print(fitted(f"dtype auto: {dtype_why}"))
     for line in plan.lines():
@@ -82,7 +82,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if plan.memory is None:
         safe_print("for the largest batch that fits: --memory SIZE (e.g. --memory 80GiB)")
     options = None
-    if args.checkpointing or cfg["amp"]["activation_checkpointing"] == "auto":
+    if args.checkpointing or cfg.amp.activation_checkpointing == "auto":
         from ignite_amp.run.plan import checkpoint_options_lines, config_batch_sizes, config_checkpoint_options
 
         size = max(args.batch_sizes or config_batch_sizes(cfg))  # as auto chooses: at the largest size asked
@@ -91,7 +91,7 @@ def plan_command(args: argparse.Namespace) -> int:
             safe_print(line)
     if args.json:
         extra = {} if options is None else {"checkpoint_options": [dataclasses.asdict(o) for o in options]}
-        text = json.dumps({"config": cfg["name"], **plan.to_dict(), **extra}, indent=2) + "\n"
+        text = json.dumps({"config": cfg.name, **plan.to_dict(), **extra}, indent=2) + "\n"
         if to_stdout:
             print_to_stdout(text, end="")
             return 0

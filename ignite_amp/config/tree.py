@@ -2,14 +2,15 @@
 
 Each component declares its own keys once, as a dataclass next to the code that uses them
 (:mod:`ignite_amp.core.config_keys`): ``amp`` in :mod:`ignite_amp.engine`, ``data`` in :mod:`ignite_amp.data.datasets`,
-``model`` in :mod:`ignite_amp.models`, ``optimizer`` and ``scheduler`` in :mod:`ignite_amp.run.builders`,
-``train`` in :mod:`ignite_amp.run.epochs`, ``distributed`` in :mod:`ignite_amp.launcher`, and each
+``model`` in :mod:`ignite_amp.models`, the run's own (``optimizer``, ``scheduler``, ``train``, ``distributed``) in
+:mod:`ignite_amp.config.run_keys` (the run and the launcher build from the config: they sit above it), and each
 handler's in its handler's module. :class:`Config` gathers them; :func:`load_config` reads YAML
 (with YAML 1.2's scalars, as editors do: :mod:`ignite_amp.config.yaml12`) or a dict against it, applies
 ``key.path=value`` overrides, fills defaults and refuses unknown keys, duplicate keys, wrong types,
 impossible values and values that YAML aliases expand past a size (:mod:`ignite_amp.config.limits`) with a
-:class:`ConfigError` naming the key path. A resolved config is a plain nested dict: what ``config.yaml`` and
-checkpoints hold. :func:`config_schema` is the JSON Schema of the same tree (``ignite-amp schema``).
+:class:`ConfigError` naming the key path. A loaded config is typed, frozen values (:class:`Config`, one
+instance of each declaration); ``cfg.to_dict()`` is the plain nested dict ``config.yaml`` and checkpoints hold.
+:func:`config_schema` is the JSON Schema of the same tree (``ignite-amp schema``).
 """
 import copy
 import dataclasses
@@ -21,6 +22,7 @@ import yaml
 
 import ignite_amp.config.yaml12 as yaml12
 from ignite_amp.config.limits import MAX_DEPTH, check_tree
+from ignite_amp.config.run_keys import DistributedConfig, OptimizerConfig, SchedulerConfig, TrainConfig
 from ignite_amp.core.config_keys import (
     FIXED,
     NOT_COMPARED,
@@ -36,6 +38,7 @@ from ignite_amp.core.config_keys import (
     show,
     validate,
 )
+from ignite_amp.core.config_values import Section, build
 from ignite_amp.data.datasets import DataConfig
 from ignite_amp.engine import AmpConfig
 from ignite_amp.errors import ConfigError
@@ -46,10 +49,7 @@ from ignite_amp.handlers.non_finite_guard import NonFiniteConfig
 from ignite_amp.handlers.oom_backoff import OOMBackoffConfig
 from ignite_amp.handlers.profiler_capture import ProfilerConfig
 from ignite_amp.handlers.tensorboard.metrics import TensorBoardConfig
-from ignite_amp.launcher import DistributedConfig
 from ignite_amp.models import ModelConfig
-from ignite_amp.run.builders import OptimizerConfig, SchedulerConfig
-from ignite_amp.run.epochs import TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "default_config", "save_config", "flatten_config",
            "write_batch_size", "config_schema", "MAX_CONFIG_BYTES"]
@@ -57,8 +57,8 @@ __all__ = ["Config", "ConfigError", "load_config", "default_config", "save_confi
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; a larger file is a mistake (and slow to parse)
 
 
-@dataclasses.dataclass
-class HandlersConfig:
+@dataclasses.dataclass(frozen=True)
+class HandlersConfig(Section):
     """handlers: the run's handlers, each declared by its own module."""
 
     clipping: ClippingConfig = section(ClippingConfig)
@@ -69,18 +69,19 @@ class HandlersConfig:
     tensorboard: TensorBoardConfig = section(TensorBoardConfig)
 
 
-@dataclasses.dataclass
-class Config:
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
     """An ignite-amp run."""
 
     name: str = setting("ignite-amp", Text(r"[A-Za-z0-9_.\-]+", "a name of letters, digits, '.', '_' or '-'"),
                         "the run's name (default output_dir: runs/<name>)", NOT_COMPARED)
     seed: int = setting(0, Integer(0, 2**32 - 1), "orders the data and makes the synthetic data sets", FIXED)
-    device: str = setting("auto", Text(r"auto|cpu|cuda(:[0-9]+)?|mps|xpu(:[0-9]+)?",
-                                       "auto, cpu, cuda, cuda:N, mps or xpu"),
-                          "auto, cpu, cuda, cuda:N, mps or xpu")
+    device: str = setting(
+        "auto", Text(r"auto|cpu|cuda(:[0-9]+)?|mps|xpu(:[0-9]+)?", "auto, cpu, cuda, cuda:N, mps or xpu"),
+        "auto, cpu, cuda, cuda:N, mps or xpu")
     output_dir: str = setting(None, Text(nullable=True), "checkpoints/, config.yaml, train.log and the "
                               "TensorBoard files go here; default runs/<name>; ~ is expanded", NOT_COMPARED)
+    # (null in a file; a loaded config's is always a path: load_config fills runs/<name>)
     amp: AmpConfig = section(AmpConfig)
     data: DataConfig = section(DataConfig)
     model: ModelConfig = section(ModelConfig)
@@ -188,21 +189,29 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: not a config (nested too deeply)") from None
 
 
-def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: Iterable[str] = ()) -> dict:
-    """Read, override, validate and fill a config.
+def load_config(source: Union[str, os.PathLike, dict, Config, None] = None, overrides: Iterable[str] = ()) -> Config:
+    """Read, override, validate and fill a config: typed, frozen values (:class:`Config`).
 
     Args:
-        source: a YAML file path, a (partial) config dict, or None for the defaults.
+        source: a YAML file path, a (partial) config dict, a loaded :class:`Config`, or None for the defaults.
         overrides: ``"key.path=value"`` strings; values are parsed as YAML.
 
     Example:
         >>> cfg = load_config({"data": {"name": "shapes"}}, overrides=["train.epochs=2"])
-        >>> cfg["train"]["epochs"], cfg["output_dir"]
+        >>> cfg.train.epochs, cfg.output_dir
         (2, 'runs/ignite-amp')
+
+    ``cfg.to_dict()`` is the plain nested dict (what ``config.yaml`` holds); a changed config is a new one:
+    ``load_config(cfg, ["train.epochs=3"])``.
     """
+    if isinstance(source, Config):
+        if not overrides:
+            return source
+        source = source.to_dict()
     if source is None:
         raw = {}
     elif isinstance(source, dict):
+        source = {k: v.to_dict() if isinstance(v, Section) else v for k, v in source.items()}  # a loaded section
         check_tree(source)  # before anything walks it: a bounded size and depth, no value inside itself
         raw = copy.deepcopy(source)
     else:
@@ -215,23 +224,25 @@ def load_config(source: Union[str, os.PathLike, dict, None] = None, overrides: I
     for item in overrides:
         _apply_override(raw, *_parse_override(item))
     check_tree(raw)
-    cfg = validate(raw, Config)
-    if cfg["output_dir"] is None:
-        cfg["output_dir"] = os.path.join("runs", cfg["name"])
+    values = validate(raw, Config)
+    if values["output_dir"] is None:
+        values["output_dir"] = os.path.join("runs", values["name"])
     # Expanded once, here: every file of the run (checkpoints, TensorBoard, config.yaml) uses this path.
-    cfg["output_dir"] = os.path.expanduser(cfg["output_dir"])
-    cfg["data"]["root"] = os.path.expanduser(cfg["data"]["root"])
-    return cfg
+    values["output_dir"] = os.path.expanduser(values["output_dir"])
+    values["data"]["root"] = os.path.expanduser(values["data"]["root"])
+    return build(Config, values)
 
 
-def save_config(cfg: dict, path: Union[str, os.PathLike]) -> None:
+def save_config(cfg: Union[Config, dict], path: Union[str, os.PathLike]) -> None:
     """Write the resolved config as YAML (atomically: temp file, then rename)."""
-    write_text(os.fspath(path), yaml12.dump(cfg))
+    write_text(os.fspath(path), yaml12.dump(cfg.to_dict() if isinstance(cfg, Config) else cfg))
 
 
-def flatten_config(cfg: dict, prefix: str = "") -> dict:
+def flatten_config(cfg: Union[Config, dict], prefix: str = "") -> dict:
     """Leaves by key path, as :func:`ignite_amp.core.config_keys.leaves` names them:
     ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; ``kwargs`` mappings and lists are leaves (values as they are)."""
+    if isinstance(cfg, Config):
+        cfg = cfg.to_dict()
     flat = {}
     for key, value in cfg.items():
         name = f"{prefix}{key}"

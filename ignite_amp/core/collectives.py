@@ -5,7 +5,8 @@
 - :func:`all_reduce_gradients`: what DDP does during backward, done after it, once every rank
   agreed that none ran out of memory;
 - :func:`broadcast_text`: a string from rank 0 to every rank, any Unicode (sized in bytes);
-- :func:`broadcast_buffers`, :func:`min_across_ranks`, :func:`unwrap`, :func:`is_distributed`.
+- :func:`broadcast_buffers`, :func:`min_across_ranks`, :func:`unwrap`, :func:`is_distributed`;
+- :func:`per_process` and :func:`global_batch`: the one rule between a global batch and each process's share.
 
 Without a process group every function here is a no-op or returns its input.
 """
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["is_distributed", "unwrap", "any_rank", "min_across_ranks", "max_across_ranks", "sum_across_ranks",
            "all_reduce_gradients", "broadcast_buffers", "is_sharded", "broadcast_text",
-           "adopt_ignite_loggers", "no_buffer_sync_in_forward"]
+           "adopt_ignite_loggers", "no_buffer_sync_in_forward", "per_process", "global_batch"]
 
 IGNITE_LOGGERS = ("ignite.distributed.launcher.Parallel", "ignite.distributed.auto.auto_dataloader",
                   "ignite.distributed.auto.auto_model", "ignite.distributed.auto.auto_optim")
@@ -177,3 +178,20 @@ def no_buffer_sync_in_forward(ddp: torch.nn.parallel.DistributedDataParallel) ->
         ddp.forward_sync_buffers = False
     else:
         ddp.broadcast_buffers = False
+
+
+def per_process(batch: int, world: int) -> int:
+    """Each of ``world`` processes' share of the global batch ``batch``: ``batch // world``, at least 1.
+
+    A training batch divides evenly (the config's check and the loaders refuse one that does not); an evaluation
+    batch smaller than ``world`` gives each process one sample. Every per-process batch of the package (the loaders,
+    the memory plan, the batch-size search, the start line) is this function's.
+    """
+    if batch < 1 or world < 1:
+        raise ValueError(f"a batch of {batch} over {world} processes")
+    return max(1, batch // world)
+
+
+def global_batch(per_process_batch: int, world: int) -> int:
+    """The global batch of ``world`` processes loading ``per_process_batch`` each (what a search or a retry found)."""
+    return per_process_batch * world

@@ -7,11 +7,13 @@ import gc
 import logging
 from typing import Optional, Tuple, Union
 
+import ignite.distributed as idist
 import torch
 
-from ignite_amp.errors import RUN_STOPPED
+from ignite_amp.core.collectives import is_distributed
+from ignite_amp.errors import RUN_STOPPED, ConfigError
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "indexed", "describe_device", "dtype_name",
+__all__ = ["DTYPES", "resolve_device", "run_device", "resolve_dtype", "indexed", "describe_device", "dtype_name",
            "cpu_has_native_bf16", "cpu_has_amx", "auto_dtype_reason", "is_oom_error", "free_memory", "peak_tflops",
            "PEAK_TFLOPS"]
 
@@ -45,6 +47,26 @@ def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.dev
     if backend is None or not backend.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but {device.type} is not available here")
     return device
+
+
+def run_device(name: str) -> torch.device:
+    """A config's ``device`` (``auto``, ``cpu``, ``cuda:1``...) as this process's torch device; a device that isn't
+    there is a ConfigError.
+
+    Inside a process group of several ranks it is this rank's device (``cuda:LOCAL_RANK`` on GPUs), whose type must
+    match the config's.
+    """
+    try:
+        device = resolve_device(name)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"device: {exc}") from None
+    if not is_distributed():
+        return device
+    rank_device = idist.device()
+    if rank_device.type != device.type:
+        raise ConfigError(f"device: {name} resolves to {device.type}, but ignite.distributed places this rank on "
+                          f"{rank_device}; use device: auto")
+    return rank_device
 
 
 def indexed(device: torch.device) -> torch.device:

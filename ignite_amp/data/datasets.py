@@ -9,14 +9,15 @@ import dataclasses
 import logging
 import os
 import pickle
-from typing import Any, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Literal, Optional, Sequence, Tuple, Union, cast
 
 import ignite.distributed as idist
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ignite_amp.core.collectives import adopt_ignite_loggers
+from ignite_amp.core.collectives import adopt_ignite_loggers, global_batch, per_process
 from ignite_amp.core.config_keys import FIXED, FIXED_UNDER_SCHEDULE, Boolean, Choice, Integer, Text, setting
+from ignite_amp.core.config_values import Section, section_of
 from ignite_amp.data.device_batches import DeviceBatches, OnDeviceChoice, choose_on_device, device_memory
 from ignite_amp.data.image_folder import ImageReadError, check_images, image_folder, read_image  # noqa: F401
 from ignite_amp.data.samplers import EpochShuffleSampler, EvenShardSampler, LockstepBatches, ShuffleShardSampler
@@ -34,32 +35,37 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-@dataclasses.dataclass
-class DataConfig:
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
     """data: the training and validation sets and their loaders."""
 
     name: str = setting("shapes", Choice("shapes", "cifar10", "cifar100", "imagefolder", "fake"),
                         "shapes (built in, no download), cifar10, cifar100, imagefolder or fake", FIXED)
     root: str = setting("./data", Text(), "cifar: torchvision's layout; imagefolder: root/train and root/val")
-    batch_size: int = setting(64, Integer(1, 2**20, also=("auto",)),
-                              "the global batch (split over the processes of a distributed run); auto: search for "
-                              "the largest that fits", FIXED_UNDER_SCHEDULE)
-    eval_batch_size: int = setting(None, Integer(1, 2**20, nullable=True), "default: batch_size")
-    num_workers: int = setting("auto", Integer(0, 256, also=("auto",)), "loader worker processes (per machine); "
-                               "auto: 0 off a GPU, on one the cores less one per process, at most 4 per process for "
-                               "an in-memory set and 8 for imagefolder")
+    batch_size: Union[int, Literal["auto"]] = setting(
+        64, Integer(1, 2**20, also=("auto",)),
+        "the global batch (split over the processes of a distributed run); auto: search for "
+        "the largest that fits", FIXED_UNDER_SCHEDULE)
+    eval_batch_size: Optional[int] = setting(None, Integer(1, 2**20, nullable=True), "default: batch_size")
+    num_workers: Union[int, Literal["auto"]] = setting(
+        "auto", Integer(0, 256, also=("auto",)), "loader worker processes (per machine); "
+        "auto: 0 off a GPU, on one the cores less one per process, at most 4 per process for "
+        "an in-memory set and 8 for imagefolder")
     download: bool = setting(False, Boolean(), "cifar only: download when missing")
-    on_device: bool = setting("auto", Boolean(also=("auto",)),
-                              "keep the images on the device and cut batches there (no workers); auto: on CUDA for "
-                              "an in-memory set taking at most 5% of the device's memory and 2 GiB; true on a CPU: "
-                              "batches indexed in memory")
+    on_device: Union[bool, Literal["auto"]] = setting(
+        "auto", Boolean(also=("auto",)),
+        "keep the images on the device and cut batches there (no workers); auto: on CUDA for "
+        "an in-memory set taking at most 5% of the device's memory and 2 GiB; true on a CPU: "
+        "batches indexed in memory")
     augment: bool = setting(False, Boolean(),
                             "cifar: padded random crop + flip; imagefolder: random resized crop + flip")
-    image_size: int = setting(None, Integer(8, 4096, nullable=True), "default: shapes/fake 32, imagefolder 224",
-                              FIXED)
-    train_size: int = setting(None, Integer(1, 10**8, nullable=True),
-                              "default: shapes 8000, fake 1024; cifar: a prefix of the set", FIXED_UNDER_SCHEDULE)
-    val_size: int = setting(None, Integer(1, 10**8, nullable=True), "default: shapes 2000, fake 256")
+    image_size: Optional[int] = setting(
+        None, Integer(8, 4096, nullable=True), "default: shapes/fake 32, imagefolder 224",
+        FIXED)
+    train_size: Optional[int] = setting(
+        None, Integer(1, 10**8, nullable=True),
+        "default: shapes 8000, fake 1024; cifar: a prefix of the set", FIXED_UNDER_SCHEDULE)
+    val_size: Optional[int] = setting(None, Integer(1, 10**8, nullable=True), "default: shapes 2000, fake 256")
 
     @staticmethod
     def check_values(values: dict, path: str) -> None:
@@ -183,45 +189,47 @@ def _subset(images: torch.Tensor, labels: torch.Tensor, size: Optional[int]) -> 
     return (images, labels) if size is None else (images[:size], labels[:size])
 
 
-def train_samples(data: dict) -> Optional[int]:
-    """The training set's size for ``cfg["data"]`` without building it, where the config alone tells (the built-in
+def train_samples(data: Union[DataConfig, dict]) -> Optional[int]:
+    """The training set's size for ``cfg.data`` without building it, where the config alone tells (the built-in
     sets, CIFAR); None for an image folder."""
-    full = {"shapes": 8000, "fake": 1024, "cifar10": 50000, "cifar100": 50000}.get(data["name"])
+    data = section_of(DataConfig, data)
+    full = {"shapes": 8000, "fake": 1024, "cifar10": 50000, "cifar100": 50000}.get(data.name)
     if full is None:
         return None
-    return min(data["train_size"], full) if data["train_size"] and data["name"].startswith("cifar") else \
-        data["train_size"] or full
+    return min(data.train_size, full) if data.train_size and data.name.startswith("cifar") else \
+        data.train_size or full
 
 
-def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset, Dataset, int]:
-    """The train and validation sets for ``cfg["data"]`` and the number of classes they hold."""
-    name, root, augment = data["name"], data["root"], data["augment"]
+def build_datasets(data: Union[DataConfig, dict], num_classes: int, seed: int = 0) -> Tuple[Dataset, Dataset, int]:
+    """The train and validation sets for ``cfg.data`` and the number of classes they hold."""
+    data = section_of(DataConfig, data)
+    name, root, augment = data.name, data.root, data.augment
     classes: Sequence[str]
     if name == "shapes":
-        size = data["image_size"] or 32
-        train = make_shapes(data["train_size"] or 8000, size, seed=seed)
-        val = make_shapes(data["val_size"] or 2000, size, seed=seed + 1_000_003)
+        size = data.image_size or 32
+        train = make_shapes(data.train_size or 8000, size, seed=seed)
+        val = make_shapes(data.val_size or 2000, size, seed=seed + 1_000_003)
         mean, std, classes = (0.5,) * 3, (0.25,) * 3, SHAPE_CLASSES
     elif name in ("cifar10", "cifar100"):
         fine = name == "cifar100"
-        if data["download"]:
+        if data.download:
             _download_cifar(root, fine)
         train_images, train_labels, classes = read_cifar(root, train=True, fine=fine)
         val_images, val_labels, _ = read_cifar(root, train=False, fine=fine)
-        train = _subset(train_images, train_labels, data["train_size"])
-        val = _subset(val_images, val_labels, data["val_size"])
+        train = _subset(train_images, train_labels, data.train_size)
+        val = _subset(val_images, val_labels, data.val_size)
         mean, std = CIFAR_MEAN, CIFAR_STD
     elif name == "fake":
-        size = data["image_size"] or 32
+        size = data.image_size or 32
         g = torch.Generator().manual_seed(seed)
-        n_train, n_val = data["train_size"] or 1024, data["val_size"] or 256
+        n_train, n_val = data.train_size or 1024, data.val_size or 256
         train = (torch.randint(0, 256, (n_train, 3, size, size), dtype=torch.uint8, generator=g),
                  torch.randint(0, num_classes, (n_train,), generator=g))
         val = (torch.randint(0, 256, (n_val, 3, size, size), dtype=torch.uint8, generator=g),
                torch.randint(0, num_classes, (n_val,), generator=g))
         mean, std, classes = (0.5,) * 3, (0.29,) * 3, [str(i) for i in range(num_classes)]
     elif name == "imagefolder":
-        size = data["image_size"] or 224
+        size = data.image_size or 224
         train_set = image_folder(root, "train", size, augment, IMAGENET_MEAN, IMAGENET_STD)
         if len(train_set.classes) < 2:
             raise ConfigError(f"data.root: {root}/train has one class folder ({train_set.classes[0]}); a "
@@ -233,7 +241,7 @@ def build_datasets(data: dict, num_classes: int, seed: int = 0) -> Tuple[Dataset
             raise ConfigError(f"data.root: {root}/val has other classes than {root}/train (missing in val: "
                               f"{', '.join(missing) or 'none'}; only in val: {', '.join(extra) or 'none'}); "
                               f"the labels would not match")
-        threads = usable_cores() if data["num_workers"] == "auto" else data["num_workers"]
+        threads = usable_cores() if data.num_workers == "auto" else data.num_workers
         check_images([p for p, _ in train_set.samples + val_set.samples], threads)
         return train_set, val_set, len(train_set.classes)
     else:  # the config schema already refused other names
@@ -267,10 +275,10 @@ def make_loader(dataset: Any, batch_size: int, train: bool, num_workers: int, de
             raise ConfigError(f"data: {len(dataset)} validation samples for {world} processes; a sharded model needs "
                               f"one per process at least")
         if on_device:
-            return DeviceBatches(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
+            return DeviceBatches(dataset, batch_sampler=LockstepBatches(dataset, per_process(batch_size, world)),
                                  device=device)
         workers = -(-num_workers // idist.get_nproc_per_node())
-        return DataLoader(dataset, batch_sampler=LockstepBatches(dataset, max(1, batch_size // world)),
+        return DataLoader(dataset, batch_sampler=LockstepBatches(dataset, per_process(batch_size, world)),
                           num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
     sampler: Any  # one of the samplers module's (each has a len), or None: in order
     if world > 1:
@@ -281,19 +289,19 @@ def make_loader(dataset: Any, batch_size: int, train: bool, num_workers: int, de
     else:
         sampler = EpochShuffleSampler(len(dataset), seed) if train else None
     drop_last = False
-    last = len(sampler) % (batch_size // world) if train else 0
+    last = len(sampler) % per_process(batch_size, world) if train else 0
     if no_single_last and 0 < last < 2 * micro_batches:
         drop_last = True
         held = "1 sample" if last == 1 else f"{last} samples, a micro-batch of 1 in {micro_batches} micro-batches,"
         logger.warning(f"data: the last batch of each epoch would hold {held} which BatchNorm layers cannot train "
                        f"on: it is left out (different samples each epoch: the order is shuffled); change "
                        f"data.batch_size or data.train_size to keep it")
-    if on_device:  # auto_dataloader's batch per process: the global batch over the ranks, when it divides
-        per_rank = batch_size // world if world > 1 and batch_size >= world else batch_size
-        return DeviceBatches(dataset, per_rank, sampler, drop_last=drop_last, device=device, seed=seed)
+    if on_device:
+        return DeviceBatches(dataset, per_process(batch_size, world), sampler, drop_last=drop_last, device=device,
+                             seed=seed)
     return cast(DataLoader, idist.auto_dataloader(  # (another kind of loader on XLA devices only)
         dataset,
-        batch_size=batch_size,
+        batch_size=global_batch(per_process(batch_size, world), world),  # auto_dataloader divides it by world
         sampler=sampler,
         drop_last=drop_last,
         num_workers=num_workers,
@@ -302,42 +310,52 @@ def make_loader(dataset: Any, batch_size: int, train: bool, num_workers: int, de
     ))
 
 
-def data_workers(data: dict, device: torch.device) -> WorkersChoice:
+def data_workers(data: Union[DataConfig, dict], device: torch.device) -> WorkersChoice:
     """``data.num_workers`` for this machine (``auto``: :func:`ignite_amp.data.workers.choose_num_workers`)."""
-    return choose_num_workers(data["num_workers"], device.type, in_memory=data["name"] != "imagefolder",
+    data = section_of(DataConfig, data)
+    return choose_num_workers(data.num_workers, device.type, in_memory=data.name != "imagefolder",
                               cores=usable_cores(), processes=idist.get_nproc_per_node())
 
 
-def data_on_device(data: dict, device: torch.device, datasets: Sequence[Dataset]) -> OnDeviceChoice:
+def data_on_device(data: Union[DataConfig, dict], device: torch.device, datasets: Sequence[Dataset]) -> OnDeviceChoice:
     """``data.on_device`` for these data sets on ``device`` (``auto``:
     :func:`ignite_amp.data.device_batches.choose_on_device`, from their uint8 images' bytes)."""
+    data = section_of(DataConfig, data)
     images = [d.images for d in datasets if isinstance(d, TensorImageDataset)]
     in_memory = len(images) == len(datasets)
     size = sum(i.numel() for i in images) if in_memory else 0
-    return choose_on_device(data.get("on_device", "auto"), device.type, in_memory, size, device_memory(device))
+    return choose_on_device(data.on_device, device.type, in_memory, size, device_memory(device))
 
 
-def build_loaders(data: dict, num_classes: int, device: torch.device, seed: int = 0, batch_norm: bool = False,
-                  lockstep: bool = False, micro_batches: int = 1):
-    """``(train_loader, val_loader, classes)`` for ``cfg["data"]``; ``batch_size`` must be a number here.
+def build_loaders(data: Union[DataConfig, dict], num_classes: int, device: torch.device, seed: int = 0,
+                  batch_norm: bool = False, lockstep: bool = False, micro_batches: int = 1,
+                  batch_size: Optional[int] = None):
+    """``(train_loader, val_loader, classes)`` for ``cfg.data``.
+
+    ``batch_size``: the global batch (default ``data.batch_size``, which must then be a number: a run passes its
+    plan's, which has settled ``auto``).
 
     ``batch_norm``: the model has BatchNorm layers (training batches, or micro-batches of ``micro_batches``
     (``amp.micro_batches``), of one sample are refused or left out).
     ``lockstep``: the model is sharded (validation batches as many on every rank)."""
-    batch = data["batch_size"]
-    per_process = batch // idist.get_world_size()
-    if batch_norm and per_process == 1:
+    data = section_of(DataConfig, data)
+    batch = data.batch_size if batch_size is None else batch_size
+    if batch == "auto":
+        raise ValueError("build_loaders: data.batch_size is auto; pass the batch_size the search found")
+    per_process_batch = per_process(batch, idist.get_world_size())
+    if batch_norm and per_process_batch == 1:
         raise ConfigError("data.batch_size: 1 sample per batch (per process), but the model has BatchNorm layers, "
                           "whose training statistics need at least 2")
-    if batch_norm and per_process < 2 * micro_batches:
-        raise ConfigError(f"amp.micro_batches: {micro_batches} micro-batches of a batch of {per_process} (per process) "
-                          f"hold 1 sample, but the model has BatchNorm layers, whose training statistics need at "
-                          f"least 2: use at most {per_process // 2}, or a larger data.batch_size")
-    data = dict(data, num_workers=data_workers(data, device).workers)
+    if batch_norm and per_process_batch < 2 * micro_batches:
+        raise ConfigError(f"amp.micro_batches: {micro_batches} micro-batches of a batch of {per_process_batch} (per "
+                          f"process) hold 1 sample, but the model has BatchNorm layers, whose training statistics "
+                          f"need at least 2: use at most {per_process_batch // 2}, or a larger data.batch_size")
+    workers = data_workers(data, device).workers
+    data = data.replace(num_workers=workers)
     train_set, val_set, n_classes = build_datasets(data, num_classes, seed)
     on_device = data_on_device(data, device, (train_set, val_set)).on
-    train = make_loader(train_set, batch, True, data["num_workers"], device, seed, no_single_last=batch_norm,
+    train = make_loader(train_set, batch, True, workers, device, seed, no_single_last=batch_norm,
                         micro_batches=micro_batches, on_device=on_device)
-    val = make_loader(val_set, data["eval_batch_size"] or batch, False, data["num_workers"], device, lockstep=lockstep,
+    val = make_loader(val_set, data.eval_batch_size or batch, False, workers, device, lockstep=lockstep,
                       on_device=on_device)
     return train, val, n_classes

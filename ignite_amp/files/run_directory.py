@@ -134,13 +134,14 @@ class RunLock:
             os.close(fd)
 
 
-def check_run_directories(cfg: dict) -> None:
-    """Create and test-write every directory a config's run will write (rank 0)."""
-    layout, handlers = RunLayout(cfg["output_dir"]), cfg["handlers"]
+def check_run_directories(output_dir: str, tensorboard: bool, profiler: bool) -> None:
+    """Create and test-write every directory a run in ``output_dir`` will write (rank 0): the checkpoints', and
+    TensorBoard's and the profiler's when they are on."""
+    layout = RunLayout(output_dir)
     check_writable(layout.checkpoint_dir, "output_dir")
-    if handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]:
+    if tensorboard or profiler:
         check_writable(layout.tensorboard_dir, "output_dir")
-    if handlers["profiler"]["enabled"]:
+    if profiler:
         check_writable(layout.profiler_dir, "output_dir")
 
 

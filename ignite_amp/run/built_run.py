@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional
 
 from ignite.engine import Engine
 
+from ignite_amp.config.tree import Config
 from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
 from ignite_amp.run.console import fitted
@@ -27,7 +28,7 @@ class Run:
     is built until :meth:`close` (which :meth:`train` calls at its end).
     """
 
-    def __init__(self, cfg: dict, trainer: AmpEngine, evaluator: Engine, model, optimizer, scheduler,
+    def __init__(self, cfg: Config, trainer: AmpEngine, evaluator: Engine, model, optimizer, scheduler,
                  train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
         self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -54,11 +55,11 @@ class Run:
 
     @property
     def output_dir(self) -> str:
-        return self.cfg["output_dir"]
+        return self.cfg.output_dir
 
     @property
     def layout(self) -> RunLayout:
-        return RunLayout(self.cfg["output_dir"])
+        return RunLayout(self.cfg.output_dir)
 
     @property
     def tensorboard_dir(self) -> str:
@@ -77,9 +78,9 @@ class Run:
         cfg = self.cfg
         state = self.trainer.state
         try:
-            if self.resumed_from and state.epoch >= cfg["train"]["epochs"]:
-                fewer = (f", more than the {cfg['train']['epochs']} train.epochs asks for"
-                         if state.epoch > cfg["train"]["epochs"] else "")
+            if self.resumed_from and state.epoch >= cfg.train.epochs:
+                fewer = (f", more than the {cfg.train.epochs} train.epochs asks for"
+                         if state.epoch > cfg.train.epochs else "")
                 self.print(f"already trained {state.epoch} epoch{'' if state.epoch == 1 else 's'} "
                            f"(checkpoint {self.resumed_from}{fewer}); nothing to train; to train more: "
                            f"{self._more_epochs_hint(state.epoch)}")
@@ -87,19 +88,19 @@ class Run:
                 step = self.trainer.amp_step
                 if step.float8 is not None:
                     self.print(step.float8.line())
-                where, precision = start_words(step, cfg["amp"]["dtype"] == "auto", brief_why(self.dtype_why))
-                optimizer, batch = cfg["optimizer"]["name"], self.facts.get("batch_size", cfg["data"]["batch_size"])
+                where, precision = start_words(step, cfg.amp.dtype == "auto", brief_why(self.dtype_why))
+                optimizer, batch = cfg.optimizer.name, self.facts.get("batch_size", cfg.data.batch_size)
                 speed = start_speed_words(self.facts, optimizer, step.device.type == "cuda") \
                     if "num_workers" in self.facts else ""
                 # At most two rows of 80 columns: the reasons in full go to train.log and the run facts.
-                self.print(f"training {cfg['name']} on {where} with {precision}, batch {batch}; "
+                self.print(f"training {cfg.name} on {where} with {precision}, batch {batch}; "
                            f"output in {self.output_dir}{'; ' if speed else ''}{speed}")
                 self.files.log.line("why: " + "; ".join(
                     ([f"dtype auto: {self.dtype_why}"] if self.dtype_why else [])
                     + ([speed_words(self.facts, optimizer)] if "num_workers" in self.facts else [])))
                 try:
-                    self.trainer.run(self.train_data, max_epochs=cfg["train"]["epochs"],
-                                     epoch_length=cfg["train"]["epoch_length"])
+                    self.trainer.run(self.train_data, max_epochs=cfg.train.epochs,
+                                     epoch_length=cfg.train.epoch_length)
                 finally:  # also after an exception: stop the profiler, flush TensorBoard, say how it went
                     for close in self.closers:
                         close()
@@ -128,9 +129,9 @@ class Run:
             self.print(f"profiler trace: {trace}: open it in https://ui.perfetto.dev (Open trace file)")
 
     def _more_epochs_hint(self, epoch: int) -> str:
-        schedule = self.cfg["scheduler"]["name"]
+        schedule = self.cfg.scheduler.name
         if schedule == "none":
-            return f"{self.command} --set train.epochs={epoch + self.cfg['train']['epochs']}"
+            return f"{self.command} --set train.epochs={epoch + self.cfg.train.epochs}"
         return (f"its {schedule} schedule ended with epoch {epoch} and cannot be stretched, so start over: "
                 f"{self.command} --set train.epochs=N --set handlers.checkpoint.resume=never (this run is moved "
                 f"aside)")
@@ -141,5 +142,5 @@ class Run:
 
     @property
     def writes_tensorboard(self) -> bool:
-        handlers = self.cfg["handlers"]
+        handlers = self.cfg.handlers
         return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]

@@ -6,15 +6,16 @@ the run directory :mod:`ignite_amp.files.run_directory`'s. What it builds is a
 :class:`~ignite_amp.run.built_run.Run` (re-exported here), which trains itself.
 """
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine
 from ignite.metrics import Accuracy, Loss
 
-from ignite_amp.config.tree import load_config, save_config
-from ignite_amp.core.collectives import is_distributed
+from ignite_amp.config.tree import Config, load_config, save_config
+from ignite_amp.core.collectives import global_batch, is_distributed
+from ignite_amp.core.config_values import Section
 from ignite_amp.core.device import dtype_name
 from ignite_amp.data.datasets import build_loaders
 from ignite_amp.data.passes import training_data
@@ -47,9 +48,9 @@ from ignite_amp.run.console import drop_unfinished_bar, progress_bar, safe_print
 from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.run.epochs import EpochSummary, Validation
 from ignite_amp.run.fast_path import config_channels_last, speed_facts
-from ignite_amp.run.plan import plan_run
+from ignite_amp.run.plan import plan_run, resolve
 from ignite_amp.run.resume import plan_resume, resume_run, resumed_dtype, with_precision
-from ignite_amp.run.search import search_built
+from ignite_amp.run.search import search_built, search_line
 from ignite_amp.step.facts import config_facts
 from ignite_amp.transforms.float8 import convert_to_float8
 from ignite_amp.transforms.sharding import check_shardable, shard_model
@@ -78,7 +79,7 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
     main = idist.get_rank() == 0
     if not main:
         print_fn, progress = silent, False
-    files = RunFiles(cfg["output_dir"], main)
+    files = RunFiles(cfg.output_dir, main)
     # Warnings raised while building (torch's, say, about a zero-width layer) are held: shown if the
     # run builds, kept in train.log only if it fails, so a user error stays one line.
     with warnings.catch_warnings(record=True) as held:
@@ -95,38 +96,45 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
     return run
 
 
-def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progress: bool, print_fn: Callable,
+def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progress: bool, print_fn: Callable,
            command: str) -> Run:
     """The composition root: each component built from its config section, then attached in order."""
     def say(line: str) -> None:
         print_fn(line)
         files.log.line(line)
 
-    searched = cfg["data"]["batch_size"] == "auto"  # for the run facts (a resume replaces "auto")
+    plan = resolve(cfg, idist.get_world_size(), device)
     resuming = plan_resume(cfg, main, say)
+    if resuming.batch_size is not None:  # data.batch_size: auto resumed: the resumed run's, no new search
+        plan = plan.with_batch_size(resuming.batch_size)
     files.open_log()
     if main:
-        check_run_directories(cfg)
-    seed_everything(cfg["seed"])
-    model = build_model(**cfg["model"])
+        check_run_directories(cfg.output_dir, cfg.handlers.tensorboard.enabled, cfg.handlers.profiler.enabled)
+    seed_everything(cfg.seed)
+    model = build_model(**cfg.model.to_dict())
     checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
-    optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=_sharded(cfg))  # fused on CUDA (run.fused)
-    planned = plan_run(cfg, model, optimizer, device, say)  # activation_checkpointing auto; the planned peak (GPU)
-    batch_search = _search_batch_size(cfg, model, optimizer, device, say) if cfg["data"]["batch_size"] == "auto" \
-        else None
+    optimizer = build_optimizer(cfg.optimizer, model, device, sharded=_sharded(cfg))  # fused on CUDA (run.fused)
+    planned = plan_run(plan, model, optimizer, say)  # activation_checkpointing auto; the planned peak (GPU)
+    batch_search = None
+    if plan.batch_size is None:  # data.batch_size: auto: the search settles it
+        batch_search = search_built(cfg, model, optimizer, device)
+        plan = plan.with_batch_size(global_batch(batch_search.batch_size, plan.world))
+        say(search_line(batch_search, plan.world))
+    cfg = plan.config  # (with the batch size the search or the resumed run settled: config.yaml records it)
     batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    train_loader, val_loader, n_classes = build_loaders(cfg["data"], cfg["model"]["num_classes"], device,
-                                                        cfg["seed"], batch_norm=batch_norm, lockstep=_sharded(cfg),
-                                                        micro_batches=cfg["amp"]["micro_batches"])
+    train_loader, val_loader, n_classes = build_loaders(cfg.data, cfg.model.num_classes, device,
+                                                        cfg.seed, batch_norm=batch_norm, lockstep=plan.sharded,
+                                                        micro_batches=cfg.amp.micro_batches,
+                                                        batch_size=plan.batch_size)
     # On CUDA the next batch is copied to the device on a side stream while the current one computes.
     train_loader, val_loader = device_loader(train_loader, device), device_loader(val_loader, device)
     check_classes(cfg, n_classes)
     trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files,
                                                         resumed_dtype(resuming.state))
     resuming = with_precision(resuming, cfg, dtype_name(trainer.amp_step.dtype))
-    epoch_length = cfg["train"]["epoch_length"] or len(train_loader)
+    epoch_length = cfg.train.epoch_length or len(train_loader)
     scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
-    train_data = training_data(trainer, train_loader, cfg["train"]["epoch_length"])  # each pass's order: its number
+    train_data = training_data(trainer, train_loader, cfg.train.epoch_length)  # each pass's order: its number
 
     to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
     if scheduler is not None:
@@ -134,7 +142,7 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
     run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
               files)
     run.command, run.batch_search, run.train_data, run.dtype_why = command, batch_search, train_data, dtype_why
-    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=searched), **planned,
+    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=plan.batch_searched), **planned,
                  **({"dtype_auto": dtype_why} if dtype_why else {})}
     run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
     run.facts.update(speed_facts(cfg, model, optimizer, device, train_loader))  # what the auto values chose, and why
@@ -144,121 +152,110 @@ def _build(cfg: dict, device: torch.device, main: bool, files: RunFiles, progres
         bar = progress_bar(persist=True, desc="Epoch")  # "Epoch" for one epoch too, not Ignite's "Iteration"
         bar.attach(trainer)
         run.closers.append(lambda: drop_unfinished_bar(bar))  # stopped mid-epoch: its line cleared
-    _attach_handlers(run)
+    checkpoint = _attach_handlers(run)
     if resuming.path is not None:
-        run.print(resume_run(resuming, run.checkpoint, trainer, optimizer, cfg["amp"]["micro_batches"],
+        run.print(resume_run(resuming, checkpoint, trainer, optimizer, cfg.amp.micro_batches,
                              epoch_length, scheduled=scheduler is not None))
-        assert run.checkpoint is not None  # (a resume plan has a checkpoint handler)
-        run.resumed_from = run.checkpoint.resumed_path  # an unreadable choice fell back to an older one
+        run.resumed_from = checkpoint.resumed_path  # an unreadable choice fell back to an older one
     if main:
-        layout = RunLayout(cfg["output_dir"])
+        layout = RunLayout(cfg.output_dir)
         save_config(cfg, layout.config_path)
         warn_if_disk_is_short(layout.checkpoint_dir, sum(t.numel() * t.element_size()
                                                          for t in model.state_dict().values()),
-                              cfg["handlers"]["checkpoint"]["n_saved"])
+                              cfg.handlers.checkpoint.n_saved)
     return run
 
 
-def _search_batch_size(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                       say: Callable):
-    """``data.batch_size: auto``: the search's result becomes the config's (global) batch size."""
-    found = search_built(cfg, model, optimizer, device)
-    world = idist.get_world_size()
-    cfg["data"]["batch_size"] = found.batch_size * world
-    per_rank = f" per process x {world} processes" if world > 1 else ""
-    say(f"batch-size search: largest fit {found.largest_fit}, using {found.batch_size}{per_rank} "
-        f"({len(found.trials)} trials; {found.reason})")
-    return found
-
-
-def _engines(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+def _engines(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
              files: RunFiles, resumed: Optional[str] = None):
     """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
     optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked).
     ``resumed``: the dtype the resumed checkpoint trained in (``dtype: auto`` on a CPU keeps it)."""
-    amp = dict(cfg["amp"])
-    amp["channels_last"] = config_channels_last(cfg, model, device).on  # auto: on CUDA for a convolutional model
+    amp = cfg.amp
+    step_args: Dict[str, Any] = {  # what the trainer and the evaluator both take, each "auto" settled
+        "dtype": None, "float8_recipe": amp.float8_recipe, "fp32_modules": amp.fp32_modules, "compile": amp.compile,
+        "channels_last": config_channels_last(cfg, model, device).on,  # auto: on CUDA for a convolutional model
+    }
     # auto on a CPU: the checkpoint's, else this machine's kept choice for the model, else a timed probe's (dtype_probe)
-    amp["dtype"], dtype_why = config_dtype(cfg, model, device, resumed)
-    accumulation_steps, micro_batches = amp.pop("accumulation_steps"), amp.pop("micro_batches")
-    cudnn_benchmark, _ = amp.pop("cudnn_benchmark"), amp.pop("activation_checkpointing")  # done in _build
-    check_split = amp.pop("check_split")  # the trainer's only
+    step_args["dtype"], dtype_why = config_dtype(cfg, model, device, resumed)
     loss_fn = torch.nn.functional.cross_entropy
     trained = model
     if _sharded(cfg) and not is_distributed():  # one process: the same checks of the blocks as on N
         _shard(cfg, model, device, check_only=True)
     if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format
-        layout = torch.channels_last if amp["channels_last"] else torch.preserve_format
+        layout = torch.channels_last if step_args["channels_last"] else torch.preserve_format
         model.to(device, memory_format=layout)  # type: ignore[call-overload]  # (torch's stubs lack this form)
         if _sharded(cfg):
             trained = model = _shard(cfg, model, device)
-            optimizer = build_optimizer(cfg["optimizer"], model, device, sharded=True)  # over the shards
+            optimizer = build_optimizer(cfg.optimizer, model, device, sharded=True)  # over the shards
         else:
             trained = idist.auto_model(model)
             optimizer = idist.auto_optim(optimizer)
     try:
-        trainer = create_amp_trainer(trained, optimizer, loss_fn, device=device, accumulation_steps=accumulation_steps,
-                                     micro_batches=micro_batches, check_split=check_split, **amp)
+        trainer = create_amp_trainer(trained, optimizer, loss_fn, device=device,
+                                     accumulation_steps=amp.accumulation_steps, micro_batches=amp.micro_batches,
+                                     check_split=amp.check_split, **step_args)
         # Metrics keep their sums on the run's device: no host sync per evaluation batch.
         metrics = {"accuracy": Accuracy(device=device), "loss": Loss(loss_fn, device=device)}
-        evaluator = create_amp_evaluator(model, metrics, device=device, **amp)
+        evaluator = create_amp_evaluator(model, metrics, device=device, **step_args)
     except ValueError as exc:
         raise ConfigError(f"amp: {exc}") from None
     check_model_runs(cfg, trainer.amp_step)
-    if device.type == "cuda" and cudnn_benchmark:
+    if device.type == "cuda" and amp.cudnn_benchmark:
         previous = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
         files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
     return trainer, evaluator, optimizer, dtype_why
 
 
-def _sharded(cfg: dict) -> bool:
-    return cfg["distributed"]["strategy"] == "fsdp"
+def _sharded(cfg: Config) -> bool:
+    return cfg.distributed.strategy == "fsdp"
 
 
-def _shard(cfg: dict, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
+def _shard(cfg: Config, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
     """``distributed.strategy: fsdp``: the model sharded over the processes
     (:func:`ignite_amp.transforms.sharding.shard_model`)."""
-    dist, amp = cfg["distributed"], cfg["amp"]
+    dist, amp = cfg.distributed, cfg.amp
     try:
         if check_only:
-            check_shardable(model, dist["blocks"] or None, amp["fp32_modules"])
+            check_shardable(model, dist.blocks or None, amp.fp32_modules)
             return model
-        if amp["dtype"] == "float8":  # the first transform; FSDP2 then all-gathers the float8 weights in float8
-            convert_to_float8(model, amp["float8_recipe"], device, amp["fp32_modules"], fsdp_all_gather=True)
-        return shard_model(model, "bfloat16" if amp["dtype"] == "float8" else amp["dtype"], dist["blocks"] or None,
-                           dist["reshard_after_forward"], amp["fp32_modules"], device)
+        if amp.dtype == "float8":  # the first transform; FSDP2 then all-gathers the float8 weights in float8
+            convert_to_float8(model, amp.float8_recipe, device, amp.fp32_modules, fsdp_all_gather=True)
+        return shard_model(model, "bfloat16" if amp.dtype == "float8" else amp.dtype, dist.blocks or None,
+                           dist.reshard_after_forward, amp.fp32_modules, device)
     except ValueError as exc:
         raise ConfigError(f"{'distributed' if str(exc).startswith('blocks') else 'amp'}.{exc}") from None
 
 
-def _schedule(cfg: dict, trainer: Engine, optimizer: torch.optim.Optimizer, epoch_length: int):
+def _schedule(cfg: Config, trainer: Engine, optimizer: torch.optim.Optimizer, epoch_length: int):
     """The learning-rate schedule, stepped per optimizer step taken (a step the scaler skipped does not count)."""
     # An accumulation cycle ends at the epoch's end: ceil(epoch_length / accumulation) steps per epoch.
-    total_steps = cfg["train"]["epochs"] * -(-epoch_length // cfg["amp"]["accumulation_steps"])
-    scheduler = build_scheduler(cfg["scheduler"], optimizer, cfg["optimizer"]["lr"], total_steps)
+    total_steps = cfg.train.epochs * -(-epoch_length // cfg.amp.accumulation_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.optimizer.lr, total_steps)
     if scheduler is not None:
         StepSchedule(scheduler).attach(trainer)
     return scheduler
 
 
-def _switched_on(section: dict) -> Optional[dict]:
+def _switched_on(section: Section) -> Optional[dict]:
     """A handler section's arguments, or None when ``enabled`` is false."""
-    options = dict(section)
+    options = section.to_dict()
     return options if options.pop("enabled", True) else None
 
 
-def _attach_handlers(run: Run) -> None:
-    """Each ``handlers:`` section builds its handler from its own keys, attached in this order."""
-    cfg, trainer, evaluator = run.cfg["handlers"], run.trainer, run.evaluator
-    guard = _switched_on(cfg["non_finite"])
+def _attach_handlers(run: Run) -> BestCheckpoint:
+    """Each ``handlers:`` section builds its handler from its own keys, attached in this order; returns the
+    checkpoint handler (last: it saves what the others changed)."""
+    cfg, trainer, evaluator = run.cfg.handlers, run.trainer, run.evaluator
+    guard = _switched_on(cfg.non_finite)
     if guard is not None:  # first: its epoch-end check runs before evaluation and saving
         NonFiniteGuard(**guard).attach(trainer)
     summary = EpochSummary(evaluator, run.history, run.print)
     summary.attach(trainer)  # at each epoch's end: the training figures (one host sync),
     Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
     summary.attach_report(trainer)  # then the epoch's line
-    backoff = _switched_on(cfg["oom_backoff"])
+    backoff = _switched_on(cfg.oom_backoff)
     if backoff is not None and _sharded(run.cfg):  # also on one process: its checkpoints resume on N
         run.print("handlers.oom_backoff: off under distributed.strategy fsdp (an out-of-memory error inside a sharded "
                   "forward leaves the other processes in a collective, so it cannot be retried safely)")
@@ -267,12 +264,12 @@ def _attach_handlers(run: Run) -> None:
         train_backoff = OOMBackoff(**backoff)
         train_backoff.attach(trainer)
         run.to_save["oom_backoff"] = train_backoff
-        OOMBackoff(backoff["min_batch_size"]).attach(evaluator)
+        OOMBackoff(cfg.oom_backoff.min_batch_size).attach(evaluator)
     clipping = None
-    if cfg["clipping"]["max_norm"] is not None or cfg["clipping"]["clip_value"] is not None:
-        clipping = GradientClipping(**cfg["clipping"])
+    if cfg.clipping.max_norm is not None or cfg.clipping.clip_value is not None:
+        clipping = GradientClipping(**cfg.clipping.to_dict())
         clipping.attach(trainer)
-    tensorboard = _switched_on(cfg["tensorboard"])
+    tensorboard = _switched_on(cfg.tensorboard)
     if tensorboard is not None:
         texts = {"run/batch_size_search": run.batch_search.table} if run.batch_search is not None else None
         tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts, from_config=True,
@@ -280,19 +277,20 @@ def _attach_handlers(run: Run) -> None:
         tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
         run.closers.append(tb.close)
         run.health = tb.health
-    profiler = _switched_on(cfg["profiler"])
+    profiler = _switched_on(cfg.profiler)
     if profiler is not None:
         capture = ProfilerCapture(run.profiler_dir, **profiler, from_config=True)
         capture.attach(trainer)
         run.closers.append(capture.stop)
         run.traces = capture.files
-    checkpoint = {k: v for k, v in cfg["checkpoint"].items() if k != "resume"}  # resume: ignite_amp.run.resume's
-    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg, sharded=_sharded(run.cfg),
-                                    **checkpoint)
+    checkpoint = {k: v for k, v in cfg.checkpoint.to_dict().items() if k != "resume"}  # resume: ignite_amp.run.resume's
+    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg.to_dict(),
+                                    sharded=_sharded(run.cfg), **checkpoint)
     run.checkpoint.attach(trainer, evaluator)
+    return run.checkpoint
 
 
-def _train(cfg: dict, progress: bool, print_fn: Callable, command: str) -> dict:
+def _train(cfg: Config, progress: bool, print_fn: Callable, command: str) -> dict:
     return build_run(cfg, progress=progress, print_fn=print_fn, command=command).train()
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ignite_amp.config.tree import Config
 from ignite_amp.core.device import cpu_has_amx, cpu_has_native_bf16, cpu_model, dtype_name
 from ignite_amp.errors import ConfigError
 from ignite_amp.files.dtype_choice import choices_path, keep_choice, kept_choice, shown_path
@@ -130,32 +131,32 @@ def probe_cpu_dtype(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor], 
     return DtypeProbe(chosen, ratio, clock() - start, pairs, inconclusive)
 
 
-def _per_forward(cfg: dict) -> int:
-    size = cfg["data"]["batch_size"]
-    return max(1, (size if isinstance(size, int) else 1) // cfg["amp"]["micro_batches"])
+def _per_forward(cfg: Config) -> int:
+    size = cfg.data.batch_size
+    return max(1, (size if isinstance(size, int) else 1) // cfg.amp.micro_batches)
 
 
-def _batch(cfg: dict, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+def _batch(cfg: Config, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Seeded synthetic images and labels of the config's per-process, per-micro-batch size and shape."""
     per_forward = _per_forward(cfg)
-    generator = torch.Generator().manual_seed(cfg["seed"])
-    x = torch.randn((per_forward, *input_shape(cfg["data"])), generator=generator).to(device)
-    y = torch.randint(0, cfg["model"]["num_classes"], (per_forward,), generator=generator).to(device)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn((per_forward, *input_shape(cfg.data)), generator=generator).to(device)
+    y = torch.randint(0, cfg.model.num_classes, (per_forward,), generator=generator).to(device)
     return x, y
 
 
-def choice_key(cfg: dict) -> Tuple[str, str]:
+def choice_key(cfg: Config) -> Tuple[str, str]:
     """``(key, words)`` of a config's model on this machine, under which its probed choice is kept: the CPU's model,
     its cores and torch's threads, the torch version, the model and its image shape (not the batch size: a plan of
     other sizes and a searched batch size read the same choice). A change to any of these probes again."""
-    x_shape = input_shape(cfg["data"])
+    x_shape = input_shape(cfg.data)
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    model = json.dumps(cfg["model"], sort_keys=True, default=str)
+    model = json.dumps(cfg.model, sort_keys=True, default=str)
     words = f"{machine}; model {model}; input {'x'.join(map(str, x_shape))}"
     return hashlib.sha256(words.encode()).hexdigest()[:16], words
 
 
-def config_dtype(cfg: dict, model: Union[None, nn.Module, Callable[[], nn.Module]], device: torch.device,
+def config_dtype(cfg: Config, model: Union[None, nn.Module, Callable[[], nn.Module]], device: torch.device,
                  resumed: Optional[str] = None) -> Tuple[str, str]:
     """``(the dtype for the engines, why)`` of a config run: ``amp.dtype`` as it is, with ``""`` for why, unless
     it is ``auto`` on a CPU; then the dtype chosen, and why in words.
@@ -170,7 +171,7 @@ def config_dtype(cfg: dict, model: Union[None, nn.Module, Callable[[], nn.Module
     does not change precision. ``model`` None (``ignite-amp plan``: fake tensors only, no real step): no probe; where
     one would run and no choice is kept, float32, saying that train's probe decides.
     """
-    asked = cfg["amp"]["dtype"]
+    asked = cfg.amp.dtype
     if asked != "auto" or device.type != "cpu":
         return asked, ""
     if resumed in ("float32", "bfloat16"):

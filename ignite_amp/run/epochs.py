@@ -1,5 +1,4 @@
 """What a run does at each epoch's end, as two explicit handlers: the validation, and the epoch's line."""
-import dataclasses
 import time
 from typing import Any, Callable, Iterable, List, Optional, cast
 
@@ -7,19 +6,10 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_amp.core.config_keys import FIXED_UNDER_SCHEDULE, Integer, setting
+from ignite_amp.config.run_keys import TrainConfig  # noqa: F401  (its old home)
 from ignite_amp.engine import trainer_step_of
 
 __all__ = ["TrainConfig", "Validation", "EpochSummary"]
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """train: how long the run trains."""
-
-    epochs: int = setting(5, Integer(1), "epochs to train (a resume trains up to this many)", FIXED_UNDER_SCHEDULE)
-    epoch_length: int = setting(None, Integer(1, nullable=True), "iterations per epoch; null for the whole loader",
-                                FIXED_UNDER_SCHEDULE)
 
 
 class Validation:

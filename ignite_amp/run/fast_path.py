@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, Optional
 
 import torch
 
+from ignite_amp.config.tree import Config
 from ignite_amp.data.datasets import data_workers
 from ignite_amp.data.device_batches import DeviceBatches
 from ignite_amp.data.prefetch import DevicePrefetcher
@@ -18,24 +19,24 @@ from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_chann
 __all__ = ["config_channels_last", "speed_facts", "speed_words", "start_speed_words"]
 
 
-def config_channels_last(cfg: dict, model: torch.nn.Module, device: torch.device) -> ChannelsLastChoice:
+def config_channels_last(cfg: Config, model: torch.nn.Module, device: torch.device) -> ChannelsLastChoice:
     """``amp.channels_last`` for the config's model on ``device``; ``auto`` is off under FSDP2 (which shards
     contiguous parameters only; an explicit true is refused there by the config's check)."""
-    requested = cfg["amp"]["channels_last"]
-    if requested == "auto" and cfg["distributed"]["strategy"] == "fsdp":
+    requested = cfg.amp.channels_last
+    if requested == "auto" and cfg.distributed.strategy == "fsdp":
         return ChannelsLastChoice(False, "auto: off under distributed.strategy fsdp (contiguous shards only)")
     return choose_channels_last(requested, model, device)
 
 
-def speed_facts(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def speed_facts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 device: torch.device, loader: Optional[Iterable] = None) -> Dict[str, Any]:
     """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it).
     ``loader``: the run's training loader; batches cut on the device (``data.on_device``) take no workers,
     ``prefetch``: it copies the next batch to the device on a side stream."""
     layout = config_channels_last(cfg, model, device)
-    opt = cfg["optimizer"]
-    fused = fused_choice(opt["name"], opt["kwargs"], device, sharded=cfg["distributed"]["strategy"] == "fsdp")
-    workers = data_workers(cfg["data"], device)
+    opt = cfg.optimizer
+    fused = fused_choice(opt["name"], opt["kwargs"], device, sharded=cfg.distributed.strategy == "fsdp")
+    workers = data_workers(cfg.data, device)
     on_device = isinstance(loader, DeviceBatches)
     if on_device:
         workers = workers._replace(workers=0, why=f"data on the {'GPU' if device.type == 'cuda' else device.type}")

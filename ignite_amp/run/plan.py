@@ -1,10 +1,19 @@
-"""The memory plan of a config's run (``ignite-amp plan``): its model, optimizer, step settings and input shape.
+"""One plan for a run (:class:`RunPlan`), and its memory plan (``ignite-amp plan``).
+
+:func:`resolve` turns ``(config, world, device)`` into a :class:`RunPlan` that settles what the config alone
+leaves open: the device, the number of processes, the global batch and each process's share of it (one rule:
+:func:`ignite_amp.core.collectives.per_process`), the evaluation batch. ``data.batch_size: auto`` is settled
+later by the batch-size search, and a resume of an ``auto`` run by its checkpoint: each makes a new plan
+(:meth:`RunPlan.with_batch_size`), nothing edits the config. The run (:mod:`ignite_amp.run.compose`), the memory
+plan (``ignite-amp plan``), the search and the run's facts read their batches here.
+
+The memory plan of a config's run traces its model, optimizer, step settings and input shape.
 
 The model and optimizer are built under fake tensors (nothing allocated: a model too large for this machine
 plans too); a model whose construction reads values falls back to a real build.
 """
 import contextlib
-import copy
+import dataclasses
 import logging
 import types
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -12,6 +21,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import ignite.distributed as idist
 import torch
 
+from ignite_amp.config.tree import Config
+from ignite_amp.core.collectives import per_process
 from ignite_amp.data.datasets import train_samples
 from ignite_amp.errors import ConfigError
 from ignite_amp.memory_plan.auto_checkpoint import CheckpointChoice, checkpoint_to_fit
@@ -29,28 +40,75 @@ from ignite_amp.run.builders import (
 )
 from ignite_amp.run.dtype_probe import config_dtype
 
-__all__ = ["plan_config", "plan_dtype", "config_batch_sizes", "checkpoint_config_to_fit", "plan_run",
-           "config_checkpoint_options", "checkpoint_options_lines"]
+__all__ = ["RunPlan", "resolve", "plan_config", "plan_dtype", "config_batch_sizes", "checkpoint_config_to_fit",
+           "plan_run", "config_checkpoint_options", "checkpoint_options_lines"]
 
 logger = logging.getLogger("ignite_amp")
 
 
-def _make_batch(cfg: dict) -> Callable:
-    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A config's run on ``world`` processes on ``device`` (this process's)."""
+
+    config: Config
+    device: torch.device
+    world: int
+    batch_size: Optional[int]  #: the global batch; None while ``data.batch_size: auto`` waits for the search
+    batch_searched: bool = False  #: the search chose ``batch_size`` (now, or in the run a resume continues)
+
+    @property
+    def per_process_batch(self) -> Optional[int]:
+        """Each process's share of the global batch (None while the search has not run)."""
+        return None if self.batch_size is None else per_process(self.batch_size, self.world)
+
+    @property
+    def eval_batch_size(self) -> Optional[int]:
+        """The global evaluation batch: ``data.eval_batch_size``, else the training batch."""
+        return self.config.data.eval_batch_size or self.batch_size
+
+    @property
+    def per_process_eval_batch(self) -> Optional[int]:
+        batch = self.eval_batch_size
+        return None if batch is None else per_process(batch, self.world)
+
+    @property
+    def sharded(self) -> bool:
+        """``distributed.strategy: fsdp``."""
+        return self.config.distributed.strategy == "fsdp"
+
+    def with_batch_size(self, batch_size: int, searched: bool = True) -> "RunPlan":
+        """The plan with ``data.batch_size: auto`` settled: ``batch_size`` global (the search's, or a resumed run's),
+        also in its config (what ``config.yaml`` and the checkpoints record, so a resume trains on at that size)."""
+        config = self.config.replace(data=self.config.data.replace(batch_size=batch_size))
+        return dataclasses.replace(self, config=config, batch_size=batch_size, batch_searched=searched)
+
+
+def resolve(config: Config, world: int, device: torch.device) -> RunPlan:
+    """The plan of ``config``'s run on ``world`` processes with this process on ``device``."""
+    size = config.data.batch_size
+    return RunPlan(config, device, world, None if size == "auto" else size)
+
+
+def _make_batch(cfg: Config) -> Callable:
+    shape, classes = input_shape(cfg.data), cfg.model.num_classes
     return lambda n: (torch.randn(n, *shape), torch.randint(0, classes, (n,)))
 
 
-def _step_kwargs(cfg: dict) -> dict:
-    return {k: v for k, v in cfg["amp"].items() if k not in ("cudnn_benchmark", "compile", "activation_checkpointing")}
+def _step_kwargs(cfg: Config) -> dict:
+    """The step settings a plan traces (``compile`` planned off; checkpointing is done to the model itself)."""
+    amp = cfg.amp
+    return {"dtype": amp.dtype, "float8_recipe": amp.float8_recipe, "accumulation_steps": amp.accumulation_steps,
+            "micro_batches": amp.micro_batches, "fp32_modules": amp.fp32_modules, "channels_last": amp.channels_last,
+            "check_split": amp.check_split}
 
 
-def _no_fsdp(cfg: dict, what: str) -> None:
-    if cfg["distributed"]["strategy"] == "fsdp":
+def _no_fsdp(cfg: Config, what: str) -> None:
+    if cfg.distributed.strategy == "fsdp":
         raise ConfigError(f"{what}: not with distributed.strategy fsdp yet (a sharded step's memory is each rank's "
                           f"shard); plan the same config with distributed.strategy ddp for one process's peak")
 
 
-def checkpoint_config_to_fit(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def checkpoint_config_to_fit(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              device: torch.device, memory: Union[None, int, str] = None,
                              batch_size: Optional[int] = None) -> CheckpointChoice:
     """``amp.activation_checkpointing: auto``: the fewest blocks (``distributed.blocks``, or the repeated ones)
@@ -58,24 +116,24 @@ def checkpoint_config_to_fit(cfg: dict, model: torch.nn.Module, optimizer: torch
     checkpointed in place (:func:`~ignite_amp.memory_plan.auto_checkpoint.checkpoint_to_fit`)."""
     _no_fsdp(cfg, "amp.activation_checkpointing: auto")
     if batch_size is None:
-        if cfg["data"]["batch_size"] == "auto":
+        if cfg.data.batch_size == "auto":
             raise ConfigError("amp.activation_checkpointing: auto fits the blocks to data.batch_size, which is auto "
                               "too; give one of them a value")
-        batch_size = max(1, cfg["data"]["batch_size"] // idist.get_world_size())
+        batch_size = per_process(cfg.data.batch_size, idist.get_world_size())
     try:
         return checkpoint_to_fit(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), batch_size,
-                                 memory=memory, device=device, blocks=cfg["distributed"]["blocks"] or None,
+                                 memory=memory, device=device, blocks=cfg.distributed.blocks or None,
                                  **_step_kwargs(cfg))
     except ValueError as exc:
         raise ConfigError(f"amp.activation_checkpointing: {exc}") from None
 
 
-def config_batch_sizes(cfg: dict) -> list:
+def config_batch_sizes(cfg: Config) -> list:
     """The sizes a plan traces by default: the config's batch size per process (``distributed.nproc_per_node``
     share the global batch), or 8, 32 and 128 for ``auto``."""
-    size = cfg["data"]["batch_size"]
-    world = max(cfg["distributed"]["nproc_per_node"] or 1, idist.get_world_size())
-    return [8, 32, 128] if size == "auto" else [max(1, size // world)]
+    size = cfg.data.batch_size
+    world = max(cfg.distributed.nproc_per_node or 1, idist.get_world_size())
+    return [8, 32, 128] if size == "auto" else [per_process(size, world)]
 
 
 def _fake_limits() -> tuple:
@@ -88,18 +146,18 @@ def _fake_limits() -> tuple:
             GuardOnDataDependentSymNode)
 
 
-def _model_and_optimizer(cfg: dict, device: torch.device) -> tuple:
+def _model_and_optimizer(cfg: Config, device: torch.device) -> tuple:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for context in (FakeTensorMode, contextlib.nullcontext):
-        seed_everything(cfg["seed"])
+        seed_everything(cfg.seed)
         try:
             with context():
-                model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+                model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.kwargs)
                 checkpoint_activations(cfg, model, device)  # as the run will (its blocks keep only their inputs)
                 # the run's optimizer, fused on CUDA as train builds it (its step's temporaries differ)
-                sharded = cfg["distributed"]["strategy"] == "fsdp"
-                return model, build_optimizer(cfg["optimizer"], model, device, sharded=sharded)
+                sharded = cfg.distributed.strategy == "fsdp"
+                return model, build_optimizer(cfg.optimizer, model, device, sharded=sharded)
         except Exception as exc:
             # a constructor that reads values (data-dependent under fake tensors): build it for real
             reads = isinstance(exc.__cause__ if isinstance(exc, ConfigError) else exc, _fake_limits())
@@ -108,7 +166,7 @@ def _model_and_optimizer(cfg: dict, device: torch.device) -> tuple:
     raise RuntimeError("unreachable")
 
 
-def _check_model_runs(cfg: dict, model: torch.nn.Module, device: torch.device) -> None:
+def _check_model_runs(cfg: Config, model: torch.nn.Module, device: torch.device) -> None:
     """The run's first check (:func:`~ignite_amp.run.builders.check_model_runs`: a forward on two images of
     the config's shape), on the fake model: an image size the model cannot take is the run's one line, not a
     plan of a step that cannot run. What fake tensors cannot run is left to the trace."""
@@ -124,16 +182,16 @@ def _check_model_runs(cfg: dict, model: torch.nn.Module, device: torch.device) -
         pass
 
 
-def plan_dtype(cfg: dict) -> Tuple[dict, str]:
+def plan_dtype(cfg: Config) -> Tuple[Config, str]:
     """The config with ``amp.dtype: auto`` decided as ``train`` decides it on a CPU, without a probe (a plan builds
     nothing for real and runs no step): this machine's kept choice for the model, the rule where no probe runs, else
     float32, saying that train's probe decides (:func:`~ignite_amp.run.dtype_probe.config_dtype`); and why.
     ``(cfg, "")`` where there is nothing to decide (a named dtype, a GPU: the engines' rule)."""
     dtype, why = config_dtype(cfg, None, config_device(cfg))
-    return ({**cfg, "amp": {**cfg["amp"], "dtype": dtype}}, why) if why else (cfg, "")
+    return (cfg.replace(amp=cfg.amp.replace(dtype=dtype)), why) if why else (cfg, "")
 
 
-def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: Union[None, int, str] = None,
+def plan_config(cfg: Config, batch_sizes: Optional[Sequence[int]] = None, memory: Union[None, int, str] = None,
                 margin: float = DEFAULT_MARGIN, progress: Optional[Callable] = None) -> MemoryPlan:
     """:func:`~ignite_amp.memory_plan.plan.estimate_memory` for a loaded config: its model, optimizer, ``amp:``
     settings (``compile`` planned off; ``dtype: auto`` on a CPU as :func:`plan_dtype` decides it) and image shape;
@@ -146,7 +204,7 @@ def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: 
     _check_model_runs(cfg, model, device)
     sizes = batch_sizes or config_batch_sizes(cfg)
     choice = None
-    if cfg["amp"]["activation_checkpointing"] == "auto":  # the blocks the run would checkpoint, at the largest size
+    if cfg.amp.activation_checkpointing == "auto":  # the blocks the run would checkpoint, at the largest size
         choice = checkpoint_config_to_fit(cfg, model, optimizer, device, memory, max(sizes))
     try:
         plan = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), sizes,
@@ -154,43 +212,42 @@ def plan_config(cfg: dict, batch_sizes: Optional[Sequence[int]] = None, memory: 
     except ValueError as exc:
         raise ConfigError(f"plan: {exc}") from None
     plan.auto_checkpointing = choice.line() if choice is not None else None
-    samples = train_samples(cfg["data"])
-    plan.data_samples = samples // (cfg["distributed"]["nproc_per_node"] or 1) if samples else None
+    samples = train_samples(cfg.data)
+    plan.data_samples = samples // (cfg.distributed.nproc_per_node or 1) if samples else None
     return plan
 
 
-def plan_run(cfg: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+def plan_run(plan: RunPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              say: Callable[[str], None]) -> dict:
     """What a run being built takes from the plan: ``activation_checkpointing: auto``'s blocks (said in a line),
     and on a GPU the planned peak at ``data.batch_size`` per process, as the run fact ``planned_peak_mb`` (the
     health summary sets the measured peak beside it). Returns the facts."""
-    if cfg["amp"]["activation_checkpointing"] == "auto":  # the first transform: before the search and sharding
-        say(checkpoint_config_to_fit(cfg, model, optimizer, device).line())
-    size = cfg["data"]["batch_size"]
-    if device.type != "cuda" or size == "auto" or cfg["distributed"]["strategy"] == "fsdp":
+    cfg, device, size = plan.config, plan.device, plan.per_process_batch
+    if cfg.amp.activation_checkpointing == "auto":  # the first transform: before the search and sharding
+        say(checkpoint_config_to_fit(cfg, model, optimizer, device, batch_size=size).line())
+    if device.type != "cuda" or size is None or plan.sharded:
         return {}
     try:
-        plan = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg),
-                               [max(1, size // idist.get_world_size())], device=device, fit=False, **_step_kwargs(cfg))
+        memory = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), [size],
+                                 device=device, fit=False, **_step_kwargs(cfg))
     except Exception as exc:  # a fact for the summary, not a reason to stop the run
         logger.info("memory plan: %s: %s", type(exc).__name__, exc)
         return {}
-    return {"planned_peak_mb": round(plan.peaks[0].peak / 2 ** 20, 1)} if plan.peaks else {}
+    return {"planned_peak_mb": round(memory.peaks[0].peak / 2 ** 20, 1)} if memory.peaks else {}
 
 
 # -- the table of activation checkpointing choices (``ignite-amp plan --checkpointing``): none, selective and full on
 # a quarter of the blocks up to all, at the config's batch size, each with its planned peak and recompute
 # (:mod:`ignite_amp.memory_plan.choices`); the model built as plan_config builds it, without checkpointing.
-def config_checkpoint_options(cfg: dict, batch_size: int) -> List[CheckpointOption]:
+def config_checkpoint_options(cfg: Config, batch_size: int) -> List[CheckpointOption]:
     """The choices for ``cfg``'s run at ``batch_size`` per process (``distributed.blocks``, or the repeated blocks);
     empty when the model has no blocks or its step cannot be traced fake."""
-    plain = copy.deepcopy(cfg)
-    plain["amp"]["activation_checkpointing"] = False
+    plain = cfg.replace(amp=cfg.amp.replace(activation_checkpointing=False))
     device = config_device(plain)
     model, optimizer = _model_and_optimizer(plain, device)
     try:
         return checkpoint_options(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(plain), batch_size,
-                                  device=device, blocks=plain["distributed"]["blocks"] or None, **_step_kwargs(plain))
+                                  device=device, blocks=plain.distributed.blocks or None, **_step_kwargs(plain))
     except ValueError as exc:
         raise ConfigError(f"plan: {exc}") from None
 

@@ -40,24 +40,31 @@ class Plan(NamedTuple):
     state: Optional[dict] = None
     changes: List["Change"] = []
     auto: bool = False  # chosen by resume: auto: one that turns out unreadable falls back to the previous one
+    batch_size: Optional[int] = None  # data.batch_size: auto: the resumed run's global batch (no new search)
 
 
-def plan_resume(cfg: dict, main: bool, say: Callable) -> Plan:
+def plan_resume(cfg: Config, main: bool, say: Callable) -> Plan:
     """Before the run is built: choose the checkpoint (or move an earlier run aside) and compare its
     stored config with ``cfg``; a change that cannot be resumed is a one-line CheckpointError.
     ``data.batch_size: auto`` takes the resumed run's batch size (no new search)."""
     path, state = choose_checkpoint(cfg, main, say)
-    if state is None:
+    if state is None or path is None:  # (a state is read from a path)
         return Plan()
-    assert path is not None  # a state is read from a path
     stored = stored_config(state, path)
-    if cfg["handlers"]["checkpoint"]["resume"] == "auto" and _starts_a_new_run(stored, state, cfg, main, say):
+    if cfg.handlers.checkpoint.resume == "auto" and _starts_a_new_run(stored, state, cfg, main, say):
         return Plan()
-    if cfg["data"]["batch_size"] == "auto" and isinstance(stored["data"]["batch_size"], int):
-        cfg["data"]["batch_size"] = stored["data"]["batch_size"]
-        say(f"data.batch_size: auto: using {cfg['data']['batch_size']}, the batch size of the resumed run "
-            f"(no new search)")
-    return Plan(path, state, check_resume(stored, cfg, path), cfg["handlers"]["checkpoint"]["resume"] == "auto")
+    batch_size = _stored_batch_size(stored) if cfg.data.batch_size == "auto" else None
+    if batch_size is not None:
+        cfg = cfg.replace(data=cfg.data.replace(batch_size=batch_size))
+        say(f"data.batch_size: auto: using {batch_size}, the batch size of the resumed run (no new search)")
+    return Plan(path, state, check_resume(stored, cfg.to_dict(), path), cfg.handlers.checkpoint.resume == "auto",
+                batch_size)
+
+
+def _stored_batch_size(stored: dict) -> Optional[int]:
+    """The global batch a checkpoint's run trained at (its stored config's ``data.batch_size``), or None."""
+    size = stored.get("data", {}).get("batch_size")
+    return size if isinstance(size, int) else None
 
 
 def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
@@ -89,10 +96,10 @@ def resumed_dtype(state: Optional[dict]) -> Optional[str]:
     return dtype if dtype in ("float16", "bfloat16", "float32") else None
 
 
-def with_precision(chosen: Plan, cfg: dict, now: str) -> Plan:
+def with_precision(chosen: Plan, cfg: Config, now: str) -> Plan:
     """``dtype: auto`` resumed in another dtype than its checkpoint trained in (another device, or a checkpoint
     that does not say): the change named in the resume line, as a change of ``amp.dtype`` itself is."""
-    if chosen.path is None or cfg["amp"]["dtype"] != "auto":
+    if chosen.path is None or cfg.amp.dtype != "auto":
         return chosen
     before = resumed_dtype(chosen.state)
     if before == now:
@@ -147,21 +154,21 @@ def check_resume(old: dict, new: dict, path: str) -> List[Change]:
     return [c for c in changes if c not in refused]
 
 
-def choose_checkpoint(cfg: dict, main: bool, say: Callable) -> Tuple[Optional[str], Optional[dict]]:
+def choose_checkpoint(cfg: Config, main: bool, say: Callable) -> Tuple[Optional[str], Optional[dict]]:
     """Rank 0 picks the checkpoint to resume (or moves an earlier run aside); every rank loads it."""
-    resume = cfg["handlers"]["checkpoint"]["resume"]
+    resume = cfg.handlers.checkpoint.resume
     path, state = None, None
     if main:
         if resume == "auto":
-            path, state = BestCheckpoint.find_resumable(RunLayout(cfg["output_dir"]).checkpoint_dir)
+            path, state = BestCheckpoint.find_resumable(RunLayout(cfg.output_dir).checkpoint_dir)
         elif resume:
             path = os.path.expanduser(resume)
             state = load_checkpoint(path)  # a missing or unreadable file is a one-line error
         if path is None:
-            moved = move_previous_run(cfg["output_dir"])
+            moved = move_previous_run(cfg.output_dir)
             if moved:
                 why = "resume: never" if not resume else "nothing to resume"
-                say(f"starting over in {cfg['output_dir']} ({why}): moved the previous run's files to {moved}")
+                say(f"starting over in {cfg.output_dir} ({why}): moved the previous run's files to {moved}")
     if is_distributed():  # every rank resumes from rank 0's choice (output_dir must be shared)
         path = broadcast_text(path or "") or None
         failed = None
@@ -219,7 +226,7 @@ def epochs_done(state: dict) -> Optional[int]:
     return int(trainer["iteration"]) // int(trainer["epoch_length"])
 
 
-def rerun_of_a_finished_run(stored: dict, done: Optional[int], cfg: dict) -> Tuple[str, List[Change]]:
+def rerun_of_a_finished_run(stored: dict, done: Optional[int], cfg: Config) -> Tuple[str, List[Change]]:
     """``("resume" | "extend" | "new", changes)``: what running ``cfg`` over a checkpoint of ``stored``'s run,
     ``done`` epochs trained, means.
 
@@ -229,32 +236,32 @@ def rerun_of_a_finished_run(stored: dict, done: Optional[int], cfg: dict) -> Tup
     - any other change to a finished run: ``new``: there is nothing left to resume, so the config asks for
       another run (fewer epochs, a longer scheduled run, another dtype, ...).
     """
-    changes = config_changes(stored, cfg)
+    changes = config_changes(stored, cfg.to_dict())
     finished = done is not None and done >= stored.get("train", {}).get("epochs", float("inf"))
     if not finished or not changes:
         return "resume", changes
     longer = any(c.key == "train.epochs" and isinstance(c.old, int) and c.new > c.old for c in changes)
     if longer:
         try:
-            check_resume(stored, cfg, "")
+            check_resume(stored, cfg.to_dict(), "")
             return "extend", changes
         except CheckpointError:
             pass
     return "new", changes
 
 
-def _starts_a_new_run(stored: dict, state: dict, cfg: dict, main: bool, say: Callable) -> bool:
+def _starts_a_new_run(stored: dict, state: dict, cfg: Config, main: bool, say: Callable) -> bool:
     """Rerunning a finished run with another config: move it aside and say so in one line (rank 0); every rank
     decides alike from the same checkpoint."""
-    wanted = cfg
-    if cfg["data"]["batch_size"] == "auto":  # auto on resume means the stored size (plan_resume)
-        wanted = {**cfg, "data": {**cfg["data"], "batch_size": stored["data"]["batch_size"]}}
+    wanted, batch_size = cfg, _stored_batch_size(stored)
+    if cfg.data.batch_size == "auto" and batch_size is not None:  # auto on resume means the stored size (plan_resume)
+        wanted = cfg.replace(data=cfg.data.replace(batch_size=batch_size))
     verdict, changes = rerun_of_a_finished_run(stored, epochs_done(state), wanted)
     if verdict != "new":
         return False
     if main:
-        moved = move_previous_run(cfg["output_dir"])
+        moved = move_previous_run(cfg.output_dir)
         shown = ", ".join(map(str, changes[:3])) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
-        say(f"starting a new run in {cfg['output_dir']}: its run had finished, and the config changed ({shown}); "
+        say(f"starting a new run in {cfg.output_dir}: its run had finished, and the config changed ({shown}); "
             f"moved the finished run's files to {moved}")
     return True

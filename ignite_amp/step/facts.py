@@ -77,7 +77,7 @@ def step_facts(step: Any) -> Dict[str, Any]:
     }
 
 
-def config_facts(cfg: dict, train_loader: Any, batch_size_searched: bool = False) -> Dict[str, Any]:
+def config_facts(cfg: Any, train_loader: Any, batch_size_searched: bool = False) -> Dict[str, Any]:
     """Facts of a run built from a config that the step cannot know.
 
     ``batch_size`` is the global batch the loader yields (per process x processes);
@@ -85,16 +85,16 @@ def config_facts(cfg: dict, train_loader: Any, batch_size_searched: bool = False
     """
     per_process: Optional[int] = getattr(train_loader, "batch_size", None)
     return {
-        "batch_size": per_process * idist.get_world_size() if per_process else cfg["data"]["batch_size"],
+        "batch_size": per_process * idist.get_world_size() if per_process else cfg.data.batch_size,
         "batch_size_search": bool(batch_size_searched),
-        "compile": cfg["amp"]["compile"],
-        "channels_last": cfg["amp"]["channels_last"],
-        "model": cfg["model"]["name"],
-        "optimizer": cfg["optimizer"]["name"],
-        "lr": cfg["optimizer"]["lr"],
-        "scheduler": cfg["scheduler"]["name"],
-        "epochs": cfg["train"]["epochs"],
-        "seed": cfg["seed"],
+        "compile": cfg.amp.compile,
+        "channels_last": cfg.amp.channels_last,
+        "model": cfg.model.name,
+        "optimizer": cfg.optimizer.name,
+        "lr": cfg.optimizer.lr,
+        "scheduler": cfg.scheduler.name,
+        "epochs": cfg.train.epochs,
+        "seed": cfg.seed,
     }
 
 

@@ -11,6 +11,7 @@ import yaml
 
 import ignite_amp.core.device
 from helpers import CLOCK, ClockedCNN, tiny_config
+from ignite_amp.config.tree import load_config
 from ignite_amp.files.dtype_choice import CACHE_ENV, choices_path, keep_choice, kept_choice, shown_path
 from ignite_amp.run import dtype_probe
 from ignite_amp.run import plan as run_plan
@@ -76,11 +77,11 @@ def test_the_quickstarts_figures_give_float32_on_a_busy_and_a_quiet_clock_and_sa
 def test_a_clear_win_is_kept_whatever_the_clock_of_the_runs_after(tmp_path, first, then):
     cfg = quickstart_like(tmp_path)
     clear = {"float32": 0.0625, "bfloat16": 0.03125}  # bfloat16 at 0.5x: a clear win on a quiet clock
-    chosen, why = config_dtype(cfg, Loaded(**{**first, **clear}), CPU)
+    chosen, why = config_dtype(load_config(cfg), Loaded(**{**first, **clear}), CPU)
     assert why.endswith(f"; kept in {choices_path()}")
     for _ in range(2):  # later runs, on the other clock: the probe does not run again
         model = Loaded(**{**then, **clear})
-        again, said = config_dtype(cfg, model, CPU)
+        again, said = config_dtype(load_config(cfg), model, CPU)
         assert again == chosen and not model.ran
         assert said.startswith("this machine's choice for this model since ")
         assert said.endswith(f"({why.split(';')[0]}); kept in {choices_path()}: delete it to probe again")
@@ -90,15 +91,15 @@ def test_a_clear_win_is_kept_whatever_the_clock_of_the_runs_after(tmp_path, firs
 @pytest.mark.slow
 def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_home(tmp_path, monkeypatch):
     cfg = quickstart_like(tmp_path)
-    config_dtype(cfg, Loaded(0.25, 0.125), CPU)
+    config_dtype(load_config(cfg), Loaded(0.25, 0.125), CPU)
     entries = json.loads((tmp_path / "cache" / "dtype-choices.json").read_text())
     (entry,) = entries.values()
     assert entry["dtype"] == "bfloat16" and "Fake EPYC" in entry["for"] and "clocked_cnn" in entry["for"]
     other = dict(cfg, model=dict(cfg["model"], kwargs={"float32": 1.0, "bfloat16": 2.0}))  # another model: probed
-    assert config_dtype(other, Loaded(1.0, 2.0), CPU)[0] == "float32"
+    assert config_dtype(load_config(other), Loaded(1.0, 2.0), CPU)[0] == "float32"
     assert len(json.loads((tmp_path / "cache" / "dtype-choices.json").read_text())) == 2
     monkeypatch.setattr(torch, "__version__", "9.9.9")  # another torch: probed again
-    assert config_dtype(cfg, Loaded(1.0, 2.0), CPU)[0] == "float32"
+    assert config_dtype(load_config(cfg), Loaded(1.0, 2.0), CPU)[0] == "float32"
     monkeypatch.delenv(CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert choices_path() == str(tmp_path / "xdg" / "ignite-amp" / "dtype-choices.json")
@@ -114,14 +115,14 @@ def test_a_cache_that_cannot_be_read_or_written_does_not_stop_the_run(tmp_path, 
     path = tmp_path / "cache" / "dtype-choices.json"
     path.parent.mkdir()
     path.write_text("{not json")  # a damaged file: read as empty, then rewritten
-    assert config_dtype(cfg, Loaded(0.25, 0.125), CPU)[0] == "bfloat16" and kept_choice(next(iter(json.loads(
-        path.read_text())))).dtype == "bfloat16"
+    assert config_dtype(load_config(cfg), Loaded(0.25, 0.125), CPU)[0] == "bfloat16"
+    assert kept_choice(next(iter(json.loads(path.read_text())))).dtype == "bfloat16"
     (tmp_path / "file").write_text("")
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file" / "below"))  # a folder that cannot be made
-    dtype, why = config_dtype(cfg, Loaded(0.25, 0.125), CPU)
+    dtype, why = config_dtype(load_config(cfg), Loaded(0.25, 0.125), CPU)
     assert dtype == "bfloat16" and why.endswith(f"; not kept: {tmp_path / 'file'} is a file, not a folder")
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file"))  # the folder itself a file: said in one line (issue 59)
-    assert config_dtype(cfg, Loaded(0.25, 0.125), CPU)[1].endswith(
+    assert config_dtype(load_config(cfg), Loaded(0.25, 0.125), CPU)[1].endswith(
         f"; not kept: {CACHE_ENV} names a file, {tmp_path / 'file'}, not a folder")
     assert not glob.glob(str(tmp_path / "**" / "*.tmp"), recursive=True)
     with pytest.raises(OSError):
@@ -202,7 +203,7 @@ def test_a_resume_keeps_the_checkpoints_precision_or_names_the_change(tmp_path, 
 def test_only_dtype_auto_names_what_it_resolved_to():
     state = {"amp_step": {"dtype": "bfloat16"}}
     plan = Plan("p.pt", state, [])
-    auto, named = {"amp": {"dtype": "auto"}}, {"amp": {"dtype": "float32"}}
+    auto, named = load_config({"amp": {"dtype": "auto"}}), load_config({"amp": {"dtype": "float32"}})
     assert with_precision(plan, auto, "bfloat16") == plan and with_precision(Plan(), auto, "float32") == Plan()
     assert with_precision(plan, named, "float32") == plan  # the config's own change says it (amp.dtype auto -> ...)
     assert [str(c) for c in with_precision(plan, auto, "float16").changes] == ["amp.dtype auto bfloat16 -> float16"]

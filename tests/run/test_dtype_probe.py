@@ -9,6 +9,7 @@ import torch
 import ignite_amp.core.device
 from helpers import CLOCK, ClockedCNN, tiny_config
 from ignite_amp import probe_cpu_dtype
+from ignite_amp.config.tree import load_config
 from ignite_amp.errors import ConfigError
 from ignite_amp.files.dtype_choice import CACHE_ENV
 from ignite_amp.run import dtype_probe
@@ -120,34 +121,37 @@ def test_a_config_run_probes_only_where_the_choice_is_open(cpu, monkeypatch, tmp
     model = ClockedCNN(10)
     monkeypatch.delenv(PROBE_ENV)
     cpu("amx")
-    assert config_dtype(cfg, model, torch.device("cpu")) == ("bfloat16", "AMX bfloat16 tiles, no probe")
+    assert config_dtype(load_config(cfg), model, torch.device("cpu")) == ("bfloat16", "AMX bfloat16 tiles, no probe")
     cpu("none")
-    assert config_dtype(cfg, model, torch.device("cpu")) == \
+    assert config_dtype(load_config(cfg), model, torch.device("cpu")) == \
         ("float32", "no bfloat16 instructions on this CPU (emulated, bfloat16 is slower), no probe")
     cpu("avx512")
-    assert config_dtype(dict(cfg, amp={"dtype": "bfloat16"}), model, torch.device("cpu")) == ("bfloat16", "")
-    assert config_dtype(cfg, model, torch.device("meta")) == ("auto", "")  # off a CPU: the engines' rule
+    named = load_config(dict(cfg, amp={"dtype": "bfloat16"}))
+    assert config_dtype(named, model, torch.device("cpu")) == ("bfloat16", "")
+    assert config_dtype(load_config(cfg), model, torch.device("meta")) == ("auto", "")  # off a CPU: the engines' rule
     assert not probed
-    assert config_dtype(cfg, model, torch.device("cpu")) == (
+    assert config_dtype(load_config(cfg), model, torch.device("cpu")) == (
         "bfloat16", f"a bfloat16 step took 0.50x float32's time in a 0.2 s probe on this CPU; kept in {kept}")
     (x, y), = probed  # the config's batch (32) per micro-batch (2), its image shape, its classes, seeded
     assert x.shape == (16, 3, 16, 16) and y.shape == (16,) and int(y.max()) < 10
-    assert torch.equal(x, dtype_probe._batch(cfg, torch.device("cpu"))[0])
+    assert torch.equal(x, dtype_probe._batch(load_config(cfg), torch.device("cpu"))[0])
     monkeypatch.setattr(dtype_probe.idist, "get_world_size", lambda: 2)
-    assert config_dtype(cfg, model, torch.device("cpu"))[0] == "float32" and len(probed) == 1  # ranks agree
+    assert config_dtype(load_config(cfg), model, torch.device("cpu"))[0] == "float32"
+    assert len(probed) == 1  # ranks agree
     monkeypatch.undo()
     monkeypatch.setattr(ignite_amp.core.device, "_cpu_flags", lambda: CPUS["avx512"])
     for fixed in ("float32", "bfloat16"):
         monkeypatch.setenv(PROBE_ENV, fixed)
-        assert config_dtype(cfg, model, torch.device("cpu")) == (fixed, f"fixed by {PROBE_ENV}, no probe")
+        assert config_dtype(load_config(cfg), model, torch.device("cpu")) == (fixed, f"fixed by {PROBE_ENV}, no probe")
     monkeypatch.delenv(PROBE_ENV)  # a model the probe's batch does not fit: float32, and check_model_runs says why
     other = dict(cfg, model=dict(cfg["model"], name="torch.nn:Linear"))  # another model: not the kept choice
-    assert config_dtype(other, torch.nn.Linear(5, 10), torch.device("cpu")) == (
+    assert config_dtype(load_config(other), torch.nn.Linear(5, 10), torch.device("cpu")) == (
         "float32", "the probe could not run the model (RuntimeError)")
-    assert config_dtype(other, torch.nn.Linear(5, 10), torch.device("cpu"))[1].startswith("the probe could not")
+    assert config_dtype(load_config(other), torch.nn.Linear(5, 10), torch.device("cpu"))[1].startswith(
+        "the probe could not")
     monkeypatch.setenv(PROBE_ENV, "fp16")
     with pytest.raises(ConfigError, match=f"{PROBE_ENV} should be float32 or bfloat16; got 'fp16'"):
-        config_dtype(cfg, model, torch.device("cpu"))
+        config_dtype(load_config(cfg), model, torch.device("cpu"))
 
 
 @pytest.mark.slow

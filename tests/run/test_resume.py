@@ -92,7 +92,7 @@ def test_a_finished_run_rerun_with_fewer_epochs_starts_anew_and_moves_it_aside(t
 
 
 def test_a_stored_config_from_an_older_schema_compares_at_the_defaults():
-    old = cfg_with()
+    old = cfg_with().to_dict()
     del old["amp"]["cudnn_benchmark"]
     assert config_changes(old, cfg_with()) == []
 
