@@ -6,6 +6,7 @@ loaders, the checkpoint handler, the run directory's files). :meth:`Run.train` t
 (profiler, TensorBoard, progress bar), prints the end-of-run health summary and releases the run directory,
 also after an exception. It builds nothing: the composition root (:mod:`ignite_amp.run.compose`) does.
 """
+import dataclasses
 from typing import Any, Callable, List, Optional
 
 from ignite.engine import Engine
@@ -13,45 +14,76 @@ from ignite.engine import Engine
 from ignite_amp.config.tree import Config
 from ignite_amp.engine import AmpEngine
 from ignite_amp.files.run_directory import RunFiles, RunLayout
+from ignite_amp.handlers.best_checkpoint import BestCheckpoint
 from ignite_amp.run.console import fitted
 from ignite_amp.run.dtype_probe import brief_why
 from ignite_amp.run.fast_path import speed_words, start_speed_words
+from ignite_amp.run.plan import RunPlan
 from ignite_amp.step.facts import start_words
 
-__all__ = ["Run"]
+__all__ = ["Run", "Log"]
 
 
+class Log:
+    """A line of the run: printed (``print_fn``; rank 0's, silent on the others) and kept in ``train.log``."""
+
+    def __init__(self, print_fn: Callable, files: RunFiles):
+        self.print_fn, self.files = print_fn, files
+
+    def __call__(self, line: str) -> None:
+        self.print_fn(line)
+        self.files.log.line(line)
+
+
+@dataclasses.dataclass
 class Run:
-    """Everything a config builds; ``run.train()`` trains it, then ``run.close()`` ends it.
+    """Everything a config builds, built once (:func:`ignite_amp.run.compose.build_run`); ``run.train()`` trains it,
+    then ``run.close()`` ends it.
 
     On rank 0 the run holds ``output_dir``'s lock and writes ``train.log`` from the moment it
     is built until :meth:`close` (which :meth:`train` calls at its end).
     """
 
-    def __init__(self, cfg: Config, trainer: AmpEngine, evaluator: Engine, model, optimizer, scheduler,
-                 train_loader, val_loader, to_save: dict, print_fn: Callable, files: RunFiles):
-        self.cfg, self.trainer, self.evaluator = cfg, trainer, evaluator
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.train_loader, self.val_loader = train_loader, val_loader
-        self.train_data: Any = train_loader  # what the trainer runs on (a PassStream with train.epoch_length)
-        self.to_save = to_save
-        self._print = print_fn
-        self.files = files
-        self.history: List[dict] = []  # a record per epoch (EpochSummary's)
-        self.checkpoint: Optional[Any] = None  # the BestCheckpoint the handlers attach
-        self.closers: list = []
-        self.health: Callable[[], list] = list  # the end-of-run health summary (TensorBoardMetrics.health)
-        self.health_lines: list = []
-        self.traces: list = []  # the profiler's files
-        self.resumed_from: Optional[str] = None
-        self.command = "ignite-amp train CONFIG"
-        self.batch_search = None  # the batch-size search's result when data.batch_size was auto
-        self.facts: dict = {}  # what the config resolved to, for TensorBoard's run facts
-        self.dtype_why = ""  # why dtype auto chose the dtype (a config run on a CPU: the probe's evidence)
+    plan: RunPlan  #: the config resolved for this run, every "auto" settled (``run.cfg`` is its config)
+    trainer: AmpEngine
+    evaluator: Engine
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    val_loader: Any
+    train_data: Any  #: what the trainer runs on (the loader, or a PassStream with train.epoch_length)
+    to_save: dict
+    log: Log
+    files: RunFiles
+    checkpoint: BestCheckpoint
+    history: List[dict]  #: a record per epoch (EpochSummary's)
+    closers: List[Callable[[], None]]  #: run at the end: the progress bar, TensorBoard, the profiler
+    health: Callable[[], list]  #: the end-of-run health summary (TensorBoardMetrics.health)
+    traces: list  #: the profiler's files
+    command: str = "ignite-amp train CONFIG"
+    batch_search: Any = None  #: the batch-size search's result when data.batch_size was auto
+    resumed_from: Optional[str] = None
+    health_lines: list = dataclasses.field(default_factory=list)
+
+    @property
+    def cfg(self) -> Config:
+        """The run's config (with ``data.batch_size: auto`` settled by the search or the resumed run)."""
+        return self.plan.config
+
+    @property
+    def facts(self) -> dict:
+        """What the config resolved to, for TensorBoard's run facts (:meth:`RunPlan.facts`)."""
+        return self.plan.facts()
+
+    @property
+    def dtype_why(self) -> str:
+        """Why ``dtype: auto`` chose the dtype ("" where the config named it)."""
+        dtype = self.plan.choice("dtype")
+        return dtype.why if dtype is not None else ""
 
     def print(self, line: str) -> None:
-        self._print(line)
-        self.files.log.line(line)
+        self.log(line)
 
     @property
     def output_dir(self) -> str:
@@ -112,7 +144,7 @@ class Run:
             self.close()
         return {"history": self.history, "final": self.history[-1] if self.history else {}, "health": self.health_lines,
                 "output_dir": self.output_dir,
-                "best_checkpoint": self.checkpoint.best_path if self.checkpoint else None,
+                "best_checkpoint": self.checkpoint.best_path,
                 "tensorboard_dir": self.tensorboard_dir if self.writes_tensorboard else None}
 
     def _report_health(self) -> None:
@@ -143,4 +175,4 @@ class Run:
     @property
     def writes_tensorboard(self) -> bool:
         handlers = self.cfg.handlers
-        return handlers["tensorboard"]["enabled"] or handlers["profiler"]["enabled"]
+        return handlers.tensorboard.enabled or handlers.profiler.enabled

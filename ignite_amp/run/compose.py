@@ -6,7 +6,7 @@ the run directory :mod:`ignite_amp.files.run_directory`'s. What it builds is a
 :class:`~ignite_amp.run.built_run.Run` (re-exported here), which trains itself.
 """
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import ignite.distributed as idist
 import torch
@@ -20,7 +20,7 @@ from ignite_amp.core.device import dtype_name
 from ignite_amp.data.datasets import build_loaders
 from ignite_amp.data.passes import training_data
 from ignite_amp.data.prefetch import device_loader
-from ignite_amp.engine import create_amp_evaluator, create_amp_trainer
+from ignite_amp.engine import AmpEngine, create_amp_evaluator, create_amp_trainer
 from ignite_amp.errors import ConfigError
 from ignite_amp.files.run_directory import RunFiles, RunLayout, check_run_directories, warn_if_disk_is_short
 from ignite_amp.handlers import (
@@ -43,15 +43,14 @@ from ignite_amp.run.builders import (
     config_device,
     seed_everything,
 )
-from ignite_amp.run.built_run import Run
+from ignite_amp.run.built_run import Log, Run
 from ignite_amp.run.console import drop_unfinished_bar, progress_bar, safe_print, silent
 from ignite_amp.run.dtype_probe import config_dtype
 from ignite_amp.run.epochs import EpochSummary, Validation
-from ignite_amp.run.fast_path import config_channels_last, speed_facts
-from ignite_amp.run.plan import plan_run, resolve
+from ignite_amp.run.fast_path import config_channels_last, speed_choices
+from ignite_amp.run.plan import RunPlan, Settled, plan_run, resolve
 from ignite_amp.run.resume import plan_resume, resume_run, resumed_dtype, with_precision
 from ignite_amp.run.search import search_built, search_line
-from ignite_amp.step.facts import config_facts
 from ignite_amp.transforms.float8 import convert_to_float8
 from ignite_amp.transforms.sharding import check_shardable, shard_model
 
@@ -114,7 +113,7 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
     model = build_model(**cfg.model.to_dict())
     checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
     optimizer = build_optimizer(cfg.optimizer, model, device, sharded=_sharded(cfg))  # fused on CUDA (run.fused)
-    planned = plan_run(plan, model, optimizer, say)  # activation_checkpointing auto; the planned peak (GPU)
+    plan = plan_run(plan, model, optimizer, say)  # activation_checkpointing auto; the planned peak (GPU)
     batch_search = None
     if plan.batch_size is None:  # data.batch_size: auto: the search settles it
         batch_search = search_built(cfg, model, optimizer, device)
@@ -129,34 +128,40 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
     # On CUDA the next batch is copied to the device on a side stream while the current one computes.
     train_loader, val_loader = device_loader(train_loader, device), device_loader(val_loader, device)
     check_classes(cfg, n_classes)
-    trainer, evaluator, optimizer, dtype_why = _engines(cfg, model, optimizer, device, files,
-                                                        resumed_dtype(resuming.state))
+    trainer, evaluator, optimizer, dtype = _engines(cfg, model, optimizer, device, files,
+                                                    resumed_dtype(resuming.state))
     resuming = with_precision(resuming, cfg, dtype_name(trainer.amp_step.dtype))
     epoch_length = cfg.train.epoch_length or len(train_loader)
     scheduler = _schedule(cfg, trainer, optimizer, epoch_length)
     train_data = training_data(trainer, train_loader, cfg.train.epoch_length)  # each pass's order: its number
+    # What each auto chose, and why: the start line, train.log and TensorBoard's run facts say it.
+    plan = plan.settle(dtype=dtype, compile=Settled(trainer.amp_step.forward is not trainer.amp_step.model),
+                       **speed_choices(cfg, model, optimizer, device, train_loader))
 
     to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
     if scheduler is not None:
         to_save["scheduler"] = scheduler
-    run = Run(cfg, trainer, evaluator, model, optimizer, scheduler, train_loader, val_loader, to_save, print_fn,
-              files)
-    run.command, run.batch_search, run.train_data, run.dtype_why = command, batch_search, train_data, dtype_why
-    run.facts = {**config_facts(cfg, train_loader, batch_size_searched=plan.batch_searched), **planned,
-                 **({"dtype_auto": dtype_why} if dtype_why else {})}
-    run.facts["compile"] = trainer.amp_step.forward is not trainer.amp_step.model  # amp.compile null: float8's choice
-    run.facts.update(speed_facts(cfg, model, optimizer, device, train_loader))  # what the auto values chose, and why
+    log = Log(print_fn, files)
+    history: List[dict] = []  # a record per epoch (EpochSummary's)
+    closers: List[Callable[[], None]] = []
     if progress:
         # Before the epoch-end handlers: the bar ends at 100% on its own line before the validation and the
         # epoch's line print. No loss in the bar: showing it would sync the host with the device every iteration.
         bar = progress_bar(persist=True, desc="Epoch")  # "Epoch" for one epoch too, not Ignite's "Iteration"
         bar.attach(trainer)
-        run.closers.append(lambda: drop_unfinished_bar(bar))  # stopped mid-epoch: its line cleared
-    checkpoint = _attach_handlers(run)
+        closers.append(lambda: drop_unfinished_bar(bar))  # stopped mid-epoch: its line cleared
+    attached = _attach_handlers(plan, trainer, evaluator, optimizer, val_loader, to_save, history, log,
+                                batch_search)
+    resumed_from = None
     if resuming.path is not None:
-        run.print(resume_run(resuming, checkpoint, trainer, optimizer, cfg.amp.micro_batches,
-                             epoch_length, scheduled=scheduler is not None))
-        run.resumed_from = checkpoint.resumed_path  # an unreadable choice fell back to an older one
+        log(resume_run(resuming, attached.checkpoint, trainer, optimizer, cfg.amp.micro_batches,
+                       epoch_length, scheduled=scheduler is not None))
+        resumed_from = attached.checkpoint.resumed_path  # an unreadable choice fell back to an older one
+    run = Run(plan=plan, trainer=trainer, evaluator=evaluator, model=model, optimizer=optimizer, scheduler=scheduler,
+              train_loader=train_loader, val_loader=val_loader, train_data=train_data, to_save=to_save, log=log,
+              files=files, checkpoint=attached.checkpoint, history=history, closers=closers + attached.closers,
+              health=attached.health, traces=attached.traces, command=command, batch_search=batch_search,
+              resumed_from=resumed_from)
     if main:
         layout = RunLayout(cfg.output_dir)
         save_config(cfg, layout.config_path)
@@ -169,7 +174,8 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
 def _engines(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
              files: RunFiles, resumed: Optional[str] = None):
     """The trainer and evaluator of ``amp:`` (in a process group: DDP-wrapped, or sharded with FSDP2 and a new
-    optimizer over the shards); checks the model runs once. Also why ``dtype: auto`` chose its dtype ("" if not asked).
+    optimizer over the shards); checks the model runs once. Also the dtype it runs in, and why ``dtype: auto`` chose
+    it ("" if not asked).
     ``resumed``: the dtype the resumed checkpoint trained in (``dtype: auto`` on a CPU keeps it)."""
     amp = cfg.amp
     step_args: Dict[str, Any] = {  # what the trainer and the evaluator both take, each "auto" settled
@@ -205,7 +211,7 @@ def _engines(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         previous = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
         files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
-    return trainer, evaluator, optimizer, dtype_why
+    return trainer, evaluator, optimizer, Settled(dtype_name(trainer.amp_step.dtype), dtype_why)
 
 
 def _sharded(cfg: Config) -> bool:
@@ -244,26 +250,37 @@ def _switched_on(section: Section) -> Optional[dict]:
     return options if options.pop("enabled", True) else None
 
 
-def _attach_handlers(run: Run) -> BestCheckpoint:
-    """Each ``handlers:`` section builds its handler from its own keys, attached in this order; returns the
-    checkpoint handler (last: it saves what the others changed)."""
-    cfg, trainer, evaluator = run.cfg.handlers, run.trainer, run.evaluator
+class _Attached(NamedTuple):
+    """What the handlers give the run: the checkpoint handler, what ends them, the health summary, the traces."""
+
+    checkpoint: BestCheckpoint
+    closers: List[Callable[[], None]]
+    health: Callable[[], list]
+    traces: list
+
+
+def _attach_handlers(plan: RunPlan, trainer: AmpEngine, evaluator: Engine, optimizer: torch.optim.Optimizer,
+                     val_loader: Any, to_save: dict, history: List[dict], log: Log, batch_search: Any) -> _Attached:
+    """Each ``handlers:`` section builds its handler from its own keys, attached in this order."""
+    cfg, layout, closers = plan.config.handlers, RunLayout(plan.config.output_dir), []
+    health: Callable[[], list] = list
+    traces: list = []
     guard = _switched_on(cfg.non_finite)
     if guard is not None:  # first: its epoch-end check runs before evaluation and saving
         NonFiniteGuard(**guard).attach(trainer)
-    summary = EpochSummary(evaluator, run.history, run.print)
+    summary = EpochSummary(evaluator, history, log)
     summary.attach(trainer)  # at each epoch's end: the training figures (one host sync),
-    Validation(evaluator, run.val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
+    Validation(evaluator, val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
     summary.attach_report(trainer)  # then the epoch's line
     backoff = _switched_on(cfg.oom_backoff)
-    if backoff is not None and _sharded(run.cfg):  # also on one process: its checkpoints resume on N
-        run.print("handlers.oom_backoff: off under distributed.strategy fsdp (an out-of-memory error inside a sharded "
-                  "forward leaves the other processes in a collective, so it cannot be retried safely)")
+    if backoff is not None and plan.sharded:  # also on one process: its checkpoints resume on N
+        log("handlers.oom_backoff: off under distributed.strategy fsdp (an out-of-memory error inside a sharded "
+            "forward leaves the other processes in a collective, so it cannot be retried safely)")
         backoff = None
     if backoff is not None:
         train_backoff = OOMBackoff(**backoff)
         train_backoff.attach(trainer)
-        run.to_save["oom_backoff"] = train_backoff
+        to_save["oom_backoff"] = train_backoff
         OOMBackoff(cfg.oom_backoff.min_batch_size).attach(evaluator)
     clipping = None
     if cfg.clipping.max_norm is not None or cfg.clipping.clip_value is not None:
@@ -271,23 +288,23 @@ def _attach_handlers(run: Run) -> BestCheckpoint:
         clipping.attach(trainer)
     tensorboard = _switched_on(cfg.tensorboard)
     if tensorboard is not None:
-        texts = {"run/batch_size_search": run.batch_search.table} if run.batch_search is not None else None
-        tb = TensorBoardMetrics(run.tensorboard_dir, facts=run.facts, clipping=clipping, texts=texts, from_config=True,
-                                ranks_memory=is_distributed(), **tensorboard)
-        tb.attach(trainer, evaluator=evaluator, optimizer=run.optimizer)
-        run.closers.append(tb.close)
-        run.health = tb.health
+        texts = {"run/batch_size_search": batch_search.table} if batch_search is not None else None
+        tb = TensorBoardMetrics(layout.tensorboard_dir, facts=plan.facts(), clipping=clipping, texts=texts,
+                                from_config=True, ranks_memory=is_distributed(), **tensorboard)
+        tb.attach(trainer, evaluator=evaluator, optimizer=optimizer)
+        closers.append(tb.close)
+        health = tb.health
     profiler = _switched_on(cfg.profiler)
     if profiler is not None:
-        capture = ProfilerCapture(run.profiler_dir, **profiler, from_config=True)
+        capture = ProfilerCapture(layout.profiler_dir, **profiler, from_config=True)
         capture.attach(trainer)
-        run.closers.append(capture.stop)
-        run.traces = capture.files
-    checkpoint = {k: v for k, v in cfg.checkpoint.to_dict().items() if k != "resume"}  # resume: ignite_amp.run.resume's
-    run.checkpoint = BestCheckpoint(run.checkpoint_dir, run.to_save, config=run.cfg.to_dict(),
-                                    sharded=_sharded(run.cfg), **checkpoint)
-    run.checkpoint.attach(trainer, evaluator)
-    return run.checkpoint
+        closers.append(capture.stop)
+        traces = capture.files
+    checkpoint = {k: v for k, v in cfg.checkpoint.to_dict().items() if k != "resume"}  # resume: run.resume's
+    best = BestCheckpoint(layout.checkpoint_dir, to_save, config=plan.config.to_dict(), sharded=plan.sharded,
+                          **checkpoint)
+    best.attach(trainer, evaluator)
+    return _Attached(best, closers, health, traces)
 
 
 def _train(cfg: Config, progress: bool, print_fn: Callable, command: str) -> dict:

@@ -14,9 +14,14 @@ from ignite_amp.data.datasets import data_workers
 from ignite_amp.data.device_batches import DeviceBatches
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.run.fused import fused_choice
+from ignite_amp.run.plan import RunPlan, Settled
 from ignite_amp.transforms.memory_format import ChannelsLastChoice, choose_channels_last
 
-__all__ = ["config_channels_last", "speed_facts", "speed_words", "start_speed_words"]
+__all__ = ["config_channels_last", "speed_choices", "speed_facts", "SPEED_FACTS", "speed_words", "start_speed_words"]
+
+#: The run facts of the speed defaults, in the order the facts list them.
+SPEED_FACTS = ("data_on_device", "channels_last", "channels_last_why", "fused_optimizer", "fused_optimizer_why",
+               "num_workers", "num_workers_why", "prefetch")
 
 
 def config_channels_last(cfg: Config, model: torch.nn.Module, device: torch.device) -> ChannelsLastChoice:
@@ -28,23 +33,28 @@ def config_channels_last(cfg: Config, model: torch.nn.Module, device: torch.devi
     return choose_channels_last(requested, model, device)
 
 
-def speed_facts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                device: torch.device, loader: Optional[Iterable] = None) -> Dict[str, Any]:
-    """The run facts of the speed defaults: each value that ran, and why (empty where the config gave it).
-    ``loader``: the run's training loader; batches cut on the device (``data.on_device``) take no workers,
-    ``prefetch``: it copies the next batch to the device on a side stream."""
+def speed_choices(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  device: torch.device, loader: Optional[Iterable] = None) -> Dict[str, Settled]:
+    """The speed defaults a run settled (:meth:`ignite_amp.run.plan.RunPlan.settle`): each value that ran, and why
+    (empty where the config gave it). ``loader``: the run's training loader; batches cut on the device
+    (``data.on_device``) take no workers, ``prefetch``: it copies the next batch to the device on a side stream."""
     layout = config_channels_last(cfg, model, device)
-    opt = cfg.optimizer
-    fused = fused_choice(opt["name"], opt["kwargs"], device, sharded=cfg.distributed.strategy == "fsdp")
+    fused = fused_choice(cfg.optimizer.name, cfg.optimizer.kwargs, device, sharded=cfg.distributed.strategy == "fsdp")
     workers = data_workers(cfg.data, device)
     on_device = isinstance(loader, DeviceBatches)
     if on_device:
         workers = workers._replace(workers=0, why=f"data on the {'GPU' if device.type == 'cuda' else device.type}")
-    return {"data_on_device": on_device, "channels_last": layout.on, "channels_last_why": layout.why,
-            "fused_optimizer": any(bool(group.get("fused")) for group in optimizer.param_groups),
-            "fused_optimizer_why": fused.why,
-            "num_workers": workers.workers, "num_workers_why": workers.why,
-            "prefetch": isinstance(loader, DevicePrefetcher) and loader.prefetches}
+    return {"data_on_device": Settled(on_device), "channels_last": Settled(layout.on, layout.why),
+            "fused_optimizer": Settled(any(bool(group.get("fused")) for group in optimizer.param_groups), fused.why),
+            "num_workers": Settled(workers.workers, workers.why),
+            "prefetch": Settled(isinstance(loader, DevicePrefetcher) and loader.prefetches)}
+
+
+def speed_facts(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device, loader: Optional[Iterable] = None) -> Dict[str, Any]:
+    """:func:`speed_choices` as the run facts name them (``num_workers``, ``num_workers_why``, ...)."""
+    plan = RunPlan(cfg, device, 1, None).settle(**speed_choices(cfg, model, optimizer, device, loader))
+    return {k: v for k, v in plan.facts().items() if k in SPEED_FACTS}
 
 
 def speed_words(facts: Dict[str, Any], optimizer_name: str) -> str:

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import types
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import ignite.distributed as idist
 import torch
@@ -40,21 +40,72 @@ from ignite_amp.run.builders import (
 )
 from ignite_amp.run.dtype_probe import config_dtype
 
-__all__ = ["RunPlan", "resolve", "plan_config", "plan_dtype", "config_batch_sizes", "checkpoint_config_to_fit",
-           "plan_run", "config_checkpoint_options", "checkpoint_options_lines"]
+__all__ = ["RunPlan", "Settled", "CHOICES", "resolve", "plan_config", "plan_dtype", "config_batch_sizes",
+           "checkpoint_config_to_fit", "plan_run", "config_checkpoint_options", "checkpoint_options_lines"]
 
 logger = logging.getLogger("ignite_amp")
 
 
+class Settled(NamedTuple):
+    """One choice of the run, and why (empty where the config named the value)."""
+
+    value: Any
+    why: str = ""
+
+
+#: The choices a run settles as it is built, in the order its facts list them: each needs what the config alone
+#: does not hold (the model, the optimizer, the data sets, the engines), so each is settled where that is built.
+CHOICES = ("dtype", "activation_checkpointing", "compile", "channels_last", "fused_optimizer", "num_workers",
+           "data_on_device", "prefetch", "planned_peak_mb")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """A config's run on ``world`` processes on ``device`` (this process's)."""
+    """A config's run on ``world`` processes on ``device`` (this process's), and every choice settled so far."""
 
     config: Config
     device: torch.device
     world: int
     batch_size: Optional[int]  #: the global batch; None while ``data.batch_size: auto`` waits for the search
     batch_searched: bool = False  #: the search chose ``batch_size`` (now, or in the run a resume continues)
+    settled: Tuple[Tuple[str, Settled], ...] = ()  #: (name, choice) in CHOICES, each settled once
+
+    def choice(self, name: str) -> Optional[Settled]:
+        """The choice ``name`` (one of :data:`CHOICES`), or None while it is not settled."""
+        return dict(self.settled).get(name)
+
+    def settle(self, **choices: Settled) -> "RunPlan":
+        """The plan with ``choices`` settled (each a :class:`Settled`; a name of :data:`CHOICES`, settled once)."""
+        for name in choices:
+            if name not in CHOICES or self.choice(name) is not None:
+                raise ValueError(f"{name}: {'not a choice of a run' if name not in CHOICES else 'settled already'}")
+        return dataclasses.replace(self, settled=self.settled + tuple(choices.items()))
+
+    def facts(self) -> Dict[str, Any]:
+        """The run facts (TensorBoard's text and HParams, the start line's words): what the config asked and what
+        each "auto" chose, and why."""
+        cfg, got = self.config, dict(self.settled)
+
+        def value(name: str, default: Any = None) -> Any:
+            return got[name].value if name in got else default
+
+        facts: Dict[str, Any] = {
+            "batch_size": self.batch_size if self.batch_size is not None else cfg.data.batch_size,
+            "batch_size_search": self.batch_searched, "compile": value("compile", cfg.amp.compile),
+            "channels_last": value("channels_last", cfg.amp.channels_last), "model": cfg.model.name,
+            "optimizer": cfg.optimizer.name, "lr": cfg.optimizer.lr, "scheduler": cfg.scheduler.name,
+            "epochs": cfg.train.epochs, "seed": cfg.seed}
+        if "planned_peak_mb" in got:
+            facts["planned_peak_mb"] = value("planned_peak_mb")
+        if "dtype" in got and got["dtype"].why:
+            facts["dtype_auto"] = got["dtype"].why
+        if "num_workers" in got:  # the speed defaults (run.fast_path)
+            facts.update({"data_on_device": value("data_on_device"), "channels_last_why": got["channels_last"].why,
+                          "fused_optimizer": value("fused_optimizer"),
+                          "fused_optimizer_why": got["fused_optimizer"].why,
+                          "num_workers": value("num_workers"), "num_workers_why": got["num_workers"].why,
+                          "prefetch": value("prefetch")})
+        return facts
 
     @property
     def per_process_batch(self) -> Optional[int]:
@@ -218,22 +269,26 @@ def plan_config(cfg: Config, batch_sizes: Optional[Sequence[int]] = None, memory
 
 
 def plan_run(plan: RunPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             say: Callable[[str], None]) -> dict:
-    """What a run being built takes from the plan: ``activation_checkpointing: auto``'s blocks (said in a line),
-    and on a GPU the planned peak at ``data.batch_size`` per process, as the run fact ``planned_peak_mb`` (the
-    health summary sets the measured peak beside it). Returns the facts."""
+             say: Callable[[str], None]) -> RunPlan:
+    """What a run being built takes from the memory plan: ``activation_checkpointing: auto``'s blocks (said in a
+    line), and on a GPU the planned peak at the batch per process (``planned_peak_mb``: the health summary sets the
+    measured peak beside it). Returns the plan with them settled."""
     cfg, device, size = plan.config, plan.device, plan.per_process_batch
     if cfg.amp.activation_checkpointing == "auto":  # the first transform: before the search and sharding
-        say(checkpoint_config_to_fit(cfg, model, optimizer, device, batch_size=size).line())
+        choice = checkpoint_config_to_fit(cfg, model, optimizer, device, batch_size=size)
+        say(choice.line())
+        plan = plan.settle(activation_checkpointing=Settled(list(choice.checkpointed), choice.line()))
     if device.type != "cuda" or size is None or plan.sharded:
-        return {}
+        return plan
     try:
         memory = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), [size],
                                  device=device, fit=False, **_step_kwargs(cfg))
     except Exception as exc:  # a fact for the summary, not a reason to stop the run
         logger.info("memory plan: %s: %s", type(exc).__name__, exc)
-        return {}
-    return {"planned_peak_mb": round(memory.peaks[0].peak / 2 ** 20, 1)} if memory.peaks else {}
+        return plan
+    if not memory.peaks:
+        return plan
+    return plan.settle(planned_peak_mb=Settled(round(memory.peaks[0].peak / 2 ** 20, 1)))
 
 
 # -- the table of activation checkpointing choices (``ignite-amp plan --checkpointing``): none, selective and full on
