@@ -277,11 +277,13 @@ def create_amp_trainer(
     _check_keywords(create_amp_trainer, AmpStep, kwargs)
     check_flags(non_blocking=non_blocking, deterministic=deterministic)
     device = model_device(model) if device is None else device
-    # The model transforms in their fixed order: float8 first, then activation checkpointing (DESIGN.md).
+    # The model transforms in their fixed order: float8 first, then activation checkpointing (the precision guide,
+    # docs/guides/precision.md).
     dtype, float8 = _float8(model, device, amp_dtype(amp_mode, dtype), kwargs)
     if argument(AmpConfig, "activation_checkpointing", activation_checkpointing) == "auto":
         raise ValueError("Argument activation_checkpointing='auto' needs a batch and a memory to plan for: call "
-                         "ignite_amp.checkpoint_to_fit(model, optimizer, loss_fn, batch, batch_size) first")
+                         "ignite_amp.memory_plan.auto_checkpoint.checkpoint_to_fit(model, optimizer, loss_fn, batch, "
+                         "batch_size) first")
     if activation_checkpointing:
         _checkpoint_activations(unwrap(model), "selective" if activation_checkpointing == "selective" else "full")
     step = AmpStep(model, optimizer, loss_fn, device=device, dtype=dtype,

@@ -193,7 +193,7 @@ def test_the_architecture_guide_draws_every_package():
 
 
 def test_no_module_is_a_hall():
-    """One owner per module (STYLE.md): none over 400 lines."""
+    """One owner per module, read as one idea: none over 400 lines."""
     long = {m: n for m, path in modules().items() if (n := len(open(path, encoding="utf-8").readlines())) > 400}
     assert not long, long
 
