@@ -17,6 +17,9 @@ What counts as a pointer (the rule; other names are a user's own files and are n
 
 Scanned: every ``.py`` file under ``ignite_amp/`` and ``handlers/``; its string literals (docstrings, messages;
 an f-string with ``{}`` in place of each field) and its comments.
+
+And the subpackages the guides name as ``ignite_amp.X`` (``ignite_amp.handlers.BestCheckpoint``) are attributes of
+``ignite_amp`` after ``import ignite_amp``, imported on first use.
 """
 import ast
 import functools
@@ -25,6 +28,8 @@ import importlib
 import io
 import os
 import re
+import subprocess
+import sys
 import tokenize
 import warnings
 
@@ -151,3 +156,26 @@ def test_the_architecture_guide_names_each_way_handlers_look_a_step_up():
     guide = open(os.path.join(ROOT, "docs", "guides", "architecture.md"), encoding="utf-8").read()
     assert "trainer_step_of" in used  # the scan sees them
     assert all(f"`ignite_amp.engine.{name}`" in guide for name in used), used
+
+
+def test_every_subpackage_is_an_attribute_of_the_package():
+    """Each module and subpackage of ``ignite_amp/``, and ``handlers/`` (installed as ``ignite_amp.handlers``), is
+    named by the package's ``_SUBMODULES`` and ``dir()``; ``configs/`` is package data (ignite_amp.config.builtin)."""
+    import ignite_amp
+
+    folder = os.path.join(ROOT, "ignite_amp")
+    on_disk = {name.removesuffix(".py") for name in os.listdir(folder) if not name.startswith("_")
+               and (name.endswith(".py") or os.path.isfile(os.path.join(folder, name, "__init__.py")))}
+    assert set(ignite_amp._SUBMODULES) == on_disk | {"handlers"}
+    assert set(ignite_amp._SUBMODULES) <= set(dir(ignite_amp))
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ignite_amp_handlers_is_reached_on_first_use():
+    # a fresh interpreter: in this one a test has imported the handlers already (which binds the attribute)
+    code = ("import sys, ignite_amp; print(sorted(m for m in ('torch', 'ignite_amp.handlers') if m in sys.modules)); "
+            "print(ignite_amp.handlers is sys.modules['ignite_amp.handlers'], ignite_amp.handlers.BestCheckpoint)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "True <class 'ignite_amp.handlers.best_checkpoint.BestCheckpoint'>"]
