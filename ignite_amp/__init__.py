@@ -44,9 +44,11 @@ _EXPORTS = {
     "probe_cpu_dtype": "ignite_amp.run.dtype_probe",
 }
 
-# Not "handlers": only ignite_amp.run imports them (import ignite_amp.handlers yourself).
+# "handlers" is the repository's handlers/ folder, installed as ignite_amp.handlers (setup.cfg package_dir); like
+# the others it is imported on first use, so ``import ignite_amp`` stays cheap. Not "configs": package data, read
+# through ignite_amp.config.builtin.
 _SUBMODULES = ("batch_search", "batching", "cli", "config", "core", "data", "engine", "errors", "files",
-               "launcher", "memory_plan", "models", "run", "split_check", "step", "transforms",
+               "handlers", "launcher", "memory_plan", "models", "run", "split_check", "step", "transforms",
                "version")
 
 # The 0.2.0 paths the guides documented, moved in 0.3.0: importable (with a DeprecationWarning) until 0.4.0.

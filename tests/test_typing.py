@@ -1,8 +1,10 @@
 """The annotations users' type checkers see (the wheel ships py.typed): a user's script written against the public
 names type-checks clean, and the same script with the mistakes a user makes is told each one, so the names are
-typed (an untyped name would be Any and pass anything)."""
+typed (an untyped name would be Any and pass anything). The README's Python examples type-check clean too (its
+``trainer.amp_step.scaler``: the trainer is typed by its step)."""
 import ast
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -41,27 +43,57 @@ MISTAKES = {  # the line a user writes -> what the checker must say about it
     "create_amp_trainer(model, optimizer, loss_fn, accumulation_steps=None).run([])":
         'Argument "accumulation_steps" to "create_amp_trainer" has incompatible type "None"',
     "AmpEvents.GRADS_READYY": 'has no attribute "GRADS_READYY"',
+    # each engine typed by its step (neither StepBase nor Any)
+    "create_amp_trainer(model, optimizer, loss_fn).amp_step.scalar": '"AmpStep" has no attribute "scalar"',
+    "create_amp_evaluator(model).amp_step.scaler": '"EvalStep" has no attribute "scaler"',
 }
+
+
+README_BLOCKS = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+                           flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """One mypy run (it reads torch's stubs once) over the user's script, the script with the mistakes and each of
+    the README's Python blocks: {name: the file}, and mypy's lines."""
+    folder = tmp_path_factory.mktemp("typing")
+    # names of this run's own (mypy's cache shared with .ci/lint maps a module name to the file it saw last)
+    texts = {"clean": SCRIPT, "wrong": SCRIPT + "\n".join(MISTAKES) + "\n",
+             **{f"readme_{i}": block for i, block in enumerate(README_BLOCKS)}}
+    files = {name: folder / f"user_{name}_{os.getpid()}.py" for name in texts}
+    for name, text in texts.items():
+        files[name].write_text(text)
+    done = subprocess.run([os.path.join(ROOT, ".ci", "typecheck"), *map(str, files.values())], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode in (0, 1) and "error:" in done.stdout, done.stdout + done.stderr  # the mistakes at least
+    return files, done.stdout.splitlines()
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_a_users_script_type_checks_clean_and_each_mistake_is_told(tmp_path):
-    # names of this run's own (mypy's cache shared with .ci/lint maps a module name to the file it saw last)
-    clean, wrong = tmp_path / f"user_script_{os.getpid()}.py", tmp_path / f"user_mistakes_{os.getpid()}.py"
-    clean.write_text(SCRIPT)
-    wrong.write_text(SCRIPT + "\n".join(MISTAKES) + "\n")
-    done = subprocess.run([os.path.join(ROOT, ".ci", "typecheck"), str(clean), str(wrong)], capture_output=True,
-                          text=True, timeout=600)  # one run for both (mypy reads torch's stubs once)
-    assert done.returncode == 1, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
+def test_a_users_script_type_checks_clean_and_each_mistake_is_told(checked):
+    files, lines = checked
+    clean, wrong = files["clean"], files["wrong"]
     assert not [line for line in lines if line.startswith(str(clean))], lines
     found = [line for line in lines if line.startswith(str(wrong))]
     first = len(SCRIPT.splitlines()) + 1
     for line, (mistake, said) in enumerate(MISTAKES.items(), start=first):
         assert any(f":{line}: error: " in f and said in f for f in found), (mistake, found)
     assert len([f for f in found if ": error: " in f]) == len(MISTAKES), found  # and nothing else in the script
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_readmes_python_examples_type_check_clean(checked):
+    # as a user's checker reads them: trainer.amp_step.scaler.is_enabled() needs the trainer typed by its step
+    files, lines = checked
+    assert README_BLOCKS
+    for i in range(len(README_BLOCKS)):
+        said = [line for line in lines if line.startswith(str(files[f"readme_{i}"]))]
+        assert not said, (f"README.md's python block {i + 1}", said)
 
 
 def test_the_top_level_names_are_visible_to_type_checkers():

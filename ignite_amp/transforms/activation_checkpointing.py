@@ -209,7 +209,7 @@ def _no_kv_cache(model: nn.Module) -> None:
 
 # -- checkpointing suspended (the split check) ---------------------------------------------------------------------
 # torch.utils.checkpoint's own entry points look these names up in their module at each call, in every torch
-# release this package supports (tests/transforms/test_checkpoint_suspended.py is their canary): replaced for a
+# release this package supports (tests/split_check/test_by_construction.py is their canary): replaced for a
 # while, every checkpoint call (this module's blocks, transformers' gradient checkpointing, a user's own call,
 # reentrant or not) runs its function once, plainly, and saves what autograd saves without it.
 _REENTRANT = "CheckpointFunction"
