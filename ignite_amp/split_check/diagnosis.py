@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ignite_amp.step.contracts import ignore_index_of
+from ignite_amp.core.losses import ignore_index_of
 
 #: A piece's gradient smaller than this fraction of the part's is taken for none (the check's own TINY).
 TINY = 1e-2
