@@ -113,12 +113,13 @@ class StepBase:
         if self.channels_last:
             self._model.to(memory_format=torch.channels_last)
         keep_in_fp32(self._model, fp32_modules, self._device.type)
-        # compile="reduce-overhead": CUDA graphs, falling back to eager (ignite_amp.transforms.cuda_graphs)
-        self.graphs = GraphGuard() if compile == REDUCE_OVERHEAD else None
-        self.forward: nn.Module = self._model
+        self._compiled: nn.Module = self._model  # the forward: the model, or torch.compile's of it
+        self.graphs: Optional[GraphGuard] = None
         if compile:  # torch.compile of a module is a module (an OptimizedModule; torch types it as a callable)
-            mode = REDUCE_OVERHEAD if self.graphs is not None else None
-            self.forward = cast(nn.Module, torch.compile(self._model, mode=mode))
+            mode = REDUCE_OVERHEAD if compile == REDUCE_OVERHEAD else None
+            self._compiled = cast(nn.Module, torch.compile(self._model, mode=mode))
+            if mode is not None:  # CUDA graphs, falling back to the eager model (ignite_amp.transforms.cuda_graphs)
+                self.graphs = GraphGuard(self._model, self._compiled)
         self.autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         if self._dtype != torch.float32:
             self.autocast = functools.partial(torch.autocast, device_type=self._device.type, dtype=self._dtype)
@@ -144,6 +145,12 @@ class StepBase:
     def dtype(self) -> torch.dtype:
         """The autocast dtype (``torch.float32``: autocast off)."""
         return self._dtype
+
+    @property
+    def forward(self) -> nn.Module:
+        """What the step's forward calls: the model, or its ``torch.compile``'d form (with
+        ``compile="reduce-overhead"``, the model again once the CUDA graphs fell back)."""
+        return self.graphs.forward if self.graphs is not None else self._compiled
 
     @property
     def batch_size(self) -> int:
@@ -190,7 +197,7 @@ class StepBase:
     def _forward(self, x: Any) -> Any:
         """``model_transform(model_fn(model, x))`` (the caller enters autocast)."""
         if self.graphs is not None:
-            self.graphs.saw(self, x)
+            self.graphs.saw(x)
         return self.model_transform(self.model_fn(self.forward, x))
 
     def _chunks(self, batch: tuple) -> tuple:
@@ -280,7 +287,7 @@ class StepBase:
             output = None
             self._recover(engine)
             if self.graphs is not None:
-                self.graphs.fall_back(self, "out of memory: the graphs' memory pools hold what the retry needs")
+                self.graphs.fall_back("out of memory: the graphs' memory pools hold what the retry needs")
             free_memory(self._device)
             self._oom_count += 1
             before = min(self._micro_batches, self._batch_size)
