@@ -17,6 +17,8 @@ import torch
 
 from ignite_amp.core.collectives import is_distributed, max_across_ranks, sum_across_ranks
 from ignite_amp.core.nested import detach, join_chunks, to_float32
+from ignite_amp.split_check.check import SplitCheck
+from ignite_amp.split_check.protocol import CheckedStep
 from ignite_amp.step.base import Cycle
 from ignite_amp.step.contracts import check_count, warn_batch_norm, warn_padding_without_items
 
@@ -56,9 +58,10 @@ class ChunkWeights:
         self.bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
         self._batch_norm_named = self._padding_checked = False  # said once each
 
-    def start(self, step: Any, batch: tuple, sizes: Sequence[int], cycle: Cycle, keep: bool) -> "BatchChunks":
+    def start(self, step: CheckedStep, check: SplitCheck, batch: tuple, sizes: Sequence[int], cycle: Cycle,
+              keep: bool) -> "BatchChunks":
         """A batch of chunks of ``sizes`` samples starts at this place of its cycle; ``keep``: its chunks' outputs
-        are joined for an ``output_transform``. A cut or combined batch: the step's split check (on its first
+        are joined for an ``output_transform``. A cut or combined batch: the step's split ``check`` (on its first
         batches, per chunk count), and a warning, once, of what it may get wrong."""
         chunks = len(sizes)
         counted = step.num_items is not None
@@ -66,16 +69,16 @@ class ChunkWeights:
             self.cycle_items = 0
         if chunks > 1 and not self._batch_norm_named:
             self._batch_norm_named = True
-            warn_batch_norm(step._module)
+            warn_batch_norm(step.module)
         self.by_items = counted and (chunks > 1 or cycle.length > 1 or is_distributed())
-        step._split_check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
+        check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
         # Without the check (which decides from the loss's behaviour), a warning of padding weighed by samples.
         if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1) and \
-                not step._split_check.enabled:
+                not check.enabled:
             self._padding_checked = True
             x, y = batch
-            warn_padding_without_items(x, y, step.loss_fn, step._module)
-        return BatchChunks(self, step._batch_size, sizes, cycle.length, counted, keep)
+            warn_padding_without_items(x, y, step.loss_fn, step.module)
+        return BatchChunks(self, step.batch_size, sizes, cycle.length, counted, keep)
 
     def count(self, value: Any, where: str) -> Any:
         """A chunk's ``num_items`` ``value``, checked (``where`` names the chunk in an error); the first one sets the
