@@ -263,7 +263,7 @@ class AmpStep(StepBase, Serializable):
         self._norm.clear()
         label = phase_label()
         keep = self.output_transform is not None
-        chunks = self._weights.start(self, self._split_check, batch, sizes, cycle, keep)
+        chunks = self._weights.start(self, self._split_check, batch, sizes, cycle)
         last = len(parts) - 1
         for i, (x, y) in enumerate(parts):
             count = None if self.num_items is None else self._weights.count(
