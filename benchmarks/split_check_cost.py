@@ -51,7 +51,7 @@ def first_steps(size: dict, check: bool, device: torch.device, initial: dict, ba
         if step == 0:
             peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
     return {"first_ms": times[0], "second_ms": times[1], "peak_mb": peak,
-            "checked": trainer.amp_step._split_check.last is not None}
+            "checked": trainer.amp_step.split_check.last is not None}
 
 
 def measure(size: dict, device: torch.device, repeats: int) -> dict:

@@ -22,17 +22,21 @@ tensors, mappings, dataclasses, namedtuples, tuples of fields and per-sample lis
   (settings); mappings, dataclasses, namedtuples and tuples are cut field by field. A tensor with some
   other number of rows, or an object that holds tensors (a graph ``Batch``), cannot be cut: one line
   naming it and the ``split_batch`` hook.
+- **Labels a loss ignores**: :func:`ignore_index_of` reads the label value a loss skips (its ``ignore_index``),
+  for the step's padding warning and the split check's token counts.
 """
 import dataclasses
+import functools
 from collections.abc import Mapping
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
 from ignite_amp.core.nested import is_per_sample, rebuild, to_device
 from ignite_amp.errors import BatchError
 
-__all__ = ["prepare_batch", "batch_size_of", "split_batch", "split_pairs", "chunk_sizes", "split_into"]
+__all__ = ["prepare_batch", "batch_size_of", "split_batch", "split_pairs", "chunk_sizes", "split_into",
+           "ignore_index_of"]
 
 SIZE_HOOK = "pass batch_size=fn(x, y) -> int"
 SPLIT_HOOK = "pass split_batch=fn(x, y, chunks) -> [(x, y), ...]"
@@ -217,3 +221,18 @@ def split_pairs(x: Any, y: Any, n: int, chunks: int) -> List[Tuple[Any, Any]]:
     # (detection: 3 RGB images beside 3 target dicts), else n batched inputs.
     samples = any(kind == "items" and size == n for kind, _, size in [*_evidence(x, "x"), *_evidence(y, "y")])
     return list(zip(split_into(x, n, chunks, "x", samples), split_into(y, n, chunks, "y", samples), strict=True))
+
+
+def ignore_index_of(loss_fn: Optional[Callable]) -> Optional[int]:
+    """The label value ``loss_fn`` ignores, where it says: an ``ignore_index`` attribute (``nn.CrossEntropyLoss``,
+    ``nn.NLLLoss``) or keyword (``functools.partial(cross_entropy, ignore_index=255)``); else None.
+
+    Example:
+        >>> import torch
+        >>> ignore_index_of(torch.nn.CrossEntropyLoss(ignore_index=255)), ignore_index_of(torch.nn.MSELoss())
+        (255, None)
+    """
+    value = getattr(loss_fn, "ignore_index", None)
+    if value is None and isinstance(loss_fn, functools.partial):
+        value = loss_fn.keywords.get("ignore_index")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

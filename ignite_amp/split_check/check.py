@@ -58,6 +58,7 @@ from ignite_amp.split_check.diagnosis import (
     unkeyed,
     unsteady,
 )
+from ignite_amp.split_check.protocol import CheckedStep
 from ignite_amp.split_check.randomness import still
 from ignite_amp.transforms.activation_checkpointing import suspended
 
@@ -146,7 +147,7 @@ class SplitCheck:
         batches = "1 batch" if self.batches == 1 else f"{self.batches} batches"
         return f"split check: {batches} checked, exact within tolerance{spots}{vague}"
 
-    def __call__(self, step: Any, batch: tuple, chunks: int, cycle_length: int) -> None:
+    def __call__(self, step: CheckedStep, batch: tuple, chunks: int, cycle_length: int) -> None:
         if not self.enabled or not (chunks > 1 or cycle_length > 1 or is_distributed()):
             return
         if step.micro_batches != self.checked:  # keyed by the setting every rank shares
@@ -155,7 +156,7 @@ class SplitCheck:
         spot = self.done
         if spot and (self.interval is None or self._since < self.interval):
             return
-        if getattr(step, "fsdp", None) is not None:
+        if step.fsdp is not None:
             self.passes, self.interval = REPEATS, None
             logger.info("split check: not run on a model sharded with FSDP2")
             self.enabled = False
@@ -200,7 +201,7 @@ class SplitCheck:
         # every rank checks the same batches (the verdict is a collective): the longest interval of any rank
         self.interval = int(max_across_ranks(float(interval)))
 
-    def _conclude(self, step: Any, found: Any, worst: float, chunks: int) -> None:
+    def _conclude(self, step: CheckedStep, found: Any, worst: float, chunks: int) -> None:
         if worst == _INCONCLUSIVE:
             self.tries += 1
             self.inconclusive += 1
@@ -240,36 +241,36 @@ def _full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
-def _cut(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limit: Optional[int] = None
+def _cut(step: CheckedStep, batch: Tuple[Any, Any], chunks: int, small: bool, last: bool, limit: Optional[int] = None
          ) -> Optional[Tuple[tuple, List[tuple]]]:
     """The part and its two pieces, cut where the step cuts (see the module); None when there is nothing to cut.
     ``last``: the pieces are the last halves of the two chunks, else their first halves. ``small`` (after an
     out-of-memory error): the part is the first chunk, or its first ``limit`` samples."""
     n = step.batch_size
-    firsts = step._split_pieces(*batch, n, max(chunks, 2))[:2]  # the step's first two chunks, or the batch's halves
+    firsts = step.split(*batch, n, max(chunks, 2))[:2]  # the step's first two chunks, or the batch's halves
     if step.split_batch is split_batch and not small:
         pieces = [_half(step, chunk, i, last) for i, chunk in enumerate(firsts)]
-        sizes = [step._count_samples(*c) for c in pieces]
+        sizes = [step.count_samples(*c) for c in pieces]
         part = (join_chunks([c[0] for c in pieces], sizes), join_chunks([c[1] for c in pieces], sizes))
-        if step._count_samples(*part) == sum(sizes):
+        if step.count_samples(*part) == sum(sizes):
             return part, pieces
     part = firsts[0]  # one chunk (it fits), cut in two by the step's split_batch
-    m = step._count_samples(*part)
+    m = step.count_samples(*part)
     if limit is not None and m > limit:
-        part = step._split_pieces(*part, m, -(-m // limit))[0]
-        m = step._count_samples(*part)
-    return (part, step._split_pieces(*part, m, 2)) if m >= 2 else None
+        part = step.split(*part, m, -(-m // limit))[0]
+        m = step.count_samples(*part)
+    return (part, step.split(*part, m, 2)) if m >= 2 else None
 
 
-def _half(step: Any, chunk: tuple, index: int, last: bool) -> tuple:
+def _half(step: CheckedStep, chunk: Tuple[Any, Any], index: int, last: bool) -> tuple:
     """Half of a chunk: its last floor(s / 2) rows, or its first ceil(s / 2) (the first chunk) or at most
     floor(s / 2) (the second): the two halves hold at most a chunk's samples."""
-    size = step._count_samples(*chunk)
+    size = step.count_samples(*chunk)
     if size < 2:
         return chunk
     if last or index == 0:
-        return step._split_pieces(*chunk, size, 2)[1 if last else 0]
-    return step._split_pieces(*chunk, size, -(-size // (size // 2)))[0]
+        return step.split(*chunk, size, 2)[1 if last else 0]
+    return step.split(*chunk, size, -(-size // (size // 2)))[0]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -277,7 +278,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limit: Optional[int] = None,
+def _measure(step: CheckedStep, batch: tuple, chunks: int, small: bool, last: bool, limit: Optional[int] = None,
              seed: int = 0) -> Any:
     """A :class:`Measured` (failed), :data:`_INCONCLUSIVE`, or a :class:`_Said`: passed, or a forward the check
     could not hold still, or a batch the loss fails on once cut (``inf``: stop; :data:`_UNCUT`: warn). Activation
@@ -290,11 +291,11 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
     if cut is None:
         return _INCONCLUSIVE
     part, pieces = cut
-    module = step._module
+    module = step.module
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         return _INCONCLUSIVE
-    sizes = [step._count_samples(*p) for p in pieces]
+    sizes = [step.count_samples(*p) for p in pieces]
     counts = None if step.num_items is None else [float(step.num_items(*p)) for p in pieces]
     if counts is not None and not all(c >= 0 for c in counts):
         return _INCONCLUSIVE  # a negative or NaN count: the step's own check says so
@@ -308,7 +309,7 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
             return None  # the step itself says what is wrong with this loss
         return list(torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True))
 
-    step._extra_passes += 1  # a FLOP count of this iteration would include the check's: the step counts the next
+    step.note_extra_pass()  # a FLOP count of this iteration would include the check's: the step counts the next
     with _full_float32(), suspended(), still(module, forwards_only=True, seed=seed) as held:
         try:
             for _ in range(3):  # again only where random operators were keyed wrong (see Still.learn)
@@ -363,11 +364,11 @@ def _measure(step: Any, batch: tuple, chunks: int, small: bool, last: bool, limi
     return Measured(products, sizes, counts, tol, candidates(step.loss_fn, pieces), terms)
 
 
-def _tolerance(step: Any) -> float:
+def _tolerance(step: CheckedStep) -> float:
     """The largest difference accepted for the step's model (its parameters' precision, float8 layers)."""
     if step.float8 is not None:
         return FLOAT8_TOLERANCE
-    low = any(p.dtype not in (torch.float32, torch.float64) for p in step._module.parameters() if p.requires_grad)
+    low = any(p.dtype not in (torch.float32, torch.float64) for p in step.module.parameters() if p.requires_grad)
     return LOW_PRECISION_TOLERANCE if low else TOLERANCE
 
 

@@ -21,7 +21,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ignite_amp.step.contracts import ignore_index_of
+from ignite_amp.batching import ignore_index_of
+from ignite_amp.split_check.protocol import CheckedStep
 
 #: A piece's gradient smaller than this fraction of the part's is taken for none (the check's own TINY).
 TINY = 1e-2
@@ -224,13 +225,14 @@ def candidates(loss_fn: Any, parts: list) -> List[Tuple[str, List[float]]]:
     return found
 
 
-def coincides(step: Any, batch: tuple, chunks: int, pieces: List[tuple], w: Tuple[float, float]) -> bool:
+def coincides(step: CheckedStep, batch: Tuple[Any, Any], chunks: int, pieces: List[tuple], w: Tuple[float, float]
+              ) -> bool:
     """Whether a pass proves nothing: another usual weighting (the samples, where the step weighs by num_items; a
     count :func:`~ignite_amp.split_check.diagnosis.candidates` names) gives the part's pieces the step's shares by
     coincidence (two labelled tokens in each), while it gives the step's own chunks other shares than the step
     does. The step's chunks would then be weighed wrong without the check seeing it."""
-    firsts = step._split_pieces(*batch, step.batch_size, max(chunks, 2))[:2]
-    sizes = [step._count_samples(*c) for c in firsts]
+    firsts = step.split(*batch, step.batch_size, max(chunks, 2))[:2]
+    sizes = [step.count_samples(*c) for c in firsts]
     counts = None if step.num_items is None else [float(step.num_items(*c)) for c in firsts]
     if counts is not None and not all(c >= 0 for c in counts):
         return False
@@ -241,7 +243,7 @@ def coincides(step: Any, batch: tuple, chunks: int, pieces: List[tuple], w: Tupl
     others = likely(candidates(step.loss_fn, firsts))
     if step.num_items is not None:
         others["the samples"] = [float(s) for s in sizes]
-        piece_counts = {"the samples": [float(step._count_samples(*p)) for p in pieces]}
+        piece_counts = {"the samples": [float(step.count_samples(*p)) for p in pieces]}
     else:
         piece_counts = {}
     piece_counts.update(likely(candidates(step.loss_fn, pieces)))
@@ -280,14 +282,14 @@ def unsteady(m: int, rel: float, tol: float, unheld: List[str], drew: List[str],
             f"amp.check_split: false) if the loss is a mean over what the step weighs by")
 
 
-def loss_terms(step: Any, module: Any, params: list, part: tuple, pieces: list, held: Any, dtype: torch.dtype
+def loss_terms(step: CheckedStep, module: Any, params: list, part: tuple, pieces: list, held: Any, dtype: torch.dtype
                ) -> List[Tuple[str, List[float]]]:
     """The dot products of each loss term, where the model returns its losses as a dict of 0-d tensors
     (torchvision detection) that the loss adds: for the diagnosis of two means."""
     outputs = []
     for i, (x, y) in enumerate([part, *pieces]):
         held.reset(replay=i < 2)
-        with held.forward(x, y, step._count_samples(x, y)):
+        with held.forward(x, y, step.count_samples(x, y)):
             out = step.model_transform(step.model_fn(module, x))
         if not (isinstance(out, dict) and len(out) > 1 and
                 all(torch.is_tensor(v) and v.ndim == 0 for v in out.values())):

@@ -70,7 +70,9 @@ class StepBase:
 
     The interface handlers may use (see the architecture guide, "The step's interface"): the read-only
     properties ``model``, ``device``, ``dtype``, ``batch_size`` (of the batch in progress),
-    ``oom_count``, and ``micro_batches``, the one value a handler may set.
+    ``oom_count``, and ``micro_batches``, the one value a handler may set. The split check reads a step through
+    :class:`~ignite_amp.split_check.protocol.CheckedStep`: these, the hooks, ``module``, :meth:`count_samples`,
+    :meth:`split` and :meth:`note_extra_pass`.
     """
 
     def __init__(
@@ -113,12 +115,13 @@ class StepBase:
         if self.channels_last:
             self._model.to(memory_format=torch.channels_last)
         keep_in_fp32(self._model, fp32_modules, self._device.type)
-        # compile="reduce-overhead": CUDA graphs, falling back to eager (ignite_amp.transforms.cuda_graphs)
-        self.graphs = GraphGuard() if compile == REDUCE_OVERHEAD else None
-        self.forward: nn.Module = self._model
+        self._compiled: nn.Module = self._model  # the forward: the model, or torch.compile's of it
+        self.graphs: Optional[GraphGuard] = None
         if compile:  # torch.compile of a module is a module (an OptimizedModule; torch types it as a callable)
-            mode = REDUCE_OVERHEAD if self.graphs is not None else None
-            self.forward = cast(nn.Module, torch.compile(self._model, mode=mode))
+            mode = REDUCE_OVERHEAD if compile == REDUCE_OVERHEAD else None
+            self._compiled = cast(nn.Module, torch.compile(self._model, mode=mode))
+            if mode is not None:  # CUDA graphs, falling back to the eager model (ignite_amp.transforms.cuda_graphs)
+                self.graphs = GraphGuard(self._model, self._compiled)
         self.autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         if self._dtype != torch.float32:
             self.autocast = functools.partial(torch.autocast, device_type=self._device.type, dtype=self._dtype)
@@ -144,6 +147,18 @@ class StepBase:
     def dtype(self) -> torch.dtype:
         """The autocast dtype (``torch.float32``: autocast off)."""
         return self._dtype
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without its ``DistributedDataParallel`` wrapper (the model itself otherwise): its training
+        flag and its parameters as the split check differentiates them."""
+        return self._module
+
+    @property
+    def forward(self) -> nn.Module:
+        """What the step's forward calls: the model, or its ``torch.compile``'d form (with
+        ``compile="reduce-overhead"``, the model again once the CUDA graphs fell back)."""
+        return self.graphs.forward if self.graphs is not None else self._compiled
 
     @property
     def batch_size(self) -> int:
@@ -175,6 +190,31 @@ class StepBase:
         """FLOPs per sample of a training iteration, once :meth:`count_flops` has counted one; else None."""
         return self._flops_per_sample
 
+    # -- the batch as the step counts and cuts it (the split check's protocol, with module) ---
+    def count_samples(self, x: Any, y: Any) -> int:
+        """The samples of a prepared ``(x, y)``, by the step's ``batch_size`` hook (checked: an int >= 0)."""
+        if self.batch_size_fn is batch_size_of:
+            first = x if torch.is_tensor(x) else None  # the usual (tensor, tensor) batch: no walk
+            if first is not None and first.dim() and (y is None or (torch.is_tensor(y) and y.dim() and
+                                                                    y.shape[0] == first.shape[0])):
+                return first.shape[0]
+            return batch_size_of(x, y)
+        n = self.batch_size_fn(x, y)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise BatchError(f"batch_size should return the number of samples as an int, got {n!r}")
+        return n
+
+    def split(self, x: Any, y: Any, n: int, chunks: int) -> list:
+        """``(x, y)`` of ``n`` samples cut into ``chunks`` ``(x, y)`` pieces by the step's ``split_batch`` hook."""
+        if self.split_batch is split_batch:
+            return split_pairs(x, y, n, chunks)
+        return [tuple(p) for p in self.split_batch(x, y, chunks)]
+
+    def note_extra_pass(self) -> None:
+        """A forward and backward ran beside the step's own in this iteration (the split check's): a FLOP count
+        of the iteration would include it, so :meth:`count_flops` counts the next one instead."""
+        self._extra_passes += 1
+
     # -- the step ----------------------------------------------------------------------------
     def _prepare(self, batch: Any) -> tuple:
         prepared = self.prepare_batch(batch, self._device, self.non_blocking)
@@ -190,7 +230,7 @@ class StepBase:
     def _forward(self, x: Any) -> Any:
         """``model_transform(model_fn(model, x))`` (the caller enters autocast)."""
         if self.graphs is not None:
-            self.graphs.saw(self, x)
+            self.graphs.saw(x)
         return self.model_transform(self.model_fn(self.forward, x))
 
     def _chunks(self, batch: tuple) -> tuple:
@@ -206,29 +246,11 @@ class StepBase:
         if not isinstance(parts, (list, tuple)) or not parts or not all(
                 isinstance(p, (list, tuple)) and len(p) == 2 for p in parts):
             raise BatchError(f"split_batch should return a list of (x, y) pairs, got {type(parts).__name__}")
-        sizes = [self._count_samples(*p) for p in parts]
+        sizes = [self.count_samples(*p) for p in parts]
         if sum(sizes) != n:
             raise BatchError(f"split_batch: its {len(parts)} chunks hold {sum(sizes)} samples ({sizes}) by "
                              f"batch_size, the batch {n}: each sample must be in exactly one chunk")
         return list(parts), sizes
-
-    def _count_samples(self, x: Any, y: Any) -> int:
-        if self.batch_size_fn is batch_size_of:
-            first = x if torch.is_tensor(x) else None  # the usual (tensor, tensor) batch: no walk
-            if first is not None and first.dim() and (y is None or (torch.is_tensor(y) and y.dim() and
-                                                                    y.shape[0] == first.shape[0])):
-                return first.shape[0]
-            return batch_size_of(x, y)
-        n = self.batch_size_fn(x, y)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise BatchError(f"batch_size should return the number of samples as an int, got {n!r}")
-        return n
-
-    def _split_pieces(self, x: Any, y: Any, n: int, chunks: int) -> list:
-        """``(x, y)`` of ``n`` samples cut into ``chunks`` ``(x, y)`` pieces by the step's ``split_batch`` hook."""
-        if self.split_batch is split_batch:
-            return split_pairs(x, y, n, chunks)
-        return [tuple(p) for p in self.split_batch(x, y, chunks)]
 
     def _joined(self, batch: tuple, parts: list, sizes: Sequence[int]) -> tuple:
         """The batch's ``(x, y)`` as its chunks hold them, in the chunks' order: a custom ``split_batch`` may
@@ -238,7 +260,7 @@ class StepBase:
         return join_chunks([p[0] for p in parts], sizes), join_chunks([p[1] for p in parts], sizes)
 
     def _size_of(self, engine: Engine, batch: tuple) -> int:
-        n = self._count_samples(*batch)
+        n = self.count_samples(*batch)
         if n == 0:
             raise BatchError(f"batch: an empty batch (0 samples) at iteration {engine.state.iteration}")
         return n
@@ -280,7 +302,7 @@ class StepBase:
             output = None
             self._recover(engine)
             if self.graphs is not None:
-                self.graphs.fall_back(self, "out of memory: the graphs' memory pools hold what the retry needs")
+                self.graphs.fall_back("out of memory: the graphs' memory pools hold what the retry needs")
             free_memory(self._device)
             self._oom_count += 1
             before = min(self._micro_batches, self._batch_size)

@@ -10,6 +10,8 @@ every chunk, iteration and rank of the cycle. With ``num_items`` every chunk wei
 :class:`~ignite_amp.step.train.AmpStep` runs the chunks in the AMP order; this module does their arithmetic and
 knows nothing of autocast or the scaler.
 """
+import functools
+import operator
 from typing import Any, List, Optional, Sequence
 
 import ignite.distributed as idist
@@ -17,6 +19,8 @@ import torch
 
 from ignite_amp.core.collectives import is_distributed, max_across_ranks, sum_across_ranks
 from ignite_amp.core.nested import detach, join_chunks, to_float32
+from ignite_amp.split_check.check import SplitCheck
+from ignite_amp.split_check.protocol import CheckedStep
 from ignite_amp.step.base import Cycle
 from ignite_amp.step.contracts import check_count, warn_batch_norm, warn_padding_without_items
 
@@ -51,31 +55,32 @@ class ChunkWeights:
     def __init__(self, device: torch.device):
         self.device = device
         self.cycle_items: Any = 0  # items of the cycle so far (num_items), summed on this rank
-        self.item_ref: Optional[float] = None  # items per chunk that weigh 1 (agreed by all ranks once)
+        self.item_ref = 0.0  # items per chunk that weigh 1: 0 until the first count() agrees it with all ranks (>= 1)
         self.by_items = False  # this cycle's chunks were weighed by their items
         self.bad_items: Optional[torch.Tensor] = None  # a negative or NaN num_items in this batch (on device)
         self._batch_norm_named = self._padding_checked = False  # said once each
 
-    def start(self, step: Any, batch: tuple, sizes: Sequence[int], cycle: Cycle, keep: bool) -> "BatchChunks":
-        """A batch of chunks of ``sizes`` samples starts at this place of its cycle; ``keep``: its chunks' outputs
-        are joined for an ``output_transform``. A cut or combined batch: the step's split check (on its first
-        batches, per chunk count), and a warning, once, of what it may get wrong."""
+    def start(self, step: CheckedStep, check: SplitCheck, batch: tuple, sizes: Sequence[int], cycle: Cycle
+              ) -> "BatchChunks":
+        """A batch of chunks of ``sizes`` samples starts at this place of its cycle. A cut or combined batch: the
+        step's split ``check`` (on its first batches, per chunk count), and a warning, once, of what it may get
+        wrong."""
         chunks = len(sizes)
         counted = step.num_items is not None
         if cycle.first:
             self.cycle_items = 0
         if chunks > 1 and not self._batch_norm_named:
             self._batch_norm_named = True
-            warn_batch_norm(step._module)
+            warn_batch_norm(step.module)
         self.by_items = counted and (chunks > 1 or cycle.length > 1 or is_distributed())
-        step._split_check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
+        check(step, batch, chunks, cycle.length)  # once per chunk count, where cut or combined
         # Without the check (which decides from the loss's behaviour), a warning of padding weighed by samples.
         if not counted and not self._padding_checked and (chunks > 1 or cycle.length > 1) and \
-                not step._split_check.enabled:
+                not check.enabled:
             self._padding_checked = True
             x, y = batch
-            warn_padding_without_items(x, y, step.loss_fn, step._module)
-        return BatchChunks(self, step._batch_size, sizes, cycle.length, counted, keep)
+            warn_padding_without_items(x, y, step.loss_fn, step.module)
+        return BatchChunks(self, step.batch_size, sizes, cycle.length, counted)
 
     def count(self, value: Any, where: str) -> Any:
         """A chunk's ``num_items`` ``value``, checked (``where`` names the chunk in an error); the first one sets the
@@ -83,7 +88,7 @@ class ChunkWeights:
         count, invalid = check_count(value, self.device, where)
         if invalid is not None:  # the batch's loss will read NaN (see BatchChunks.loss)
             self.bad_items = invalid if self.bad_items is None else self.bad_items | invalid
-        if self.item_ref is None:  # once: the reference every rank weighs its chunks against
+        if not self.item_ref:  # once: the reference every rank weighs its chunks against
             self.item_ref = max(max_across_ranks(float(count)), 1.0)
         return count
 
@@ -98,7 +103,6 @@ class ChunkWeights:
         # A cycle without items has nothing to average: its gradient stays the (zero) sum.
         total = torch.where(total > 0, total, torch.ones_like(total)) if torch.is_tensor(total) else \
             (total if total > 0 else 1)
-        assert self.item_ref is not None  # by_items: count() set it at the cycle's first chunk
         factor = self.item_ref * idist.get_world_size() / total
         grads = [p.grad for p in params if p.grad is not None]
         if grads:  # one fused kernel per device and dtype, as torch.optim's foreach paths use
@@ -111,18 +115,17 @@ class BatchChunks:
     Made by :meth:`ChunkWeights.start`; a local of the step's attempt, so a failed attempt's outputs go with it.
     """
 
-    __slots__ = ("weights", "n", "sizes", "cycle_length", "counted", "total", "items", "kept")
+    __slots__ = ("weights", "n", "sizes", "cycle_length", "counted", "parts", "items", "kept")
 
-    def __init__(self, weights: ChunkWeights, n: int, sizes: Sequence[int], cycle_length: int, counted: bool,
-                 keep: bool):
+    def __init__(self, weights: ChunkWeights, n: int, sizes: Sequence[int], cycle_length: int, counted: bool):
         self.weights = weights
         self.n = n  # the batch's samples
         self.sizes = sizes
         self.cycle_length = cycle_length
         self.counted = counted  # weighed by num_items
-        self.total: Optional[torch.Tensor] = None  # the chunks' losses, weighted, summed
+        self.parts: List[torch.Tensor] = []  # the chunks' losses, weighted (summed in their order by loss())
         self.items: Any = 0  # the batch's items so far (num_items)
-        self.kept: Optional[List[tuple]] = [] if keep else None
+        self.kept: List[tuple] = []  # (output, count) of each chunk, where the step keeps them (output_transform)
 
     def weigh(self, loss: torch.Tensor, chunk: int, count: Any) -> Any:
         """The weight of chunk ``chunk``'s ``loss`` in the cycle's gradient (``count``: its items, or None to
@@ -144,8 +147,7 @@ class BatchChunks:
             least = torch.where(count > 0, count, torch.ones_like(count)) if torch.is_tensor(count) else \
                 (count if count > 0 else 1)
             weight = 1
-            if weights.by_items:
-                assert weights.item_ref is not None  # count() set it at the cycle's first chunk
+            if weights.by_items:  # (count() agreed item_ref at the cycle's first chunk)
                 weight = least / weights.item_ref
             part = loss.detach() * least
             if torch.is_tensor(count):
@@ -153,19 +155,17 @@ class BatchChunks:
             elif count == 0:  # (no host read: the loss stays on its device)
                 part = torch.where(torch.isfinite(part), part, torch.zeros_like(part))
             self.items = self.items + count
-        self.total = part if self.total is None else self.total + part
+        self.parts.append(part)
         return weight
 
     def keep(self, y_pred: Any, count: Any) -> None:
         """Keep a chunk's output (detached, floats in float32) for :meth:`outputs`."""
-        assert self.kept is not None, "keep=False: no outputs are kept"
         self.kept.append((to_float32(detach(y_pred)), count))
 
     def loss(self) -> tuple:
         """The batch's loss (a detached float32 tensor: the mean over its samples, or its items) and what it
-        averaged over; with ``num_items`` its items join the cycle's."""
-        total = self.total
-        assert total is not None, "loss() before any chunk was weighed"
+        averaged over; with ``num_items`` its items join the cycle's. Called once every chunk was weighed."""
+        total = functools.reduce(operator.add, self.parts)  # ((p1 + p2) + p3)...: one part is itself, no kernel
         if not self.counted:
             return total.float(), self.n
         weights, items = self.weights, self.items
@@ -178,6 +178,5 @@ class BatchChunks:
 
     def outputs(self) -> Any:
         """The kept outputs joined into the batch's (a loss among them: the mean over the samples, or the items)."""
-        assert self.kept is not None, "keep=False: no outputs are kept"
         counts = [c for _, c in self.kept] if self.counted else None
         return join_chunks([p for p, _ in self.kept], self.sizes, counts)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ignite_amp.batching import ignore_index_of
 from ignite_amp.core.nested import join_chunks
 from ignite_amp.errors import first_line
 
@@ -161,15 +162,6 @@ def check_count(count: Any, device: torch.device, where: str) -> Tuple[Any, Opti
         return count, None
     valid = count >= 0  # False for NaN too
     return torch.where(valid, count, torch.zeros_like(count)), ~valid
-
-
-def ignore_index_of(loss_fn: Optional[Callable]) -> Optional[int]:
-    """The label value ``loss_fn`` ignores, where it says: an ``ignore_index`` attribute (``nn.CrossEntropyLoss``,
-    ``nn.NLLLoss``) or keyword (``functools.partial(cross_entropy, ignore_index=255)``); else None."""
-    value = getattr(loss_fn, "ignore_index", None)
-    if value is None and isinstance(loss_fn, functools.partial):
-        value = loss_fn.keywords.get("ignore_index")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _is_ctc(module: Optional[nn.Module]) -> bool:

@@ -31,7 +31,7 @@ class EvalStep(StepBase):
     _probed = False  # square outputs were probed once and are not in-batch pairs
 
     def _run(self, engine: Engine, batch: Any, defer: bool = False) -> Any:
-        if self._module.training:
+        if self.module.training:
             self._model.eval()
         parts, sizes = self._chunks(batch)
         preds = []
@@ -43,9 +43,9 @@ class EvalStep(StepBase):
         if names:
             self._probed = True  # class logits or in-batch pairs? A smaller piece of the first chunk tells
             x0, y0 = parts[0]
-            probe = self._split_pieces(x0, y0, sizes[0], 2)[0]
+            probe = self.split(x0, y0, sizes[0], 2)[0]
             with torch.no_grad(), self.autocast():
-                refuse_pair_blocks(names, self._forward(probe[0]), self._count_samples(*probe))
+                refuse_pair_blocks(names, self._forward(probe[0]), self.count_samples(*probe))
         x, y = self._joined(batch, parts, sizes)  # each chunk's predictions meet that chunk's own targets
         y_pred = join_chunks(preds, sizes)
         if self.output_transform is None:

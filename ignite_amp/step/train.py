@@ -257,11 +257,13 @@ class AmpStep(StepBase, Serializable):
         if cycle.first:
             self._optimizer.zero_grad(set_to_none=True)
         if self.graphs is not None and not self.graphs.checked:  # compile reduce-overhead: against eager, once
-            self.graphs.check_parity(self, *parts[0])
+            x0, y0 = parts[0]
+            self.graphs.check_parity(lambda forward: self._loss_through(forward, x0, y0), self._device, self._dtype,
+                                     sharded=self.fsdp is not None)
         self._norm.clear()
         label = phase_label()
         keep = self.output_transform is not None
-        chunks = self._weights.start(self, batch, sizes, cycle, keep)
+        chunks = self._weights.start(self, self._split_check, batch, sizes, cycle)
         last = len(parts) - 1
         for i, (x, y) in enumerate(parts):
             count = None if self.num_items is None else self._weights.count(
@@ -297,6 +299,11 @@ class AmpStep(StepBase, Serializable):
             return self._loss
         x, y = self._joined(batch, parts, sizes)  # a custom split_batch may reorder rows: the chunks' own x, y
         return self.output_transform(x, y, chunks.outputs(), self._loss)
+
+    def _loss_through(self, forward: nn.Module, x: Any, y: Any) -> torch.Tensor:
+        """The loss of ``(x, y)`` through ``forward`` in the step's autocast (the CUDA graphs' parity check)."""
+        with self.autocast():
+            return self.loss_fn(self.model_transform(self.model_fn(forward, x)), y)
 
     def _complete(self, engine: Engine, output: Any) -> Any:
         if cycle_at(self._accumulation_steps, engine.state).last:

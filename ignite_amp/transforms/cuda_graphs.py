@@ -27,7 +27,7 @@ graphs too, without these checks and fallbacks, and ``"default"`` is ``compile=T
 """
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -96,62 +96,72 @@ def loss_mismatch(eager: float, compiled: float, dtype: torch.dtype) -> Optional
 
 
 class GraphGuard:
-    """The fallbacks of a step whose forward is compiled with ``mode="reduce-overhead"`` (see the module)."""
+    """The forward of a step compiled with ``mode="reduce-overhead"``, and its fallbacks to the eager model (see the
+    module). The step calls :attr:`forward`; the guard says which module that is, so no one else changes it.
 
-    def __init__(self):
+    Args:
+        eager: the model as the step runs it (DDP-wrapped under data-parallel training).
+        compiled: ``torch.compile(eager, mode="reduce-overhead")``.
+    """
+
+    def __init__(self, eager: nn.Module, compiled: nn.Module):
+        self.eager, self.compiled = eager, compiled
         self.checked = False
         self.parity: Optional[str] = None  # "passed", or why it was not checked
         self.off: Optional[str] = None  # why the step went back to the eager forward
         self._shapes: set = set()
 
-    def fall_back(self, step: Any, why: str) -> None:
+    @property
+    def forward(self) -> nn.Module:
+        """The compiled module, or the eager one once the guard fell back."""
+        return self.compiled if self.off is None else self.eager
+
+    def fall_back(self, why: str) -> None:
         """The eager forward from now on, said once."""
         if self.off is None:
             self.off = why
-            step.forward = step.model
             logger.warning(f"compile reduce-overhead: back to the eager forward: {why}")
 
-    def saw(self, step: Any, x: Any) -> None:
+    def saw(self, x: Any) -> None:
         """A chunk's input ``x``: a shape past :data:`MAX_SHAPES` falls back."""
         if self.off is not None or not torch.is_tensor(x):
             return
         self._shapes.add(tuple(x.shape))
         if len(self._shapes) > MAX_SHAPES:
-            self.fall_back(step, f"{len(self._shapes)} input shapes, each recorded as its own graphs (at most "
-                                 f"{MAX_SHAPES}): the last short batch and micro-batch changes make new ones")
+            self.fall_back(f"{len(self._shapes)} input shapes, each recorded as its own graphs (at most "
+                           f"{MAX_SHAPES}): the last short batch and micro-batch changes make new ones")
 
-    def check_parity(self, step: Any, x: Any, y: Any) -> None:
-        """The first training chunk's loss, compiled against eager (the state restored after each)."""
+    def check_parity(self, loss_of: Callable[[nn.Module], torch.Tensor], device: torch.device, dtype: torch.dtype,
+                     sharded: bool = False) -> None:
+        """The first training chunk's loss, compiled against eager (the state restored after each): ``loss_of(forward)``
+        is that chunk's scalar loss through ``forward``, in the step's autocast; ``sharded``: an FSDP2 model."""
         self.checked = True
-        model = unwrap(step.model)
-        if model is not step.model or getattr(step, "fsdp", None) is not None:
+        model = unwrap(self.eager)
+        if model is not self.eager or sharded:
             self.parity = "not checked under DDP or FSDP2"
             return
         if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()):
             self.parity = "not checked: dropout draws other random numbers compiled than eager"
             return
-        eager = self._loss(step, step.model, x, y, grad=False)
-        compiled = self._loss(step, step.forward, x, y, grad=True)
+        eager = self._loss(loss_of, self.eager, device, grad=False)
+        compiled = self._loss(loss_of, self.forward, device, grad=True)
         if not math.isfinite(eager):  # nothing to compare with: the model's or the data's fault, not compile's
             self.parity = f"not checked: the first loss is not finite ({eager} eager, {compiled} compiled)"
             logger.warning(f"compile reduce-overhead: parity {self.parity}")
             return
-        why = loss_mismatch(eager, compiled, step.dtype)  # one host sync, once
+        why = loss_mismatch(eager, compiled, dtype)  # one host sync, once
         self.parity = "passed" if why is None else why
         if why is not None:
-            self.fall_back(step, f"parity check failed on the first step: {why}")
+            self.fall_back(f"parity check failed on the first step: {why}")
 
-    @staticmethod
-    def _loss(step: Any, forward: Any, x: Any, y: Any, grad: bool) -> float:
-        """The chunk's loss through ``forward`` in the step's autocast, the buffers and random state kept as they
-        were (grad on for the compiled forward: its training graph, the one the step then runs)."""
-        module = unwrap(step.model)
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
-        device = step.device
+    def _loss(self, loss_of: Callable[[nn.Module], torch.Tensor], forward: nn.Module, device: torch.device,
+              grad: bool) -> float:
+        """``loss_of(forward)``, the buffers and random state kept as they were (grad on for the compiled forward:
+        its training graph, the one the step then runs)."""
+        buffers = [(b, b.detach().clone()) for b in unwrap(self.eager).buffers()]
         devices = [device] if device.type != "cpu" else []
-        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.set_grad_enabled(grad), \
-                step.autocast():
-            loss = step.loss_fn(step.model_transform(step.model_fn(forward, x)), y).detach().float().item()
+        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.set_grad_enabled(grad):
+            loss = loss_of(forward).detach().float().item()
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

@@ -212,3 +212,24 @@ def test_a_first_loss_that_is_not_finite_is_said_so_not_compared(compiled, caplo
 def test_a_compiled_loss_that_is_not_finite_where_eager_is_falls_back_saying_so():
     assert loss_mismatch(2.302, float("inf"), torch.bfloat16) == ("the compiled loss is not finite (inf) where the "
                                                                   "eager one is 2.302")
+
+
+def test_the_guard_holds_both_forwards_and_knows_no_step():
+    """The guard says which module runs (the step's forward reads it); its parity check takes a loss function of a
+    forward, not a step."""
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 3)
+    x, y = batches([8])[0]
+
+    def loss_of(forward):
+        return cross_entropy(forward(x), y)
+
+    agreeing = graphs.GraphGuard(eager, Shifted(eager, 0.0))
+    agreeing.check_parity(loss_of, torch.device("cpu"), torch.float32)
+    assert agreeing.parity == "passed" and agreeing.forward is agreeing.compiled
+    disagreeing = graphs.GraphGuard(eager, Shifted(eager, torch.tensor([0.0, 0.0, 3.0])))
+    disagreeing.check_parity(loss_of, torch.device("cpu"), torch.float32)
+    assert disagreeing.off.startswith("parity check failed") and disagreeing.forward is eager
+    sharded = graphs.GraphGuard(eager, Shifted(eager, 3.0))
+    sharded.check_parity(loss_of, torch.device("cpu"), torch.float32, sharded=True)
+    assert sharded.parity == "not checked under DDP or FSDP2" and sharded.forward is sharded.compiled
