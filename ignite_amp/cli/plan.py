@@ -38,7 +38,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from ignite_amp.files.atomic import write_text
     from ignite_amp.memory_plan.plan import DEFAULT_MARGIN, format_bytes, parse_bytes
     from ignite_amp.run.console import fitted, safe_print
-    from ignite_amp.run.plan import plan_config, plan_dtype
+    from ignite_amp.run.plan import plan_config, plan_dtype, planned_world, resolve
 
     print_to_stdout = safe_print
 
@@ -73,7 +73,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if dtype == "auto":
         from ignite_amp.core.device import dtype_name, resolve_dtype
 
-        dtype = f"auto ({decided['amp']['dtype'] if dtype_why else dtype_name(resolve_dtype('auto', plan.device))})"
+        dtype = f"auto ({decided.amp.dtype if dtype_why else dtype_name(resolve_dtype('auto', plan.device))})"
     safe_print(fitted(f"{cfg.name}: {cfg.model.name}, dtype {dtype}, batch sizes per process"))
     if dtype_why:
         safe_print(fitted(f"dtype auto: {dtype_why}"))
@@ -91,7 +91,10 @@ def plan_command(args: argparse.Namespace) -> int:
             safe_print(line)
     if args.json:
         extra = {} if options is None else {"checkpoint_options": [dataclasses.asdict(o) for o in options]}
-        text = json.dumps({"config": cfg.name, **plan.to_dict(), **extra}, indent=2) + "\n"
+        import torch
+
+        run = resolve(decided, planned_world(decided), torch.device(plan.device))  # its device, processes, batches
+        text = json.dumps({"config": cfg.name, "run": run.to_dict(), **plan.to_dict(), **extra}, indent=2) + "\n"
         if to_stdout:
             print_to_stdout(text, end="")
             return 0

@@ -39,9 +39,11 @@ from ignite_amp.run.builders import (
     seed_everything,
 )
 from ignite_amp.run.dtype_probe import config_dtype
+from ignite_amp.step.facts import config_facts
 
 __all__ = ["RunPlan", "Settled", "CHOICES", "resolve", "plan_config", "plan_dtype", "config_batch_sizes",
-           "checkpoint_config_to_fit", "plan_run", "config_checkpoint_options", "checkpoint_options_lines"]
+           "planned_world", "checkpoint_config_to_fit", "plan_run", "config_checkpoint_options",
+           "checkpoint_options_lines"]
 
 logger = logging.getLogger("ignite_amp")
 
@@ -89,12 +91,9 @@ class RunPlan:
         def value(name: str, default: Any = None) -> Any:
             return got[name].value if name in got else default
 
-        facts: Dict[str, Any] = {
-            "batch_size": self.batch_size if self.batch_size is not None else cfg.data.batch_size,
-            "batch_size_search": self.batch_searched, "compile": value("compile", cfg.amp.compile),
-            "channels_last": value("channels_last", cfg.amp.channels_last), "model": cfg.model.name,
-            "optimizer": cfg.optimizer.name, "lr": cfg.optimizer.lr, "scheduler": cfg.scheduler.name,
-            "epochs": cfg.train.epochs, "seed": cfg.seed}
+        facts = config_facts(cfg, None, batch_size_searched=self.batch_searched)  # the config's (its batch settled)
+        facts.update(compile=value("compile", cfg.amp.compile),
+                     channels_last=value("channels_last", cfg.amp.channels_last))
         if "planned_peak_mb" in got:
             facts["planned_peak_mb"] = value("planned_peak_mb")
         if "dtype" in got and got["dtype"].why:
@@ -126,6 +125,14 @@ class RunPlan:
     def sharded(self) -> bool:
         """``distributed.strategy: fsdp``."""
         return self.config.distributed.strategy == "fsdp"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The plan as JSON values (``ignite-amp plan --json``'s ``run``): the device, the processes, the batches
+        (null while the search has not run), and each choice settled so far with its reason."""
+        return {"device": str(self.device), "processes": self.world, "batch_size": self.batch_size,
+                "batch_size_per_process": self.per_process_batch,
+                "eval_batch_size_per_process": self.per_process_eval_batch,
+                **{name: {"value": choice.value, "why": choice.why} for name, choice in self.settled}}
 
     def with_batch_size(self, batch_size: int, searched: bool = True) -> "RunPlan":
         """The plan with ``data.batch_size: auto`` settled: ``batch_size`` global (the search's, or a resumed run's),
@@ -179,12 +186,16 @@ def checkpoint_config_to_fit(cfg: Config, model: torch.nn.Module, optimizer: tor
         raise ConfigError(f"amp.activation_checkpointing: {exc}") from None
 
 
+def planned_world(cfg: Config) -> int:
+    """The processes a config's run will have (``distributed.nproc_per_node``, or this process group's)."""
+    return max(cfg.distributed.nproc_per_node or 1, idist.get_world_size())
+
+
 def config_batch_sizes(cfg: Config) -> list:
-    """The sizes a plan traces by default: the config's batch size per process (``distributed.nproc_per_node``
+    """The sizes a plan traces by default: the config's batch size per process (:func:`planned_world` processes
     share the global batch), or 8, 32 and 128 for ``auto``."""
-    size = cfg.data.batch_size
-    world = max(cfg.distributed.nproc_per_node or 1, idist.get_world_size())
-    return [8, 32, 128] if size == "auto" else [per_process(size, world)]
+    size = resolve(cfg, planned_world(cfg), torch.device("cpu")).per_process_batch
+    return [8, 32, 128] if size is None else [size]
 
 
 def _fake_limits() -> tuple:

@@ -4,17 +4,12 @@ import dataclasses
 import typing
 
 import pytest
-import torch
 
 from ignite_amp.config.run_keys import OptimizerConfig
 from ignite_amp.config.tree import Config, load_config, save_config
-from ignite_amp.core.collectives import global_batch, per_process
 from ignite_amp.core.config_keys import Boolean, Integer, Number, Text, leaves
 from ignite_amp.core.config_values import section_of
 from ignite_amp.data.datasets import DataConfig
-from ignite_amp.run.plan import resolve
-
-CPU = torch.device("cpu")
 
 
 def test_load_config_returns_typed_frozen_values():
@@ -103,21 +98,3 @@ def _sections(cls):
 def test_the_type_check_finds_an_untrue_declaration():  # the checker itself can fail
     assert not _allows(int, "auto") and _allows(typing.Union[int, typing.Literal["auto"]], "auto")
     assert not _allows(typing.Optional[int], True) and _allows(typing.Optional[int], None)
-
-
-def test_one_rule_for_each_process_share_of_a_batch():
-    assert [per_process(b, 4) for b in (64, 6, 3, 1)] == [16, 1, 1, 1]
-    assert per_process(64, 1) == 64 and global_batch(16, 4) == 64
-    with pytest.raises(ValueError):
-        per_process(0, 2)
-
-
-def test_the_run_plan_settles_the_batch_once_and_a_search_makes_a_new_plan():
-    plan = resolve(load_config({"data": {"batch_size": 64, "eval_batch_size": 6}}), 4, CPU)
-    assert (plan.batch_size, plan.per_process_batch) == (64, 16)
-    assert (plan.eval_batch_size, plan.per_process_eval_batch) == (6, 1)
-    auto = resolve(load_config({"data": {"batch_size": "auto"}}), 2, CPU)
-    assert auto.batch_size is None and auto.per_process_batch is None and not auto.batch_searched
-    found = auto.with_batch_size(global_batch(48, 2))
-    assert (found.batch_size, found.per_process_batch, found.batch_searched) == (96, 48, True)
-    assert found.config.data.batch_size == 96 and auto.config.data.batch_size == "auto"  # what config.yaml records

@@ -182,6 +182,9 @@ def test_the_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     fit = data["largest_fit"]
     assert fit > 16 and data["memory"] == 64 * 2 ** 20 and "CUDA caching allocator" in data["not_counted"]
     assert max(p["peak"] for p in data["peaks"] if p["batch_size"] <= fit) <= data["budget"]
+    batch = tiny_config(tmp_path)["data"]["batch_size"]  # the run's plan, as train resolves it
+    assert data["run"] == {"device": "cpu", "processes": 1, "batch_size": batch, "batch_size_per_process": batch,
+                           "eval_batch_size_per_process": batch}
     for bad, why in ((["--memory", "lots"], "--memory: memory: expected a size"), (["--margin", "2"], "--margin"),
                      (["--batch-sizes", "0"], "--batch-sizes"),
                      (["--memory", "80"], "--memory: 80 has no unit; write 80GiB or 80GB (units: B, KB, MB")):
