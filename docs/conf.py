@@ -31,7 +31,12 @@ nitpick_ignore_regex = [(r"py:.*", r"(torch|ignite|typing|collections|pathlib|os
                                    r"List|Path|PathLike|Module|Tensor|Engine|Events|Metric|EventEnum|"
                                    r"Serializable|Exception|ValueError|TypeError|RuntimeError)"),
                         # the internal base of AmpStep and EvalStep: its members are shown on them
-                        (r"py:class", r"ignite_amp\.step\.base\.StepBase")]
+                        (r"py:class", r"ignite_amp\.step\.base\.StepBase"),
+                        # TensorBoardMetrics' own part (its training scalars' window), read by tests and benchmarks
+                        (r"py:class", r"ignite_amp\.handlers\.tensorboard\.scalars\.TrainWindow"),
+                        # a config's sections (Config's fields): the config reference lists their keys
+                        (r"py:class", r"ignite_amp\..*\.[A-Za-z0-9]+Config"),
+                        (r"py:class", r"ignite_amp\.core\.config_values\.S")]  # (Section.replace's own type)
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"

@@ -22,14 +22,14 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, Tuple
+from typing import Any, Callable, Iterator, Tuple, Union
 
 import ignite.distributed as idist
 import torch
 from torch.multiprocessing.spawn import ProcessException
 
 from ignite_amp.config.run_keys import BACKENDS, DistributedConfig  # noqa: F401  (DistributedConfig: its old home)
-from ignite_amp.config.tree import Config
+from ignite_amp.config.tree import Config, load_config
 from ignite_amp.core.collectives import adopt_ignite_loggers
 from ignite_amp.core.device import is_oom_error, run_device
 from ignite_amp.errors import RUN_STOPPED, USER_ERRORS, ConfigError, RankDiedError, first_line
@@ -252,7 +252,7 @@ def _stop_ranks(outbox: str, grace: float = 120.0) -> None:
             child.join(5)
 
 
-def launch(cfg: Config, fn: Callable, *args: Any) -> Any:
+def launch(cfg: Union[Config, dict], fn: Callable, *args: Any) -> Any:
     """Run ``fn(*args)`` on every rank the config (or ``torchrun``) asks for; return rank 0's result.
 
     - under ``torchrun``: this process is one rank; the process group is set up with
@@ -260,8 +260,10 @@ def launch(cfg: Config, fn: Callable, *args: Any) -> Any:
     - ``distributed.nproc_per_node: N > 1``: ``idist.Parallel`` spawns N processes on this machine;
     - otherwise ``fn(*args)`` runs here, without a process group.
 
-    Errors raised on a rank are raised here (the first rank's), so a user error stays one line.
+    Errors raised on a rank are raised here (the first rank's), so a user error stays one line. ``cfg``: a loaded
+    config, or a (partial) dict that :func:`~ignite_amp.load_config` reads.
     """
+    cfg = load_config(cfg)
     nproc = cfg.distributed.nproc_per_node or 1
     if idist.get_world_size() > 1 or (nproc == 1 and not under_torchrun()):
         return fn(*args)  # already inside a process group, or a plain single-process run

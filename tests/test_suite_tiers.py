@@ -19,6 +19,8 @@ ELSEWHERE = {
     "ignite_amp.batching": "tests/step/test_batching.py",
     "ignite_amp.engine": "tests/step/test_engine.py",
     "ignite_amp.errors": "tests/config/test_config.py",
+    "ignite_amp.config.run_keys": "tests/config/test_typed_config.py",
+    "ignite_amp.core.config_values": "tests/config/test_typed_config.py",
     "ignite_amp.launcher": "tests/step/test_hooks.py",
     "ignite_amp.models": "tests/config/test_config.py",
     "ignite_amp.version": "tests/test_release.py",

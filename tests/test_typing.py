@@ -34,7 +34,9 @@ SCRIPT = textwrap.dedent('''
     ProfilerCapture("runs/x/tb", wait=5, warmup=2, active=5).attach(trainer)
     TensorBoardMetrics("runs/x/tb", log_every=50).attach(trainer, evaluator=evaluator, optimizer=optimizer)
     trainer.add_event_handler(AmpEvents.GRADS_READY, lambda engine: None)
-    config: dict = load_config("quickstart")
+    config = load_config("quickstart")
+    epochs: int = config.train.epochs  # a loaded config's keys are typed attributes
+    plain: dict = config.to_dict()
 ''')
 
 MISTAKES = {  # the line a user writes -> what the checker must say about it
@@ -46,6 +48,9 @@ MISTAKES = {  # the line a user writes -> what the checker must say about it
     # each engine typed by its step (neither StepBase nor Any)
     "create_amp_trainer(model, optimizer, loss_fn).amp_step.scalar": '"AmpStep" has no attribute "scalar"',
     "create_amp_evaluator(model).amp_step.scaler": '"EvalStep" has no attribute "scaler"',
+    # a misspelt config key, and a value that may be "auto" used as a number
+    "config.train.epoch": '"TrainConfig" has no attribute "epoch"',
+    "config.data.batch_size // 2": 'Unsupported operand types for // ("Literal[\'auto\']" and "int")',
 }
 
 

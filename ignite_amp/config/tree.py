@@ -190,10 +190,10 @@ def _read_yaml(path: str) -> Any:
 
 
 def load_config(source: Union[str, os.PathLike, dict, Config, None] = None, overrides: Iterable[str] = ()) -> Config:
-    """Read, override, validate and fill a config: typed, frozen values (:class:`Config`).
+    """Read, override, validate and fill a config: typed, frozen values (:class:`~ignite_amp.config.tree.Config`).
 
     Args:
-        source: a YAML file path, a (partial) config dict, a loaded :class:`Config`, or None for the defaults.
+        source: a YAML file path, a (partial) config dict, a loaded config, or None for the defaults.
         overrides: ``"key.path=value"`` strings; values are parsed as YAML.
 
     Example:

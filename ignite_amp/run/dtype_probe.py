@@ -151,7 +151,7 @@ def choice_key(cfg: Config) -> Tuple[str, str]:
     other sizes and a searched batch size read the same choice). A change to any of these probes again."""
     x_shape = input_shape(cfg.data)
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    model = json.dumps(cfg.model, sort_keys=True, default=str)
+    model = json.dumps(cfg.model.to_dict(), sort_keys=True, default=str)
     words = f"{machine}; model {model}; input {'x'.join(map(str, x_shape))}"
     return hashlib.sha256(words.encode()).hexdigest()[:16], words
 

@@ -50,11 +50,11 @@ def avx512_without_a_fixed_outcome(monkeypatch, tmp_path):
     monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda model, xy: real(model, xy, clock=CLOCK))
 
 
-def quickstart_like(tmp_path, **over):
+def quickstart_like(tmp_path, kwargs=None, **over):
     from ignite_amp import load_config
 
-    return load_config(tiny_config(tmp_path, model={"name": "helpers:clocked_cnn", "num_classes": 10, "kwargs": {}},
-                                   **over))
+    model = {"name": "helpers:clocked_cnn", "num_classes": 10, "kwargs": kwargs or {}}
+    return load_config(tiny_config(tmp_path, model=model, **over))
 
 
 # The quickstart's own figures (issue 53): a bfloat16 step at 0.84x float32's time in a 0.2 s probe on a quiet
@@ -95,7 +95,7 @@ def test_the_choice_is_kept_per_machine_and_model_in_the_cache_folder_never_the_
     entries = json.loads((tmp_path / "cache" / "dtype-choices.json").read_text())
     (entry,) = entries.values()
     assert entry["dtype"] == "bfloat16" and "Fake EPYC" in entry["for"] and "clocked_cnn" in entry["for"]
-    other = dict(cfg, model=dict(cfg["model"], kwargs={"float32": 1.0, "bfloat16": 2.0}))  # another model: probed
+    other = load_config(cfg, ["model.kwargs={float32: 1.0, bfloat16: 2.0}"])  # another model: probed
     assert config_dtype(load_config(other), Loaded(1.0, 2.0), CPU)[0] == "float32"
     assert len(json.loads((tmp_path / "cache" / "dtype-choices.json").read_text())) == 2
     monkeypatch.setattr(torch, "__version__", "9.9.9")  # another torch: probed again
@@ -140,10 +140,9 @@ def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeyp
 
     from ignite_amp.cli.main import main
 
-    cfg = quickstart_like(tmp_path)
-    cfg["model"]["kwargs"] = {"float32": 0.25, "bfloat16": 0.125}
+    cfg = quickstart_like(tmp_path, kwargs={"float32": 0.25, "bfloat16": 0.125})
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
     planned, probed, built = [], [], []
     real_estimate, real_probe, real_build = run_plan.estimate_memory, dtype_probe.probe_cpu_dtype, run_plan.build_model
     monkeypatch.setattr(run_plan, "estimate_memory",
@@ -175,15 +174,14 @@ def test_plan_runs_no_probe_and_plans_in_the_dtype_train_keeps(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_a_resume_keeps_the_checkpoints_precision_or_names_the_change(tmp_path, monkeypatch):
-    cfg = quickstart_like(tmp_path)
-    cfg["model"]["kwargs"] = {"float32": 0.25, "bfloat16": 0.125}
+    cfg = quickstart_like(tmp_path, kwargs={"float32": 0.25, "bfloat16": 0.125})
     run = build_run(cfg)
     assert run.trainer.amp_step.dtype == BF16
     run.train()
     os.remove(choices_path())  # the kept choice gone, and the machine now says float32
     monkeypatch.setattr(dtype_probe, "probe_cpu_dtype", lambda *a: dtype_probe.DtypeProbe(F32, 1.5, 0.2, 3))
     lines = []
-    run = build_run(dict(cfg, train={"epochs": 2}), print_fn=lines.append)
+    run = build_run(load_config(cfg, ["train.epochs=2"]), print_fn=lines.append)
     assert run.trainer.amp_step.dtype == BF16 and run.evaluator.amp_step.dtype == BF16
     run.train()
     resumed = next(line for line in lines if line.startswith("resumed from"))
@@ -194,7 +192,7 @@ def test_a_resume_keeps_the_checkpoints_precision_or_names_the_change(tmp_path, 
         del state["amp_step"]["dtype"]
         torch.save(state, file)
     lines = []
-    run = build_run(dict(cfg, train={"epochs": 3}), print_fn=lines.append)
+    run = build_run(load_config(cfg, ["train.epochs=3"]), print_fn=lines.append)
     assert run.trainer.amp_step.dtype == F32
     assert "now in effect: train.epochs 2 -> 3, amp.dtype auto unrecorded -> float32)" in lines[0], lines
     run.close()
@@ -228,7 +226,7 @@ def test_a_020_checkpoint_of_a_bfloat16_run_resumed_with_auto_keeps_bfloat16(tmp
         del state["amp_step"]["dtype"]
         torch.save(state, file)
     lines = []
-    run = build_run(dict(cfg, amp=dict(cfg["amp"], dtype="auto"), train={"epochs": 2}), print_fn=lines.append)
+    run = build_run(load_config(cfg, ["amp.dtype=auto", "train.epochs=2"]), print_fn=lines.append)
     assert run.trainer.amp_step.dtype == BF16
     resumed = next(line for line in lines if line.startswith("resumed from"))
     assert "unrecorded" not in resumed and "amp.dtype bfloat16 -> auto" in resumed, resumed

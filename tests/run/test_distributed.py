@@ -394,8 +394,8 @@ def _choose_non_ascii(rank, out):
     from ignite_amp.core.collectives import broadcast_text
     from ignite_amp.run.resume import choose_checkpoint
 
-    cfg = {"output_dir": os.path.join(out, "runü"),
-           "handlers": {"checkpoint": {"resume": os.path.join(out, "runü", "checkpoints", "last_checkpoint_1.pt")}}}
+    cfg = load_config({"output_dir": os.path.join(out, "runü"), "handlers": {"checkpoint": {
+        "resume": os.path.join(out, "runü", "checkpoints", "last_checkpoint_1.pt")}}})
     path, state = choose_checkpoint(cfg, idist.get_rank() == 0, print)
     texts = [broadcast_text(t if rank == 0 else "") for t in ("😀 €ü", "", "ascii")]
     torch.save({"path": path, "epoch": state["trainer"]["epoch"], "texts": texts}, os.path.join(out, f"rank{rank}.pt"))
@@ -480,10 +480,9 @@ def _lock_holder(output_dir):
 @pytest.mark.distributed
 def test_a_busy_output_dir_names_the_command_the_user_started_not_a_rank(tmp_path):
     """Case 32.14: spawned rank 0 wrote its own PID into the lock, which the user never saw."""
-    cfg = load_config(config(tmp_path / "busy"))
-    cfg["distributed"]["nproc_per_node"] = 2
-    os.makedirs(cfg["output_dir"])
-    assert launch(cfg, _lock_holder, cfg["output_dir"]) == str(os.getpid())
+    cfg = load_config(config(tmp_path / "busy"), ["distributed.nproc_per_node=2"])
+    os.makedirs(cfg.output_dir)
+    assert launch(cfg, _lock_holder, cfg.output_dir) == str(os.getpid())
     assert "IGNITE_AMP_COMMAND_PID" not in os.environ
 
 

@@ -185,3 +185,15 @@ def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monk
     texts = events.Tensors(FACTS_TAG)[0].tensor_proto.string_val[0].decode()
     assert "**bfloat16 autocast" in texts and f"| dtype_auto | {why} |" in texts
     assert config_dtype(run.cfg, run.model, torch.device("cpu"))[0] == "bfloat16" and run.cfg["amp"]["dtype"] == "auto"
+
+
+def test_the_kept_choice_is_keyed_by_the_models_config_whatever_its_keys_order():
+    """A loaded config's model section keys the kept choice as its plain dict did (a YAML file's sorted kwargs and a
+    script's own order are one model): a typed section's repr keyed them apart, so a plan never found train's choice."""
+    from ignite_amp.run.dtype_probe import choice_key
+
+    one = load_config({"model": {"kwargs": {"float32": 0.25, "bfloat16": 0.125}}})
+    other = load_config({"model": {"kwargs": {"bfloat16": 0.125, "float32": 0.25}}})
+    assert choice_key(one) == choice_key(other)
+    assert '"kwargs": {"bfloat16": 0.125, "float32": 0.25}' in choice_key(one)[1]  # the JSON of 0.2.0's key
+    assert choice_key(one) != choice_key(load_config({"model": {"kwargs": {"float32": 0.5}}}))

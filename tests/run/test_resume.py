@@ -254,7 +254,7 @@ def test_configs_compare_in_linear_time_however_often_aliases_repeat_a_value():
                 value = [value, value]
             return value
 
-        old, new = load_config({}), load_config({})
+        old, new = load_config({}).to_dict(), load_config({}).to_dict()
         old["model"]["kwargs"], new["model"]["kwargs"] = {"a": bomb(1)}, {"a": bomb(1)}
         assert config_changes(old, new) == []
         new["model"]["kwargs"] = {"a": bomb(2)}

@@ -216,8 +216,7 @@ def test_kill_9_after_a_sharded_checkpoint_resumes_to_the_uninterrupted_weights(
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
     # The same checkpoint on one process: DCP reshards it into the unsharded model, optimizer state included.
-    one = load_config(path)
-    one["distributed"]["nproc_per_node"], one["train"]["epochs"] = 1, 5
+    one = load_config(path, ["distributed.nproc_per_node=1", "train.epochs=5"])
     run = build_run(one)
     try:
         assert run.resumed_from == last(cfg["output_dir"])
