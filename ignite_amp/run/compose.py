@@ -98,12 +98,9 @@ def build_run(cfg: Any, progress: bool = False, print_fn: Callable = safe_print,
 def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progress: bool, print_fn: Callable,
            command: str) -> Run:
     """The composition root: each component built from its config section, then attached in order."""
-    def say(line: str) -> None:
-        print_fn(line)
-        files.log.line(line)
-
+    log = Log(print_fn, files)  # a line printed and kept in train.log
     plan = resolve(cfg, idist.get_world_size(), device)
-    resuming = plan_resume(cfg, main, say)
+    resuming = plan_resume(cfg, main, log)
     if resuming.batch_size is not None:  # data.batch_size: auto resumed: the resumed run's, no new search
         plan = plan.with_batch_size(resuming.batch_size)
     files.open_log()
@@ -113,12 +110,12 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
     model = build_model(**cfg.model.to_dict())
     checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
     optimizer = build_optimizer(cfg.optimizer, model, device, sharded=_sharded(cfg))  # fused on CUDA (run.fused)
-    plan = plan_run(plan, model, optimizer, say)  # activation_checkpointing auto; the planned peak (GPU)
+    plan = plan_run(plan, model, optimizer, log)  # activation_checkpointing auto; the planned peak (GPU)
     batch_search = None
     if plan.batch_size is None:  # data.batch_size: auto: the search settles it
         batch_search = search_built(cfg, model, optimizer, device)
         plan = plan.with_batch_size(global_batch(batch_search.batch_size, plan.world))
-        say(search_line(batch_search, plan.world))
+        log(search_line(batch_search, plan.world))
     cfg = plan.config  # (with the batch size the search or the resumed run settled: config.yaml records it)
     batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     train_loader, val_loader, n_classes = build_loaders(cfg.data, cfg.model.num_classes, device,
@@ -141,7 +138,6 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
     to_save = {"model": model, "optimizer": optimizer, "amp_step": trainer.amp_step, "trainer": trainer}
     if scheduler is not None:
         to_save["scheduler"] = scheduler
-    log = Log(print_fn, files)
     history: List[dict] = []  # a record per epoch (EpochSummary's)
     closers: List[Callable[[], None]] = []
     if progress:
