@@ -38,7 +38,7 @@ from ignite_amp.transforms.sharding import is_sharded, sharded_objects
 __all__ = ["CheckpointConfig", "BestCheckpoint", "CheckpointError", "all_finite"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class CheckpointConfig(Section):
     """handlers.checkpoint: the best checkpoints by a validation metric, a last one, and resume (BestCheckpoint)."""
 

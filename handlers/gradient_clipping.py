@@ -16,7 +16,7 @@ from ignite_amp.step.train import AmpStep
 __all__ = ["ClippingConfig", "GradientClipping"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ClippingConfig(Section):
     """handlers.clipping: GradientClipping's arguments; both bounds null turns clipping off."""
 

@@ -22,7 +22,7 @@ logger = logging.getLogger("ignite_amp")
 BAD, EMPTY = 1, 2  # a loss check's codes: non-finite; no loss at all (a batch of padding only)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class NonFiniteConfig(Section):
     """handlers.non_finite: stop on a NaN/inf loss or weights (NonFiniteGuard)."""
 

@@ -23,7 +23,7 @@ from ignite_amp.transforms.sharding import is_sharded
 __all__ = ["OOMBackoffConfig", "OOMBackoff", "BatchSizeFloorError", "backoff_micro_batches", "micro_batch_size"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class OOMBackoffConfig(Section):
     """handlers.oom_backoff: on out of memory, retry the same batch in smaller micro-batches (OOMBackoff)."""
 

@@ -18,7 +18,7 @@ logger = logging.getLogger("ignite_amp")
 __all__ = ["ProfilerConfig", "ProfilerCapture", "step_breakdown", "format_breakdown"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ProfilerConfig(Section):
     """handlers.profiler: capture torch.profiler windows of training iterations (ProfilerCapture)."""
 

@@ -59,7 +59,7 @@ logger = logging.getLogger("ignite_amp")
 StepT = TypeVar("StepT", bound=StepBase)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class AmpConfig(Section):
     """amp: the step's precision and how a batch is cut (create_amp_trainer's arguments)."""
 

@@ -18,7 +18,7 @@ from ignite_amp.errors import ConfigError
 __all__ = ["ModelConfig", "build_model", "small_cnn", "cifar_resnet18"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ModelConfig(Section):
     """model: the network, built with no weights (nothing is downloaded)."""
 

@@ -46,7 +46,7 @@ __all__ = ["TensorBoardConfig", "TensorBoardMetrics", "TAGS", "LAYOUT", "FACTS_T
            "hparams_summaries", "HPARAMS"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TensorBoardConfig(Section):
     """handlers.tensorboard: what TensorBoardMetrics logs in output_dir."""
 

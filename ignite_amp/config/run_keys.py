@@ -29,7 +29,7 @@ from ignite_amp.core.config_values import Section
 __all__ = ["OptimizerConfig", "SchedulerConfig", "TrainConfig", "DistributedConfig", "BACKENDS",
            "check_boolean_kwargs"]
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class OptimizerConfig(Section):
     """optimizer: any torch.optim class, built as name(model.parameters(), lr=lr, **kwargs)."""
 
@@ -46,7 +46,7 @@ class OptimizerConfig(Section):
         check_boolean_kwargs(getattr(torch.optim, values["name"], None), values["kwargs"], f"{path}.kwargs")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SchedulerConfig(Section):
     """scheduler: the learning-rate schedule, stepped once per optimizer step taken."""
 
@@ -88,7 +88,7 @@ def check_boolean_kwargs(cls: Any, kwargs: dict, path: str) -> None:
             check(value, f"{path}.{key}")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TrainConfig(Section):
     """train: how long the run trains."""
 
@@ -101,7 +101,7 @@ class TrainConfig(Section):
 BACKENDS = ("auto", "nccl", "gloo")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DistributedConfig(Section):
     """distributed: processes of one run (see the guide "More than one GPU")."""
 

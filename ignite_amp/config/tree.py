@@ -57,7 +57,7 @@ __all__ = ["Config", "ConfigError", "load_config", "default_config", "save_confi
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; a larger file is a mistake (and slow to parse)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class HandlersConfig(Section):
     """handlers: the run's handlers, each declared by its own module."""
 
@@ -69,7 +69,7 @@ class HandlersConfig(Section):
     tensorboard: TensorBoardConfig = section(TensorBoardConfig)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Config(Section):
     """An ignite-amp run."""
 
@@ -91,6 +91,10 @@ class Config(Section):
     distributed: DistributedConfig = section(DistributedConfig)
     handlers: HandlersConfig = section(HandlersConfig)
 
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with ``changes`` (sections, or top-level keys), checked and filled as :func:`load_config` does."""
+        return load_config(dataclasses.replace(self, **changes).to_dict())
+
     @staticmethod
     def check_values(cfg: dict, path: str) -> None:
         """Rules between sections."""
@@ -109,6 +113,17 @@ class Config(Section):
         if cfg["train"]["epoch_length"] is not None:
             raise ConfigError("handlers.oom_backoff.mode: batch changes the epoch length; leave train.epoch_length "
                               "null")
+
+
+def _name_sections(cls: type, path: str = "") -> None:
+    """Each section class's key path (``Section.path``: a replaced section's errors name it)."""
+    for f in dataclasses.fields(cls):
+        if "section" in f.metadata:
+            f.metadata["section"].path = f"{path}{f.name}"
+            _name_sections(f.metadata["section"], f"{path}{f.name}.")
+
+
+_name_sections(Config)
 
 
 def default_config() -> dict:
@@ -204,16 +219,14 @@ def load_config(source: Union[str, os.PathLike, dict, Config, None] = None, over
     ``cfg.to_dict()`` is the plain nested dict (what ``config.yaml`` holds); a changed config is a new one:
     ``load_config(cfg, ["train.epochs=3"])``.
     """
+    raw: Any
     if isinstance(source, Config):
-        if not overrides:
-            return source
-        source = source.to_dict()
-    if source is None:
+        raw = source.to_dict()  # checked again: a Config built or replaced by hand is checked here
+    elif source is None:
         raw = {}
     elif isinstance(source, dict):
-        source = {k: v.to_dict() if isinstance(v, Section) else v for k, v in source.items()}  # a loaded section
         check_tree(source)  # before anything walks it: a bounded size and depth, no value inside itself
-        raw = copy.deepcopy(source)
+        raw = copy.deepcopy(_plain(source))  # loaded sections inside it as the dicts they hold
     else:
         raw = _read_yaml(os.fspath(source))
         if raw is None:
@@ -231,6 +244,15 @@ def load_config(source: Union[str, os.PathLike, dict, Config, None] = None, over
     values["output_dir"] = os.path.expanduser(values["output_dir"])
     values["data"]["root"] = os.path.expanduser(values["data"]["root"])
     return build(Config, values)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every loaded section in it (at any depth) as its plain dict."""
+    if isinstance(value, Section):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def save_config(cfg: Union[Config, dict], path: Union[str, os.PathLike]) -> None:

@@ -19,12 +19,20 @@ S = TypeVar("S", bound="Section")
 
 
 class Section:
-    """The values of one config section (a frozen dataclass that declares its keys with ``setting``/``section``).
+    """The values of one config section: a subclass declared ``@dataclasses.dataclass(frozen=True, eq=False)`` (its
+    equality is this class's), its keys made by ``setting``/``section``.
 
-    Reading a key by its string (``cfg["data"]["batch_size"]``, what :func:`ignite_amp.load_config` returned
-    before 0.3.0) still works, with a DeprecationWarning, until 0.4.0: read the attribute (``cfg.data.batch_size``)
-    or call :meth:`to_dict`.
+    Frozen: a changed config is a new one, checked as a loaded one is (:meth:`replace`, or
+    ``load_config(cfg, ["key.path=value"])``). The ``kwargs`` mappings and the lists inside are the config's own: read
+    them, do not change them (:meth:`to_dict` gives copies).
+
+    Reading a key by its string (``cfg["data"]["batch_size"]``, ``cfg["amp"].items()``, ``cfg.model == {...}``:
+    what :func:`ignite_amp.load_config` returned before 0.3.0 was a plain dict) still works, with a
+    DeprecationWarning, until 0.4.0: read the attribute (``cfg.data.batch_size``) or call :meth:`to_dict`.
     """
+
+    #: the section's key path in a config (``"data"``, ``"handlers.clipping"``; set by ``ignite_amp.config.tree``)
+    path = ""
 
     def to_dict(self) -> Dict[str, Any]:
         """The section as a plain nested dict (a deep copy): what ``config.yaml`` and checkpoints hold."""
@@ -35,32 +43,61 @@ class Section:
         return out
 
     def replace(self: S, **changes: Any) -> S:
-        """A copy with ``changes`` (values already valid: :func:`ignite_amp.load_config` checks a config's)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+        """A copy with ``changes``, checked as a loaded config's section is (a ConfigError naming the key path)."""
+        changed = dataclasses.replace(self, **changes)  # type: ignore[type-var]
+        return build(type(self), validate(changed.to_dict(), type(self), self.path))
 
     # The dict reads of 0.2.0, for a release (a Mapping's reads: ``cfg["amp"]``, ``dict(cfg.amp)``, ``**cfg.model``).
-    def __getitem__(self, key: str) -> Any:
+    def _deprecated(self) -> None:
         warnings.warn("a config's keys are attributes since 0.3.0 (cfg.data.batch_size); cfg[\"data\"] and "
                       "dict(cfg) work until 0.4.0 (cfg.to_dict() gives the plain dict)", DeprecationWarning,
-                      stacklevel=2)
+                      stacklevel=3)
+
+    def __getitem__(self, key: str) -> Any:
+        self._deprecated()
         if key not in self.keys():
             raise KeyError(key)
         return getattr(self, key)
 
+    def __setitem__(self, key: str, value: Any) -> None:
+        where = f"{self.path}.{key}" if self.path else key
+        raise TypeError(f"a loaded config is frozen since 0.3.0: make a changed one with "
+                        f"load_config(cfg, [\"{where}=...\"]) or cfg.replace(...)")
+
     def keys(self) -> list:
         return [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
 
+    def items(self) -> list:
+        self._deprecated()
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+    def values(self) -> list:
+        self._deprecated()
+        return [getattr(self, k) for k in self.keys()]
+
     def get(self, key: str, default: Any = None) -> Any:
+        self._deprecated()
         return getattr(self, key) if key in self.keys() else default
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __contains__(self, key: object) -> bool:
+        self._deprecated()
         return key in self.keys()
 
     def __len__(self) -> int:
         return len(self.keys())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, dict):  # a 0.2.0 comparison with a plain dict
+            self._deprecated()
+            return self.to_dict() == other
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in self.keys())
+
+    __hash__ = None  # type: ignore[assignment]  # (its kwargs and lists are not hashable, as a dict was not)
 
 
 def build(cls: Type[S], values: Dict[str, Any]) -> S:

@@ -143,6 +143,10 @@ class RunPlan:
 
 def resolve(config: Config, world: int, device: torch.device) -> RunPlan:
     """The plan of ``config``'s run on ``world`` processes with this process on ``device``."""
+    if not isinstance(config, Config):
+        raise TypeError(f"resolve: expected a loaded config (ignite_amp.load_config(...)), got {type(config).__name__}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"resolve: world should be a positive number of processes, got {world!r}")
     size = config.data.batch_size
     return RunPlan(config, device, world, None if size == "auto" else size)
 

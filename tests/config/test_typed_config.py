@@ -1,6 +1,7 @@
 """A loaded config is typed, frozen values (issue 62): attributes a type checker sees, declared types that are true,
 a changed config a new one, and the 0.2.0 dict reads kept for a release with a warning."""
 import dataclasses
+import os
 import typing
 
 import pytest
@@ -10,6 +11,7 @@ from ignite_amp.config.tree import Config, load_config, save_config
 from ignite_amp.core.config_keys import Boolean, Integer, Number, Text, leaves
 from ignite_amp.core.config_values import section_of
 from ignite_amp.data.datasets import DataConfig
+from ignite_amp.errors import ConfigError
 
 
 def test_load_config_returns_typed_frozen_values():
@@ -20,7 +22,35 @@ def test_load_config_returns_typed_frozen_values():
         cfg.data.batch_size = 64  # type: ignore[misc]
     changed = load_config(cfg, ["data.batch_size=64"])  # a changed config is a new one, checked again
     assert (changed.data.batch_size, cfg.data.batch_size) == (64, 32)
-    assert load_config(cfg) is cfg and load_config(cfg.to_dict()) == cfg
+    assert load_config(cfg) == cfg and load_config(cfg.to_dict()) == cfg
+
+
+def test_a_replaced_config_is_checked_as_a_loaded_one_is():
+    """cfg.replace skipped the checks: a batch of 0 reached the loaders as a traceback, "~" stayed unexpanded."""
+    cfg = load_config()
+    with pytest.raises(ConfigError, match=r'^data\.batch_size: expected an integer from 1 .* or "auto", got 0$'):
+        cfg.data.replace(batch_size=0)
+    with pytest.raises(ConfigError, match='^seed: expected an integer from 0 to 4294967295, got "x"$'):
+        cfg.replace(seed="x")
+    with pytest.raises(ConfigError, match="^handlers.clipping.max_norm: expected a positive number or null"):
+        cfg.handlers.clipping.replace(max_norm=-1.0)
+    assert cfg.replace(output_dir="~/x").output_dir == os.path.expanduser("~/x")
+    assert cfg.replace(data=cfg.data.replace(batch_size=8)).data.batch_size == 8 and cfg.data.batch_size == 64
+    with pytest.raises(ConfigError, match="^data.batch_size: auto is not available with distributed.strategy fsdp"):
+        cfg.replace(data=cfg.data.replace(batch_size="auto"), distributed=cfg.distributed.replace(strategy="fsdp"))
+
+
+def test_writing_into_a_loaded_config_says_how_to_change_it():
+    cfg = load_config()
+    with pytest.raises(TypeError, match=r'frozen since 0\.3\.0: make a changed one with load_config\(cfg, '
+                                        r'\["train\.epochs=\.\.\."\]\) or cfg\.replace'):
+        cfg.train["epochs"] = 1
+
+
+def test_loaded_sections_inside_a_dict_are_read_as_their_dicts():
+    cfg = load_config({"handlers": {"clipping": {"max_norm": 2.0}}})
+    again = load_config({"data": cfg.data, "handlers": {"clipping": cfg.handlers.clipping}})
+    assert again.handlers.clipping.max_norm == 2.0 and again == cfg
 
 
 def test_to_dict_is_the_plain_config_that_files_hold(tmp_path):
@@ -43,6 +73,10 @@ def test_the_dict_reads_of_020_still_work_with_a_warning():
         assert dict(cfg.model) == cfg.model.to_dict() and {**cfg.train} == {"epochs": 5, "epoch_length": None}
     with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
         cfg["nope"]
+    with pytest.warns(DeprecationWarning):  # a comparison with a plain dict, as 0.2.0's config was one
+        assert cfg.model == cfg.model.to_dict() and cfg == cfg.to_dict() and cfg.amp != {"dtype": "auto"}
+    with pytest.warns(DeprecationWarning):
+        assert dict(cfg.amp.items()) == cfg.amp.to_dict() and "dtype" in cfg.amp and cfg.get("seed") == 0
 
 
 def test_a_plain_section_dict_is_taken_for_a_release_with_its_defaults_filled():
