@@ -34,7 +34,7 @@ def run(variant: str, config: str, overrides: list, output_dir: str) -> list:
     from ignite_amp.config.tree import load_config
 
     path = config if os.path.isfile(config) else os.path.join(ROOT, config)
-    samples = load_config(path, overrides)["data"]["train_size"]  # an epoch line's seconds: its samples' time
+    samples = load_config(path, overrides).data.train_size  # an epoch line's seconds: its samples' time
     if not samples:
         sys.exit("set data.train_size: the samples/s are the epoch's samples over the epoch line's seconds")
     seconds = [float(s) for s in re.findall(r"^epoch \d+/\d+ .*\s([\d.]+)s$", out.stdout, flags=re.M)]

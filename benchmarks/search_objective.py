@@ -34,11 +34,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
-    seed_everything(cfg["seed"])
+    seed_everything(cfg.seed)
     device = torch.device(args.device)
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
-    optimizer = build_optimizer(cfg["optimizer"], model)
-    shape, classes = input_shape(cfg["data"]), cfg["model"]["num_classes"]
+    model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.kwargs)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    shape, classes = input_shape(cfg.data), cfg.model.num_classes
 
     def make_batch(n):
         return torch.randn(n, *shape, device=device), torch.randint(0, classes, (n,), device=device)
@@ -46,10 +46,10 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     speeds = {n: [] for n in args.sizes}
     picks = []
-    amp = cfg["amp"]
+    amp = cfg.amp
     with TrialRunner(model, optimizer, torch.nn.functional.cross_entropy, make_batch, device=device,
-                     dtype=amp["dtype"], warmup=1, steps=args.steps, channels_last=amp["channels_last"],
-                     fp32_modules=amp["fp32_modules"]) as runner:
+                     dtype=amp.dtype, warmup=1, steps=args.steps, channels_last=amp.channels_last,
+                     fp32_modules=amp.fp32_modules) as runner:
         dtype = runner.engine.amp_step.dtype
         for _ in range(args.repeats):
             order = list(args.sizes)
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                 return 2
             best = max(this.values())
             picks.append(min(n for n, v in this.items() if v >= (1 - args.speed_tolerance) * best))
-    print(f"{cfg['model']['name']} {shape}, {dtype} on {device} ({torch.get_num_threads()} threads), "
+    print(f"{cfg.model.name} {shape}, {dtype} on {device} ({torch.get_num_threads()} threads), "
           f"{args.steps} timed steps per trial, {args.repeats} repeats (shuffled order)")
     print("| batch | median ms/step | median samples/s | min-max samples/s | spread |")
     print("|---|---|---|---|---|")

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from ignite_amp.config.tree import load_config
+from ignite_amp.config.tree import Config, load_config
 from ignite_amp.models import small_cnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -92,7 +92,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def recipe(path: str, **overrides) -> dict:
+def recipe(path: str, **overrides) -> Config:
     """A seed config (``configs/...``) with ``key.path`` overrides, validated like ``--set``."""
     items = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
     return load_config(os.path.join(ROOT, path), overrides=items)

@@ -8,6 +8,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader
 
 from ignite_amp import create_amp_trainer
+from ignite_amp.config.tree import Config
 from ignite_amp.data.datasets import EpochShuffleSampler, build_datasets, data_workers
 from ignite_amp.models import build_model
 
@@ -34,8 +35,8 @@ def data_path(ctx: Context) -> None:
                "status"])
     slowest = 0.0
     for name, cfg in recipes:
-        data = cfg["data"]
-        train_set, _, _ = build_datasets(data, cfg["model"]["num_classes"], cfg["seed"])
+        data = cfg.data
+        train_set, _, _ = build_datasets(data, cfg.model.num_classes, cfg.seed)
         rate = _step_rate(ctx, cfg, size)
         ctx.result["data"][f"{name}: training step samples/s"] = rate
         seed_row = None
@@ -52,13 +53,13 @@ def data_path(ctx: Context) -> None:
                             status=f"not run: {ctx.left():.0f} s left of the section's budget")
                     continue
                 begin = time.monotonic()
-                first, second = _loader_epochs(train_set, data["batch_size"], workers, pin, ctx.device, cfg["seed"])
+                first, second = _loader_epochs(train_set, data.batch_size, workers, pin, ctx.device, cfg.seed)
                 slowest = max(slowest, time.monotonic() - begin)
                 samples = len(train_set) / second
                 ctx.row(config=name, num_workers=workers, pin_memory=pin, samples_per_s=samples, first_epoch_s=first,
                         keeps_up=samples >= rate, seed_setting=seed_setting, status="measured")
                 seed_row = samples if seed_setting else seed_row
-        advice = f"{name}: its own num_workers ({data['num_workers']}: {own} here) keeps up with its model"
+        advice = f"{name}: its own num_workers ({data.num_workers}: {own} here) keeps up with its model"
         if seed_row is None:
             ctx.target(advice, "its setting was not in this run's grid", None)
         else:
@@ -85,17 +86,17 @@ def _loader_epochs(dataset, batch_size: int, workers: int, pin: bool, device: to
     return tuple(seconds)
 
 
-def _step_rate(ctx: Context, cfg: dict, size: dict) -> float:
+def _step_rate(ctx: Context, cfg: Config, size: dict) -> float:
     """Samples/s the config's model trains at in bfloat16 on batches already on the device."""
-    device, batch = ctx.device, size["step_batch"] or cfg["data"]["batch_size"]
-    image = cfg["data"]["image_size"] or 32
+    device, batch = ctx.device, size["step_batch"] or cfg.data.batch_size
+    image = cfg.data.image_size or 32
     torch.manual_seed(0)
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], cfg["model"]["kwargs"])
+    model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     trainer = create_amp_trainer(model, optimizer, cross_entropy, device=device, dtype="bfloat16",
-                                 channels_last=cfg["amp"]["channels_last"])
+                                 channels_last=cfg.amp.channels_last)
     x = torch.randn(batch, 3, image, image, device=device)
-    y = torch.randint(0, cfg["model"]["num_classes"], (batch,), device=device)
+    y = torch.randint(0, cfg.model.num_classes, (batch,), device=device)
     trainer.run([(x, y)] * size["warmup"], max_epochs=1)
     seconds = timed(lambda: trainer.run([(x, y)] * size["steps"], max_epochs=1), device)
     return batch * size["steps"] / seconds

@@ -21,13 +21,14 @@ from bench_amp import DTYPES, Timer, resnet18_32, resnet50, tf32
 from torch.nn.functional import cross_entropy
 
 from ignite_amp import create_amp_trainer
+from ignite_amp.config.run_keys import OptimizerConfig
 from ignite_amp.run.builders import build_optimizer
 from ignite_amp.run.compose import build_run
 from ignite_amp.run.fused import fused_choice
 
 from .common import NEEDS_CUDA, Context, recipe, tiny_cnn
 
-SGD = {"name": "SGD", "lr": 0.01, "kwargs": {"momentum": 0.9}}
+SGD = OptimizerConfig(name="SGD", lr=0.01, kwargs={"momentum": 0.9})
 VARIANTS = (  # label, bench_amp dtype, channels_last, optimizer built for the device (fused on CUDA)
     ("float32, TF32 on, NCHW, foreach step", "float32+tf32", False, False),
     ("float16, defaults", "float16", "auto", True),

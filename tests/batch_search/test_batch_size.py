@@ -420,7 +420,7 @@ def test_cli_prints_the_table_the_choice_and_why_and_writes(tmp_path, capsys, mo
     assert asked == {"objective": "fastest", "progress": True}
     assert expected.table in out and "fastest: the smallest batch within 3%" in out
     assert f"wrote data.batch_size: {expected.batch_size}" in out
-    assert load_config(str(path))["data"]["batch_size"] == expected.batch_size
+    assert load_config(str(path)).data.batch_size == expected.batch_size
     with pytest.raises(SystemExit) as exit_:
         main(["find-batch-size", str(path), "--objective", "best"])
     assert exit_.value.code == 2 and "invalid choice: 'best'" in capsys.readouterr().err
@@ -433,7 +433,7 @@ def test_a_run_with_batch_size_auto_keeps_the_search(quick_cfg, monkeypatch):
     lines = []
     run = ignite_amp.run.compose.build_run(dict(quick_cfg, data=dict(quick_cfg["data"], batch_size="auto")),
                                            print_fn=lines.append)
-    assert run.batch_search.batch_size == run.cfg["data"]["batch_size"] == fake_search().batch_size
+    assert run.batch_search.batch_size == run.cfg.data.batch_size == fake_search().batch_size
     assert run.batch_search.table == fake_search().table
     assert any("largest fit under 95% of 16.0 GiB" in line for line in lines)
     run.close()
@@ -472,9 +472,9 @@ def test_write_batch_size_keeps_comments(tmp_path, text):
     path.write_text(text)
     write_batch_size(str(path), 96)
     cfg = load_config(str(path))
-    assert cfg["data"]["batch_size"] == 96
+    assert cfg.data.batch_size == 96
     if "eval_batch_size" in text:
-        assert cfg["data"]["eval_batch_size"] == 128 and "# my run" in path.read_text()
+        assert cfg.data.eval_batch_size == 128 and "# my run" in path.read_text()
 
 
 # -- on a GPU --------------------------------------------------------------------------------------

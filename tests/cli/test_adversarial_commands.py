@@ -71,7 +71,7 @@ def test_init_names_the_copy_after_any_file_name(tmp_path, monkeypatch, capsys, 
     monkeypatch.chdir(tmp_path)
     assert main(["init", "quickstart", "-o", file]) == 0
     cfg = load_config(file)
-    assert (cfg["name"], cfg["output_dir"]) == (name, output_dir)
+    assert (cfg.name, cfg.output_dir) == (name, output_dir)
 
 
 @pytest.mark.parametrize("file", [".yaml", "..yml", "sub/...yaml"])

@@ -13,9 +13,9 @@ from ignite_amp.cli.main import main
 
 def test_quickstart_config_is_valid_and_uses_no_download():
     cfg = load_config(os.path.join(CONFIGS, "quickstart.yaml"))
-    assert cfg["data"]["name"] == "shapes" and cfg["data"]["download"] is False
+    assert cfg.data.name == "shapes" and cfg.data.download is False
     gpu = load_config(os.path.join(CONFIGS, "cifar10_resnet18.yaml"))
-    assert gpu["data"]["name"] == "cifar10"
+    assert gpu.data.name == "cifar10"
 
 
 @pytest.mark.timeout(1200)

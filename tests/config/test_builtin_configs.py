@@ -132,11 +132,11 @@ def test_init_names_the_run_after_its_file_and_refreshes_a_stale_schema(elsewher
     (elsewhere / "sub" / SCHEMA_FILE).write_text("{}")  # an older version's
     assert main(["init", "quickstart", "-o", "sub/my_run.yml"]) == 0
     cfg = load_config("sub/my_run.yml")
-    assert cfg["name"] == "my_run" and cfg["output_dir"] == os.path.join("runs", "my_run")
+    assert cfg.name == "my_run" and cfg.output_dir == os.path.join("runs", "my_run")
     assert json.loads((elsewhere / "sub" / SCHEMA_FILE).read_text()) == config_schema()
     assert capsys.readouterr().out.splitlines()[-1] == "train it: ignite-amp train sub/my_run.yml"
     assert init_config("cifar10_resnet18", str(elsewhere / "sub" / "gpu.yaml")) == [str(elsewhere / "sub" / "gpu.yaml")]
-    assert load_config("sub/gpu.yaml")["name"] == "gpu"  # the schema beside it was current: not rewritten
+    assert load_config("sub/gpu.yaml").name == "gpu"  # the schema beside it was current: not rewritten
 
 
 def test_init_to_stdout_and_its_errors_in_one_line(elsewhere, capsys):
@@ -177,4 +177,4 @@ def test_init_on_a_full_disk_leaves_nothing_and_the_retry_writes_both_files(else
     assert capsys.readouterr().err == "ignite-amp: error: -o mine.yaml: cannot write (File too large)\n"
     assert os.listdir(elsewhere) == [SCHEMA_FILE]
     assert main(["init", "-o", "mine.yaml"]) == 0  # the retry, with room: no --force needed
-    assert load_config("mine.yaml")["name"] == "mine"
+    assert load_config("mine.yaml").name == "mine"

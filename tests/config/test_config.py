@@ -12,8 +12,8 @@ from ignite_amp.core.config_keys import leaves
 
 def test_defaults_are_complete_and_valid():
     cfg = load_config(None)
-    assert cfg["data"]["batch_size"] == 64 and cfg["handlers"]["checkpoint"]["resume"] == "auto"
-    assert cfg["output_dir"] == os.path.join("runs", "ignite-amp")
+    assert cfg.data.batch_size == 64 and cfg.handlers.checkpoint.resume == "auto"
+    assert cfg.output_dir == os.path.join("runs", "ignite-amp")
     # A resolved config validates again unchanged (it is what checkpoints and config.yaml store).
     assert load_config(cfg) == cfg
     assert set(default_config()) == set(cfg)
@@ -22,16 +22,16 @@ def test_defaults_are_complete_and_valid():
 def test_overrides_parse_yaml_values_and_reach_kwargs():
     cfg = load_config({}, ["optimizer.lr=1e-3", "train.epochs=3", "optimizer.kwargs.momentum=0.9",
                            "amp.fp32_modules=[head]", "handlers.clipping.max_norm=null"])
-    assert cfg["optimizer"]["lr"] == 1e-3 and cfg["train"]["epochs"] == 3
-    assert cfg["optimizer"]["kwargs"] == {"weight_decay": 0.05, "momentum": 0.9}
-    assert cfg["amp"]["fp32_modules"] == ["head"] and cfg["handlers"]["clipping"]["max_norm"] is None
+    assert cfg.optimizer.lr == 1e-3 and cfg.train.epochs == 3
+    assert cfg.optimizer.kwargs == {"weight_decay": 0.05, "momentum": 0.9}
+    assert cfg.amp.fp32_modules == ["head"] and cfg.handlers.clipping.max_norm is None
 
 
 def test_config_file_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("name: x\ndata: {batch_size: 16}\n")
     cfg = load_config(str(path), ["data.batch_size=8"])
-    assert cfg["name"] == "x" and cfg["data"]["batch_size"] == 8
+    assert cfg.name == "x" and cfg.data.batch_size == 8
 
 
 BAD = [
@@ -111,7 +111,7 @@ def test_a_config_whose_aliases_expand_past_the_limit_is_one_line(tmp_path, caps
     assert err == ("ignite-amp: error: model.kwargs: expands to 4,567,901,234,567 values through YAML aliases (the "
                    "limit is 100,000); write the value out or alias less\n")
     path.write_text(_alias_bomb(3))  # 3,000 values: aliases are fine below the limit
-    assert load_config(str(path))["model"]["kwargs"]["l3"][9][9][9] == [1, 2, 3]
+    assert load_config(str(path)).model.kwargs["l3"][9][9][9] == [1, 2, 3]
     path.write_text("model:\n  kwargs: &k\n    a: *k\n")  # a value inside itself
     with pytest.raises(ConfigError, match=r"^config: a YAML alias refers to a value that contains it"):
         load_config(str(path))

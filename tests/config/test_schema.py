@@ -10,6 +10,7 @@ from helpers import CONFIGS
 from ignite_amp.cli.main import main
 from ignite_amp.config.tree import Config, config_schema, default_config, load_config
 from ignite_amp.core.config_keys import leaves
+from ignite_amp.core.config_values import Section
 from ignite_amp.errors import ConfigError
 from ignite_amp.run.resume import RULES
 
@@ -216,8 +217,8 @@ def test_the_loader_and_the_schema_accept_the_same_documents(tmp_path, path, tex
         assert str(exc).startswith(path) and "\n" not in str(exc)  # one line naming the key
         return
     assert valid, "the loader accepted it"
-    for key in keys:
-        cfg = cfg[key]
+    for key in keys:  # a section's key is an attribute, a dict value's (model.kwargs) an item
+        cfg = getattr(cfg, key) if isinstance(cfg, Section) else cfg[key]
     if used is not None or editor is None:
         assert _same(cfg, used) if not isinstance(used, dict) else cfg == used
         assert type(cfg) is type(used)

@@ -81,7 +81,7 @@ def test_cifar_loaders(tmp_path):
     write_cifar10(str(tmp_path))
     cfg = load_config({"data": {"name": "cifar10", "root": str(tmp_path), "batch_size": 4, "num_workers": 0,
                                 "augment": True}})
-    train, val, n = build_loaders(cfg["data"], 10, torch.device("cpu"))
+    train, val, n = build_loaders(cfg.data, 10, torch.device("cpu"))
     x, y = next(iter(train))
     assert n == 10 and x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert len(train.dataset) == 30 and len(val.dataset) == 6
@@ -89,13 +89,13 @@ def test_cifar_loaders(tmp_path):
 
 def test_cifar100(tmp_path):
     write_cifar100(str(tmp_path))
-    data = load_config({"data": {"name": "cifar100", "root": str(tmp_path)}})["data"]
+    data = load_config({"data": {"name": "cifar100", "root": str(tmp_path)}}).data
     train, val, n = build_datasets(data, 100)
     assert n == 100 and len(train) == 10 and train[0][0].shape == (3, 32, 32)
 
 
 def test_missing_or_corrupt_cifar_is_one_line(tmp_path):
-    data = load_config({"data": {"name": "cifar10", "root": str(tmp_path)}})["data"]
+    data = load_config({"data": {"name": "cifar10", "root": str(tmp_path)}}).data
     with pytest.raises(ConfigError, match="data.root: .*data_batch_1 is missing .*download"):
         build_datasets(data, 10)
     write_cifar10(str(tmp_path))
@@ -114,15 +114,15 @@ def test_imagefolder(tmp_path):
             for i in range(3):
                 Image.new("RGB", (40, 30), colour).save(tmp_path / split / label / f"{i}.png")
     data = load_config({"data": {"name": "imagefolder", "root": str(tmp_path), "image_size": 16,
-                                 "augment": True}})["data"]
+                                 "augment": True}}).data
     train, val, n = build_datasets(data, 2)
     assert n == 2 and len(train) == 6 and train[0][0].shape == (3, 16, 16)
     assert val.classes == ["blue", "red"]
     with pytest.raises(ConfigError, match="expects root/train and root/val"):
-        build_datasets(dict(data, root=str(tmp_path / "train")), 2)
+        build_datasets(data.replace(root=str(tmp_path / "train")), 2)
 
 
 def test_fake_data_follows_num_classes():
-    data = load_config({"data": {"name": "fake", "train_size": 20, "val_size": 10, "image_size": 8}})["data"]
+    data = load_config({"data": {"name": "fake", "train_size": 20, "val_size": 10, "image_size": 8}}).data
     train, val, n = build_datasets(data, 7)
     assert n == 7 and len(train) == 20 and train[0][0].shape == (3, 8, 8)

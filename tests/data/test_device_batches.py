@@ -18,6 +18,7 @@ from helpers import OOMAbove, assert_doctests_pass, tiny_config
 from ignite_amp import create_amp_trainer
 from ignite_amp.config.tree import ConfigError, load_config
 from ignite_amp.data.datasets import (
+    DataConfig,
     EpochShuffleSampler,
     LockstepBatches,
     ShuffleShardSampler,
@@ -38,7 +39,7 @@ GiB = 2**30
 def shapes(train_size=50, augment=False, name="shapes"):
     cfg = load_config({"data": {"name": name, "train_size": train_size, "val_size": 21, "image_size": 12,
                                 "augment": augment}})
-    return build_datasets(cfg["data"], 10, seed=0)
+    return build_datasets(cfg.data, 10, seed=0)
 
 
 def batches(loader, epoch=None):
@@ -169,7 +170,7 @@ def test_the_auto_rule():
 
 def test_the_rule_reads_the_images_bytes_and_the_device(monkeypatch):
     train, val, _ = shapes(50)
-    data = {"on_device": "auto"}
+    data = DataConfig(on_device="auto")
     assert data_on_device(data, CPU, (train, val)) == (False, "auto: CUDA only")
     import ignite_amp.data.datasets as datasets
 
@@ -184,14 +185,14 @@ def test_the_rule_reads_the_images_bytes_and_the_device(monkeypatch):
 def test_true_with_imagefolder_is_one_line():
     with pytest.raises(ConfigError, match=r"^data.on_device: true needs a data set held in memory .*imagefolder"):
         load_config({"data": {"name": "imagefolder", "on_device": True}})
-    assert load_config({"data": {"name": "imagefolder", "on_device": "auto"}})["data"]["on_device"] == "auto"
+    assert load_config({"data": {"name": "imagefolder", "on_device": "auto"}}).data.on_device == "auto"
     with pytest.raises(ConfigError, match="data.on_device"):
         load_config({"data": {"on_device": "yes"}})
 
 
 def test_the_cpu_default_keeps_the_dataloader():
     cfg = load_config({"data": {"train_size": 16, "val_size": 8, "image_size": 8, "num_workers": 0}})
-    train, val, _ = build_loaders(cfg["data"], 10, CPU)
+    train, val, _ = build_loaders(cfg.data, 10, CPU)
     assert isinstance(train, DataLoader) and isinstance(val, DataLoader)
 
 

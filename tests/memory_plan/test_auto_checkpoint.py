@@ -154,7 +154,7 @@ def test_a_config_says_auto_a_cpu_run_checkpoints_nothing_and_the_plan_names_the
     from ignite_amp.run.compose import build_run
 
     cfg = tiny_config(tmp_path, amp={"dtype": "bfloat16", "activation_checkpointing": "auto"})
-    assert load_config(cfg)["amp"]["activation_checkpointing"] == "auto"
+    assert load_config(cfg).amp.activation_checkpointing == "auto"
     with pytest.raises(ValueError, match="amp.activation_checkpointing: expected true or false or auto or selective, "
                                          "got \"some\""):
         load_config(tiny_config(tmp_path, amp={"activation_checkpointing": "some"}))

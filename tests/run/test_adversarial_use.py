@@ -60,7 +60,7 @@ def test_a_symlink_loop_in_an_image_folder_is_not_followed(quick_cfg, tmp_path):
     os.symlink("..", tmp_path / "data" / "train" / "a" / "loop")
     os.symlink(tmp_path / "data" / "val" / "b", tmp_path / "data" / "train" / "b" / "more")  # a real link: kept
     cfg = load_config(folder_cfg(quick_cfg, tmp_path / "data"))
-    train, val, classes = build_datasets(cfg["data"], 2)
+    train, val, classes = build_datasets(cfg.data, 2)
     assert classes == 2 and len(val) == 6
     assert len(train) == 3 + 3 + 3  # a: its 3 images once; b: its 3 and the 3 behind the link
 
@@ -75,7 +75,7 @@ def test_links_into_another_class_are_left_out_with_a_warning(quick_cfg, tmp_pat
     os.symlink(train / "a" / "0.png", train / "b" / "froma.png")
     os.symlink(train / "a" / "1.png", train / "a" / "again.png")  # the same image twice in one class
     with caplog.at_level("WARNING", logger="ignite_amp"):
-        train_set, _, _ = build_datasets(load_config(folder_cfg(quick_cfg, tmp_path / "data"))["data"], 2)
+        train_set, _, _ = build_datasets(load_config(folder_cfg(quick_cfg, tmp_path / "data")).data, 2)
     assert sorted(label for _, label in train_set.samples) == [0, 0, 0, 1, 1, 1]
     assert any("left out 2 link(s) to another class's folder" in r.getMessage() for r in caplog.records)
 

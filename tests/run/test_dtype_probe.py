@@ -184,7 +184,7 @@ def test_the_run_trains_and_evaluates_in_the_probed_dtype_and_says_why(cpu, monk
     events.Reload()
     texts = events.Tensors(FACTS_TAG)[0].tensor_proto.string_val[0].decode()
     assert "**bfloat16 autocast" in texts and f"| dtype_auto | {why} |" in texts
-    assert config_dtype(run.cfg, run.model, torch.device("cpu"))[0] == "bfloat16" and run.cfg["amp"]["dtype"] == "auto"
+    assert config_dtype(run.cfg, run.model, torch.device("cpu"))[0] == "bfloat16" and run.cfg.amp.dtype == "auto"
 
 
 def test_the_kept_choice_is_keyed_by_the_models_config_whatever_its_keys_order():

@@ -9,6 +9,7 @@ from torch.nn.functional import cross_entropy
 
 import ignite_amp.run.fused as fused
 from helpers import assert_doctests_pass, tiny_config
+from ignite_amp.config.run_keys import OptimizerConfig
 from ignite_amp.config.tree import load_config
 from ignite_amp.data.prefetch import DevicePrefetcher
 from ignite_amp.engine import create_amp_trainer
@@ -70,7 +71,7 @@ def test_the_optimizers_boolean_keywords_are_true_or_false_as_every_boolean_key_
 def test_true_false_null_and_the_other_keywords_pass_as_before():
     cfg = load_config({"optimizer": {"name": "AdamW", "kwargs": {"fused": None, "foreach": False, "amsgrad": True,
                                                                  "weight_decay": 0.1, "betas": [0.9, 0.95]}}})
-    assert cfg["optimizer"]["kwargs"]["fused"] is None and cfg["optimizer"]["kwargs"]["amsgrad"] is True
+    assert cfg.optimizer.kwargs["fused"] is None and cfg.optimizer.kwargs["amsgrad"] is True
     assert load_config({"optimizer": {"name": "NoSuchOptimizer", "kwargs": {"fused": "no"}}})  # its builder says it
     with pytest.raises(ConfigError, match='^scheduler.kwargs.three_phase: expected true or false, got "no"$'):
         load_config({"scheduler": {"name": "onecycle", "kwargs": {"three_phase": "no"}}})
@@ -78,12 +79,12 @@ def test_true_false_null_and_the_other_keywords_pass_as_before():
 
 def test_build_optimizer_builds_what_the_rule_chose():
     model = nn.Linear(4, 2)
-    opt = {"name": "AdamW", "lr": 1e-3, "kwargs": {"weight_decay": 0.05}}
+    opt = OptimizerConfig(name="AdamW", lr=1e-3, kwargs={"weight_decay": 0.05})
     assert build_optimizer(opt, model, CUDA).param_groups[0]["fused"] is True  # checked by torch at its first step
     assert not build_optimizer(opt, model, CPU).param_groups[0]["fused"]
     assert not build_optimizer(opt, model).param_groups[0]["fused"]  # no device: as before (plan, search, compare)
-    assert not build_optimizer(dict(opt, kwargs={"foreach": True}), model, CUDA).param_groups[0]["fused"]
-    assert "fused" not in build_optimizer(dict(opt, name="RMSprop", kwargs={}), model, CUDA).param_groups[0]
+    assert not build_optimizer(opt.replace(kwargs={"foreach": True}), model, CUDA).param_groups[0]["fused"]
+    assert "fused" not in build_optimizer(opt.replace(name="RMSprop", kwargs={}), model, CUDA).param_groups[0]
 
 
 def _trained(name: str, use_fused: bool, kwargs: dict) -> tuple:
@@ -120,7 +121,7 @@ def test_a_config_run_on_cpu_keeps_the_steps_it_had_and_says_why(tmp_path):
     """The quickstart's CPU run is unchanged: NCHW, torch's default optimizer step, no loader workers."""
     cfg = load_config("configs/quickstart.yaml")
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
-    optimizer = build_optimizer(cfg["optimizer"], model, CPU)
+    optimizer = build_optimizer(cfg.optimizer, model, CPU)
     facts = speed_facts(cfg, model, optimizer, CPU)
     assert facts == {"data_on_device": False, "channels_last": False, "channels_last_why": "auto: CUDA only",
                      "fused_optimizer": False, "fused_optimizer_why": "auto: CUDA only", "num_workers": 0,
@@ -135,7 +136,7 @@ def test_on_cuda_the_config_chooses_the_fast_path(monkeypatch):
     monkeypatch.setattr(datasets, "usable_cores", lambda: 16)
     cfg = load_config({"data": {"name": "shapes"}})
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
-    optimizer = build_optimizer(cfg["optimizer"], model, CUDA)
+    optimizer = build_optimizer(cfg.optimizer, model, CUDA)
     loader = DevicePrefetcher([], CUDA, streams=object())  # what a config run's loader is on CUDA (device_loader)
     facts = speed_facts(cfg, model, optimizer, CUDA, loader)
     assert (facts["channels_last"], facts["fused_optimizer"], facts["num_workers"], facts["prefetch"]) == \
@@ -146,7 +147,7 @@ def test_on_cuda_the_config_chooses_the_fast_path(monkeypatch):
         "prefetch to GPU on a side stream")
     given = load_config({"amp": {"channels_last": False}, "data": {"num_workers": 2},
                          "optimizer": {"kwargs": {"fused": False}}})
-    facts = speed_facts(given, model, build_optimizer(given["optimizer"], model, CUDA), CUDA)
+    facts = speed_facts(given, model, build_optimizer(given.optimizer, model, CUDA), CUDA)
     assert (facts["channels_last"], facts["fused_optimizer"], facts["num_workers"]) == (False, False, 2)
     assert speed_words(facts, "AdamW") == ("channels_last off, AdamW step unfused (optimizer.kwargs.fused), "
                                            "2 loader workers")
@@ -160,7 +161,7 @@ def test_with_the_data_on_the_gpu_the_start_line_says_no_workers_and_why():
     cfg = load_config({"data": {"name": "shapes"}})
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 2))
     dataset = TensorImageDataset(torch.zeros(4, 3, 2, 2, dtype=torch.uint8), torch.arange(4), (0.5,) * 3, (0.25,) * 3)
-    facts = speed_facts(cfg, model, build_optimizer(cfg["optimizer"], model, CUDA), CUDA, DeviceBatches(dataset, 2))
+    facts = speed_facts(cfg, model, build_optimizer(cfg.optimizer, model, CUDA), CUDA, DeviceBatches(dataset, 2))
     assert (facts["data_on_device"], facts["num_workers"], facts["num_workers_why"]) == (True, 0, "data on the GPU")
     assert speed_words(facts, "AdamW").endswith("AdamW step fused (auto: on CUDA), 0 loader workers (data on the GPU)")
 
@@ -197,7 +198,7 @@ def test_the_start_line_of_a_cpu_run_says_the_batch_and_fits_two_rows_of_80_colu
 def test_a_resume_keeps_the_kernels_this_run_chose_not_the_checkpoints():
     """torch's load_state_dict takes the saved groups' flags; a CPU run's checkpoint resumed on CUDA stays fused."""
     model = nn.Linear(4, 2)
-    opt = {"name": "AdamW", "lr": 1e-3, "kwargs": {}}
+    opt = OptimizerConfig(name="AdamW", lr=1e-3, kwargs={})
     on_cpu, on_cuda = build_optimizer(opt, model, CPU), build_optimizer(opt, model, CUDA)
     model(torch.randn(3, 4)).sum().backward()
     on_cpu.step()

@@ -18,6 +18,11 @@ def cfg_with(**overrides):
     return load_config({}, [f"{k}={v}" for k, v in overrides.items()])
 
 
+def dict_with(**overrides):
+    """The plain dict a checkpoint stores, which check_resume and config_changes compare."""
+    return cfg_with(**overrides).to_dict()
+
+
 @pytest.mark.parametrize("key, value, shown", [
     ("model.name", "resnet34", "model.name resnet18 -> resnet34"),
     ("model.kwargs.width", 16, "model.kwargs {} -> {'width': 16}"),
@@ -31,7 +36,7 @@ def cfg_with(**overrides):
 def test_keys_that_never_change_under_a_resume(key, value, shown):
     with pytest.raises(CheckpointError, match=rf"^cannot resume ck.pt: {re.escape(shown)} "
                                               r"cannot change under a resume"):
-        check_resume(cfg_with(), cfg_with(**{key: value}), "ck.pt")
+        check_resume(dict_with(), dict_with(**{key: value}), "ck.pt")
 
 
 @pytest.mark.parametrize("key, value", [
@@ -39,22 +44,22 @@ def test_keys_that_never_change_under_a_resume(key, value, shown):
     ("optimizer.lr", 0.1), ("optimizer.kwargs.weight_decay", 0.1),
 ])
 def test_a_schedule_fixes_the_length_and_the_optimizer_settings(key, value):
-    old = cfg_with(**{"scheduler.name": "onecycle"})
-    new = cfg_with(**{key: value, "scheduler.name": "onecycle"})
-    assert [c.key for c in check_resume(cfg_with(), cfg_with(**{key: value}), "x")] == [key.split(".kwargs")[0] + (
+    old = dict_with(**{"scheduler.name": "onecycle"})
+    new = dict_with(**{key: value, "scheduler.name": "onecycle"})
+    assert [c.key for c in check_resume(dict_with(), dict_with(**{key: value}), "x")] == [key.split(".kwargs")[0] + (
         ".kwargs" if ".kwargs" in key else "")]
     with pytest.raises(CheckpointError, match=r"the onecycle schedule was made for the old values.*resume=never"):
         check_resume(old, new, "x")
 
 
 def test_everything_else_takes_effect_and_is_named():
-    new = cfg_with(**{"optimizer.lr": 0.01, "handlers.tensorboard.log_every": 5, "data.num_workers": 0,
-                      "amp.dtype": "float16", "device": "cpu", "handlers.checkpoint.resume": "never",
-                      "output_dir": "elsewhere"})
-    changes = check_resume(cfg_with(), new, "x")
+    new = dict_with(**{"optimizer.lr": 0.01, "handlers.tensorboard.log_every": 5, "data.num_workers": 0,
+                       "amp.dtype": "float16", "device": "cpu", "handlers.checkpoint.resume": "never",
+                       "output_dir": "elsewhere"})
+    changes = check_resume(dict_with(), new, "x")
     assert [c.key for c in changes] == ["device", "amp.dtype", "data.num_workers", "optimizer.lr",
                                         "handlers.tensorboard.log_every"]
-    assert config_changes(cfg_with(), cfg_with()) == []
+    assert config_changes(dict_with(), dict_with()) == []
 
 
 @pytest.mark.parametrize("done, sets, verdict", [
@@ -70,10 +75,10 @@ def test_everything_else_takes_effect_and_is_named():
     (5, {"handlers.profiler.enabled": True}, "new"),  # a finished run has nothing left to profile
 ])
 def test_a_changed_config_over_a_finished_run_is_a_new_run_unless_it_trains_longer(done, sets, verdict):
-    stored = cfg_with(**{"train.epochs": 5})
+    stored = dict_with(**{"train.epochs": 5})
     new = cfg_with(**{"train.epochs": 5, **sets})
     got, changes = rerun_of_a_finished_run(stored, done, new)
-    assert got == verdict and [c.key for c in changes] == [c.key for c in config_changes(stored, new)]
+    assert got == verdict and [c.key for c in changes] == [c.key for c in config_changes(stored, new.to_dict())]
     assert rerun_of_a_finished_run(stored, None, new)[0] == "resume"  # a checkpoint that does not say: as before
 
 
@@ -92,9 +97,9 @@ def test_a_finished_run_rerun_with_fewer_epochs_starts_anew_and_moves_it_aside(t
 
 
 def test_a_stored_config_from_an_older_schema_compares_at_the_defaults():
-    old = cfg_with().to_dict()
+    old = dict_with()
     del old["amp"]["cudnn_benchmark"]
-    assert config_changes(old, cfg_with()) == []
+    assert config_changes(old, dict_with()) == []
 
 
 # --- end to end: the CLI resumes, refuses, or starts over, saying so in one line --------------

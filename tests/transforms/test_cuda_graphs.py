@@ -143,7 +143,7 @@ def test_an_out_of_memory_error_falls_back_to_eager_for_the_retry(compiled):
 
 
 def test_the_config_takes_reduce_overhead():
-    assert load_config({"amp": {"compile": "reduce-overhead"}})["amp"]["compile"] == "reduce-overhead"
+    assert load_config({"amp": {"compile": "reduce-overhead"}}).amp.compile == "reduce-overhead"
     with pytest.raises(ConfigError, match='amp.compile: expected true or false or reduce-overhead or null, got "max"'):
         load_config({"amp": {"compile": "max"}})
 
