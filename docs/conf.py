@@ -36,7 +36,9 @@ nitpick_ignore_regex = [(r"py:.*", r"(torch|ignite|typing|collections|pathlib|os
                         (r"py:class", r"ignite_amp\.handlers\.tensorboard\.scalars\.TrainWindow"),
                         # a config's sections (Config's fields): the config reference lists their keys
                         (r"py:class", r"ignite_amp\..*\.[A-Za-z0-9]+Config"),
-                        (r"py:class", r"ignite_amp\.core\.config_values\.S")]  # (Section.replace's own type)
+                        # type variables (Section.replace's own type; AmpEngine's step, documented as data: older
+                        # Sphinx looks an annotation of one up as a class)
+                        (r"py:class", r"ignite_amp\.core\.config_values\.S|ignite_amp\.engine\.StepT")]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
