@@ -39,7 +39,7 @@ def _find_batch_size(args: argparse.Namespace) -> int:
     from ignite_amp.run.search import search_config
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.distributed.strategy == "fsdp":
+    if cfg.distributed.sharded:
         raise ConfigError("find-batch-size: not with distributed.strategy fsdp (a trial that runs out of memory "
                           "inside a sharded forward cannot be retried safely); give data.batch_size a number")
     # Progress: one line per trial on stderr as it finishes; then the table on stdout.

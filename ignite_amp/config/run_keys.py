@@ -119,3 +119,8 @@ class DistributedConfig(Section):
         [], Names(), "class names of the blocks fsdp shards one by one and "
         "amp.activation_checkpointing checkpoints; []: the repeated blocks "
         "(children of a ModuleList or Sequential of one class)")
+
+    @property
+    def sharded(self) -> bool:
+        """``strategy: fsdp``: the model, its gradients and its optimizer state sharded over the processes."""
+        return self.strategy == "fsdp"

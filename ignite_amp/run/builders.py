@@ -96,7 +96,7 @@ def checkpoint_activations(cfg: Config, model: torch.nn.Module, device: torch.de
     if amp.dtype == "float8" and amp.activation_checkpointing:
         try:  # sharded on several processes: FSDP2 all-gathers the float8 weights in float8 (as run._shard)
             convert_to_float8(model, amp.float8_recipe, device, amp.fp32_modules,
-                              fsdp_all_gather=cfg.distributed.strategy == "fsdp" and is_distributed())
+                              fsdp_all_gather=cfg.distributed.sharded and is_distributed())
         except ValueError as exc:
             raise ConfigError(f"amp: {exc}") from None
     if amp.activation_checkpointing in (True, "selective"):  # auto: once the optimizer is built (run.plan)

@@ -109,7 +109,7 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
     seed_everything(cfg.seed)
     model = build_model(**cfg.model.to_dict())
     checkpoint_activations(cfg, model, device)  # float8, then checkpointing: before search, sharding, compile
-    optimizer = build_optimizer(cfg.optimizer, model, device, sharded=_sharded(cfg))  # fused on CUDA (run.fused)
+    optimizer = build_optimizer(cfg.optimizer, model, device, sharded=cfg.distributed.sharded)  # fused on CUDA
     plan = plan_run(plan, model, optimizer, log)  # activation_checkpointing auto; the planned peak (GPU)
     batch_search = None
     if plan.batch_size is None:  # data.batch_size: auto: the search settles it
@@ -119,7 +119,8 @@ def _build(cfg: Config, device: torch.device, main: bool, files: RunFiles, progr
     cfg = plan.config  # (with the batch size the search or the resumed run settled: config.yaml records it)
     batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     train_loader, val_loader, n_classes = build_loaders(cfg.data, cfg.model.num_classes, device,
-                                                        cfg.seed, batch_norm=batch_norm, lockstep=plan.sharded,
+                                                        cfg.seed, batch_norm=batch_norm,
+                                                        lockstep=cfg.distributed.sharded,
                                                         micro_batches=cfg.amp.micro_batches,
                                                         batch_size=plan.batch_size)
     # On CUDA the next batch is copied to the device on a side stream while the current one computes.
@@ -182,12 +183,12 @@ def _engines(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     step_args["dtype"], dtype_why = config_dtype(cfg, model, device, resumed)
     loss_fn = torch.nn.functional.cross_entropy
     trained = model
-    if _sharded(cfg) and not is_distributed():  # one process: the same checks of the blocks as on N
+    if cfg.distributed.sharded and not is_distributed():  # one process: the same checks of the blocks as on N
         _shard(cfg, model, device, check_only=True)
     if is_distributed():  # DDP wraps (FSDP shards) the model in its final place and memory format
         layout = torch.channels_last if step_args["channels_last"] else torch.preserve_format
         model.to(device, memory_format=layout)  # type: ignore[call-overload]  # (torch's stubs lack this form)
-        if _sharded(cfg):
+        if cfg.distributed.sharded:
             trained = model = _shard(cfg, model, device)
             optimizer = build_optimizer(cfg.optimizer, model, device, sharded=True)  # over the shards
         else:
@@ -208,10 +209,6 @@ def _engines(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         torch.backends.cudnn.benchmark = True  # fixed image shapes: autotune each convolution once
         files.restore_later(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
     return trainer, evaluator, optimizer, Settled(dtype_name(trainer.amp_step.dtype), dtype_why)
-
-
-def _sharded(cfg: Config) -> bool:
-    return cfg.distributed.strategy == "fsdp"
 
 
 def _shard(cfg: Config, model: torch.nn.Module, device: torch.device, check_only: bool = False) -> torch.nn.Module:
@@ -259,6 +256,7 @@ def _attach_handlers(plan: RunPlan, trainer: AmpEngine, evaluator: Engine, optim
                      val_loader: Any, to_save: dict, history: List[dict], log: Log, batch_search: Any) -> _Attached:
     """Each ``handlers:`` section builds its handler from its own keys, attached in this order."""
     cfg, layout, closers = plan.config.handlers, RunLayout(plan.config.output_dir), []
+    sharded = plan.config.distributed.sharded
     health: Callable[[], list] = list
     traces: list = []
     guard = _switched_on(cfg.non_finite)
@@ -269,7 +267,7 @@ def _attach_handlers(plan: RunPlan, trainer: AmpEngine, evaluator: Engine, optim
     Validation(evaluator, val_loader).attach(trainer)  # then the evaluation (checkpoints, TensorBoard),
     summary.attach_report(trainer)  # then the epoch's line
     backoff = _switched_on(cfg.oom_backoff)
-    if backoff is not None and plan.sharded:  # also on one process: its checkpoints resume on N
+    if backoff is not None and sharded:  # also on one process: its checkpoints resume on N
         log("handlers.oom_backoff: off under distributed.strategy fsdp (an out-of-memory error inside a sharded "
             "forward leaves the other processes in a collective, so it cannot be retried safely)")
         backoff = None
@@ -297,7 +295,7 @@ def _attach_handlers(plan: RunPlan, trainer: AmpEngine, evaluator: Engine, optim
         closers.append(capture.stop)
         traces = capture.files
     checkpoint = {k: v for k, v in cfg.checkpoint.to_dict().items() if k != "resume"}  # resume: run.resume's
-    best = BestCheckpoint(layout.checkpoint_dir, to_save, config=plan.config.to_dict(), sharded=plan.sharded,
+    best = BestCheckpoint(layout.checkpoint_dir, to_save, config=plan.config.to_dict(), sharded=sharded,
                           **checkpoint)
     best.attach(trainer, evaluator)
     return _Attached(best, closers, health, traces)

@@ -28,7 +28,7 @@ def config_channels_last(cfg: Config, model: torch.nn.Module, device: torch.devi
     """``amp.channels_last`` for the config's model on ``device``; ``auto`` is off under FSDP2 (which shards
     contiguous parameters only; an explicit true is refused there by the config's check)."""
     requested = cfg.amp.channels_last
-    if requested == "auto" and cfg.distributed.strategy == "fsdp":
+    if requested == "auto" and cfg.distributed.sharded:
         return ChannelsLastChoice(False, "auto: off under distributed.strategy fsdp (contiguous shards only)")
     return choose_channels_last(requested, model, device)
 
@@ -39,7 +39,7 @@ def speed_choices(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Op
     (empty where the config gave it). ``loader``: the run's training loader; batches cut on the device
     (``data.on_device``) take no workers, ``prefetch``: it copies the next batch to the device on a side stream."""
     layout = config_channels_last(cfg, model, device)
-    fused = fused_choice(cfg.optimizer.name, cfg.optimizer.kwargs, device, sharded=cfg.distributed.strategy == "fsdp")
+    fused = fused_choice(cfg.optimizer.name, cfg.optimizer.kwargs, device, sharded=cfg.distributed.sharded)
     workers = data_workers(cfg.data, device)
     on_device = isinstance(loader, DeviceBatches)
     if on_device:

@@ -121,11 +121,6 @@ class RunPlan:
         batch = self.eval_batch_size
         return None if batch is None else per_process(batch, self.world)
 
-    @property
-    def sharded(self) -> bool:
-        """``distributed.strategy: fsdp``."""
-        return self.config.distributed.strategy == "fsdp"
-
     def to_dict(self) -> Dict[str, Any]:
         """The plan as JSON values (``ignite-amp plan --json``'s ``run``): the device, the processes, the batches
         (null while the search has not run), and each choice settled so far with its reason."""
@@ -165,7 +160,7 @@ def _step_kwargs(cfg: Config) -> dict:
 
 
 def _no_fsdp(cfg: Config, what: str) -> None:
-    if cfg.distributed.strategy == "fsdp":
+    if cfg.distributed.sharded:
         raise ConfigError(f"{what}: not with distributed.strategy fsdp yet (a sharded step's memory is each rank's "
                           f"shard); plan the same config with distributed.strategy ddp for one process's peak")
 
@@ -198,8 +193,8 @@ def planned_world(cfg: Config) -> int:
 def config_batch_sizes(cfg: Config) -> list:
     """The sizes a plan traces by default: the config's batch size per process (:func:`planned_world` processes
     share the global batch), or 8, 32 and 128 for ``auto``."""
-    size = resolve(cfg, planned_world(cfg), torch.device("cpu")).per_process_batch
-    return [8, 32, 128] if size is None else [size]
+    size = cfg.data.batch_size
+    return [8, 32, 128] if size == "auto" else [per_process(size, planned_world(cfg))]
 
 
 def _fake_limits() -> tuple:
@@ -222,7 +217,7 @@ def _model_and_optimizer(cfg: Config, device: torch.device) -> tuple:
                 model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.kwargs)
                 checkpoint_activations(cfg, model, device)  # as the run will (its blocks keep only their inputs)
                 # the run's optimizer, fused on CUDA as train builds it (its step's temporaries differ)
-                sharded = cfg.distributed.strategy == "fsdp"
+                sharded = cfg.distributed.sharded
                 return model, build_optimizer(cfg.optimizer, model, device, sharded=sharded)
         except Exception as exc:
             # a constructor that reads values (data-dependent under fake tensors): build it for real
@@ -293,7 +288,7 @@ def plan_run(plan: RunPlan, model: torch.nn.Module, optimizer: torch.optim.Optim
         choice = checkpoint_config_to_fit(cfg, model, optimizer, device, batch_size=size)
         say(choice.line())
         plan = plan.settle(activation_checkpointing=Settled(list(choice.checkpointed), choice.line()))
-    if device.type != "cuda" or size is None or plan.sharded:
+    if device.type != "cuda" or size is None or cfg.distributed.sharded:
         return plan
     try:
         memory = estimate_memory(model, optimizer, torch.nn.functional.cross_entropy, _make_batch(cfg), [size],

@@ -53,18 +53,20 @@ def plan_resume(cfg: Config, main: bool, say: Callable) -> Plan:
     stored = stored_config(state, path)
     if cfg.handlers.checkpoint.resume == "auto" and _starts_a_new_run(stored, state, cfg, main, say):
         return Plan()
-    batch_size = _stored_batch_size(stored) if cfg.data.batch_size == "auto" else None
+    cfg, batch_size = _with_stored_batch_size(cfg, stored)
     if batch_size is not None:
-        cfg = cfg.replace(data=cfg.data.replace(batch_size=batch_size))
         say(f"data.batch_size: auto: using {batch_size}, the batch size of the resumed run (no new search)")
     return Plan(path, state, check_resume(stored, cfg.to_dict(), path), cfg.handlers.checkpoint.resume == "auto",
                 batch_size)
 
 
-def _stored_batch_size(stored: dict) -> Optional[int]:
-    """The global batch a checkpoint's run trained at (its stored config's ``data.batch_size``), or None."""
+def _with_stored_batch_size(cfg: Config, stored: dict) -> Tuple[Config, Optional[int]]:
+    """``data.batch_size: auto`` resumed means the global batch the checkpoint's run trained at (its stored config's):
+    ``(cfg with it, it)``; ``(cfg, None)`` where the config names a size or the checkpoint does not say."""
     size = stored.get("data", {}).get("batch_size")
-    return size if isinstance(size, int) else None
+    if cfg.data.batch_size != "auto" or not isinstance(size, int):
+        return cfg, None
+    return cfg.replace(data=cfg.data.replace(batch_size=size)), size
 
 
 def resume_run(chosen: Plan, checkpoint: Any, trainer: Any, optimizer: Any, micro_batches: int, epoch_length: int,
@@ -253,9 +255,7 @@ def rerun_of_a_finished_run(stored: dict, done: Optional[int], cfg: Config) -> T
 def _starts_a_new_run(stored: dict, state: dict, cfg: Config, main: bool, say: Callable) -> bool:
     """Rerunning a finished run with another config: move it aside and say so in one line (rank 0); every rank
     decides alike from the same checkpoint."""
-    wanted, batch_size = cfg, _stored_batch_size(stored)
-    if cfg.data.batch_size == "auto" and batch_size is not None:  # auto on resume means the stored size (plan_resume)
-        wanted = cfg.replace(data=cfg.data.replace(batch_size=batch_size))
+    wanted, _ = _with_stored_batch_size(cfg, stored)  # auto on resume means the stored size (plan_resume)
     verdict, changes = rerun_of_a_finished_run(stored, epochs_done(state), wanted)
     if verdict != "new":
         return False

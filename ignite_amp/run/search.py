@@ -52,7 +52,7 @@ def search_config(cfg: Config, objective: str = "largest", progress: bool = Fals
     seed_everything(cfg.seed)
     model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.kwargs)
     checkpoint_activations(cfg, model, device)  # as the run will (its blocks keep only their inputs)
-    optimizer = build_optimizer(cfg.optimizer, model, device, sharded=cfg.distributed.strategy == "fsdp")
+    optimizer = build_optimizer(cfg.optimizer, model, device, sharded=cfg.distributed.sharded)
     result = search_built(cfg, model, optimizer, device, objective, progress)  # the optimizer train builds (fused)
     return result, torch.cuda.get_device_name(device), idist.get_world_size()
 
